@@ -1,0 +1,94 @@
+"""`anima-train` — one entry point, one subcommand per job.
+
+Each subcommand lives in its own module, which provides `add_arguments(parser)` and `run(args) -> int`. The module
+is imported only when its subcommand runs, so `anima-train --help` and `anima-train check` start in well under a
+second and a broken optional dependency in one command cannot take the others down with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+from anima_train import __version__
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    help: str
+    add_arguments: str = "add_arguments"
+    run: str = "run"
+
+
+COMMANDS: dict[str, Command] = {
+    "convert": Command("anima_train.convert", "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
+    "cache": Command("anima_train.cache", "encode a dataset's images into latent caches next to them"),
+    "audit": Command("anima_train.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
+    "train": Command("anima_train.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "demo": Command("anima_train.demo", "train a LoRA on a tiny model and a generated dataset (no downloads)"),
+    "check": Command("anima_train.check", "import every dependency, print versions and device info"),
+    "anchor-info": Command("anchor.cli", "print an anchor file's usage card and width signature",
+                           "info_add_arguments", "info_run"),
+    "anchor-convert": Command("anchor.cli", "convert a .pt anchor file to .safetensors",
+                              "convert_add_arguments", "convert_run"),
+}
+
+
+class NotYetImplemented(RuntimeError):
+    """A subcommand whose module has not landed yet."""
+
+
+def _load(name: str):
+    cmd = COMMANDS[name]
+    try:
+        module = importlib.import_module(cmd.module)
+    except ModuleNotFoundError as exc:
+        # Only "this command's own module is missing" means not-yet; a missing third-party dependency inside
+        # it is a real installation problem and must surface as such.
+        if exc.name == cmd.module:
+            raise NotYetImplemented(
+                f"`anima-train {name}` is not implemented yet in this version ({__version__}); "
+                f"see the project's open issues for its status") from None
+        raise
+    return getattr(module, cmd.add_arguments), getattr(module, cmd.run)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="anima-train",
+        description="Train and load Anima adapters (LoRA, LoKr, full finetune) from a shell.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<15} {c.help}" for n, c in COMMANDS.items())
+        + "\n\nRun `anima-train COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"anima-train {__version__}")
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not argv or argv[0].startswith("-"):
+        top.parse_args(argv or ["--help"])  # prints help/version and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        top.parse_args([name])  # argparse's own "invalid choice" message, exit 2
+        return 2
+    try:
+        add_arguments, run = _load(name)
+    except NotYetImplemented as exc:
+        print(f"anima-train: {exc}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
+    add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1157 @@
+"""The trainer's configuration: one TOML file, typed dataclasses, every rule checked at load.
+
+This module is the single source of truth for the config keys (see /work/shared/spec/CONFIG.md). Every key is a
+dataclass field whose metadata carries a one-line `help`, its `choices` when it is an enum, and its numeric bounds
+(`ge`/`gt`/`le`/`lt`), so the CLI, the ComfyUI node inputs and the docs can all be generated from `iter_fields`.
+
+    cfg = load_config("configs/lora.toml")      # or load_config(toml_text)
+    cfg.train.epochs, cfg.dataset.tiers, cfg.component_learning_rates()
+    dump_toml(cfg)                              # only non-default values (+ adapter.kind)
+    copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")   # comments kept
+
+`load_config` collects every problem it can find and raises them together in one `ConfigError`, so a config is
+fixed in one pass. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys
+to a non-default value is refused after all other validation passed.
+
+No torch here: this module is imported by the CLI's `--help` and by ComfyUI at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import math
+import os
+import re
+import tempfile
+import tomllib
+import types
+import typing
+import unicodedata
+import warnings
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, NamedTuple
+
+DEFAULT_MODEL_PATH = "../anima-diffusers"
+MODEL_PATH_ENV = "ANIMA_MODEL"
+
+DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
+COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
+CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")
+SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
+CAME_BETAS = [0.9, 0.999, 0.9999]
+ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
+ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
+
+# Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
+# other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
+# whole table / every phase.
+NOT_IMPLEMENTED: dict[str, str] = {
+    "train.compile": "torch.compile",
+    "train.compile_dynamic": "torch.compile",
+    "train.compile_regional": "torch.compile",
+    "train.allow_multi_gpu_texture": "texture-mode curriculum",
+    "train.resume_from": "resuming from a checkpoint",
+    "dataset.texture": "texture-mode curriculum",
+    "curriculum": "timestep/texture curriculum",
+    "flow.use_ot": "optimal-transport noise pairing",
+    "flow.hf_scale": "high-frequency token loss",
+    "flow.hf_exponent": "high-frequency token loss",
+    "flow.flux_shift": "resolution-dependent (flux) shift",
+    "flow.phase_mapping": "curriculum timestep ranges",
+    "quant": "SDNQ quantization",
+    "optimizer.kind": "SDNQ optimizers",
+    "optimizer.quantize_state": "SDNQ optimizers",
+    "optimizer.offload_state": "SDNQ optimizers",
+    "optimizer.use_kahan": "SDNQ optimizers",
+    "adapter.train_text_encoder": "Qwen3 text-encoder LoRA",
+    "adapter.text_encoder_rank": "Qwen3 text-encoder LoRA",
+    "component_lr.text_encoder": "Qwen3 text-encoder LoRA",
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. `errors` holds one message per problem (the lines of the message)."""
+
+    def __init__(self, message: str, errors: list[str] | None = None):
+        super().__init__(message)
+        self.errors = list(errors) if errors is not None else [message]
+
+
+class ConfigWarning(UserWarning):
+    """A config that loads but probably does not do what its author meant."""
+
+
+def _key(default: Any = MISSING, *, help: str, factory: Any = MISSING, choices: tuple | None = None,
+         ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+         hint: str = "", nonempty: bool = False, type_desc: str = "", **extra: Any) -> Any:
+    """A config key: a dataclass field with the metadata the loader and the generators read."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "hint": hint,
+            "nonempty": nonempty, "type_desc": type_desc, **extra}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _table(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help, "table": cls})
+
+
+def _array(cls: type, help: str) -> Any:
+    return field(default_factory=list, metadata={"help": help, "array": cls})
+
+
+def _default_model_path() -> str:
+    # The environment changes the *default* only; a model_path written in the config always wins.
+    return os.environ.get(MODEL_PATH_ENV) or DEFAULT_MODEL_PATH
+
+
+# --------------------------------------------------------------------------------------------------- tables
+
+
+@dataclass
+class TrainConfig:
+    model_path: str = _key(factory=_default_model_path, nonempty=True, env=MODEL_PATH_ENV,
+                           help="converted diffusers repo (incl. tokenizer/, t5_tokenizer/); env ANIMA_MODEL "
+                                "overrides the default")
+    output_dir: str = _key("output", nonempty=True, help="runs are written to <output_dir>/<run_name>/")
+    run_name: str = _key("anima", help="stem of every output file (sanitised)")
+    epochs: int = _key(1, ge=1, help="passes over the dataset")
+    max_steps: int | None = _key(None, ge=1, help="optimizer steps: schedule horizon and hard stop")
+    batch_size: int | dict[int, int] = _key(
+        1, help="micro-batch per process: one number, or one per tier { 768 = 16, 1024 = 12 }",
+        type_desc="an integer or a table of integers keyed by tier (e.g. { 768 = 16, 1024 = 12 })")
+    gradient_accumulation_steps: int = _key(1, ge=1, help="micro-batches per optimizer step")
+    gradient_checkpointing: bool = _key(True, help="recompute activations in backward to save memory")
+    dtype: str = _key("bfloat16", choices=("bfloat16", "float16", "float32"),
+                      help="the only precision control: modules load in this dtype")
+    seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")
+    num_workers: int = _key(2, ge=0, help="data-loader worker processes (re-forked every epoch)")
+    vae_encode_chunk: int = _key(1, ge=1, help="images per VAE forward under source = \"encode\"")
+    save_every_steps: int | None = _key(None, ge=1, help="periodic checkpoint every N optimizer steps")
+    save_every_epochs: int = _key(1, ge=0, help="periodic checkpoint every N epochs (0 = none)")
+    save_native: bool = _key(True, help="full finetune: native single file; false = diffusers folders")
+    save_optimizer_state: bool = _key(False, help="also write <stem>-state/ (required to resume)")
+    keep_last_n: int | None = _key(None, ge=1, help="prune older periodic checkpoints, keeping the newest N")
+    resume_from: str | None = _key(None, nonempty=True, help="checkpoint file or its -state folder to resume")
+    skip_final_save: bool = _key(False, help="do not write the final checkpoint (benchmarking only)")
+    allow_multi_gpu_texture: bool = _key(False, help="allow texture phases on more than one process")
+    log_every: int = _key(1, ge=1, help="report cadence in optimizer steps")
+    progress: str = _key("auto", choices=("auto", "bar", "plain", "off"),
+                         help="auto = bar on a terminal, plain line otherwise")
+    compile: str | None = _key(None, choices=("default", "reduce-overhead", "max-autotune",
+                                              "max-autotune-no-cudagraphs"),
+                               help="torch.compile mode (unset = eager)")
+    compile_dynamic: bool = _key(True, help="compile with dynamic shapes (recompile limit 32)")
+    compile_regional: bool = _key(True, help="compile the repeated block once, not the whole trunk")
+
+
+@dataclass
+class SubsetConfig:
+    path: str = _key(MISSING, nonempty=True, help="source directory")
+    num_repeats: int = _key(1, ge=1, help="repeat this subset's entries N times per epoch")
+    texture: bool = _key(True, help="false = always full-resolution with its captions, even in texture phases")
+
+
+@dataclass
+class CaptionConfig:
+    caption_mode: str = _key("tags", choices=("tags", "nl", "tags_nl", "nl_tags", "mixed"),
+                             help="which caption variant to train on")
+    mixed_weights: dict[str, float] = _key(
+        factory=lambda: {v: 1.0 for v in CAPTION_VARIANTS}, choices=CAPTION_VARIANTS,
+        help="relative weights of tags, nl, tags_nl, nl_tags under caption_mode = \"mixed\" (omitted = 0)",
+        type_desc="a table of numbers (e.g. { tags = 2, nl = 1 })")
+    shuffle_tags: bool = _key(False, help="shuffle the unpinned tags")
+    shuffle_keep_first_n: int = _key(0, ge=0, help="first N tags are pinned (never shuffled or dropped)")
+    tag_dropout_percent: float = _key(0.0, ge=0.0, le=1.0, help="fraction of droppable tags removed (0..1)",
+                                      hint="it is a fraction despite the name: 0.1 means 10%")
+    caption_dropout_percent: float = _key(0.0, ge=0.0, le=1.0, help="probability the caption is empty (0..1)",
+                                          hint="it is a fraction despite the name: 0.05 means 5%")
+    min_tags_kept: int = _key(3, ge=0, help="tag dropout never leaves fewer tags than this")
+    tag_delimiter: str = _key(", ", help="separator between tags")
+    protected_tags: list[str] = _key(factory=list, help="tags never dropped (case-insensitive)")
+    protected_tags_file: str | None = _key(
+        None, nonempty=True,
+        help="file of protected tags, one per line, # comments; relative to the config's folder")
+    nl_shuffle_sentences: bool = _key(False, help="shuffle natural-language sentences")
+    nl_keep_first_sentence: bool = _key(True, help="keep the first sentence in place when shuffling")
+    # Not a key: the lower-cased tags read from protected_tags_file at load.
+    file_protected_tags: list[str] = field(default_factory=list, compare=False, repr=False,
+                                           metadata={"key": False})
+
+    def protected_tag_set(self) -> frozenset[str]:
+        """All protected tags, lower-cased: the inline list plus the file's."""
+        return frozenset(t.strip().lower() for t in self.protected_tags) | frozenset(self.file_protected_tags)
+
+
+def _default_canvases() -> list[list[int]]:
+    # 5 shapes; the square is listed twice so it is drawn 1/3 of the time (duplicates are weights).
+    return [[640, 1536], [1536, 640], [832, 1216], [1216, 832], [1024, 1024], [1024, 1024]]
+
+
+@dataclass
+class TextureConfig:
+    canvases: list[list[int]] = _key(factory=_default_canvases,
+                                     help="[w, h] crop canvases, duplicates are weights; one per batch")
+    trigger: str = _key("", help="sole caption of texture crops (\"\" = unconditional)")
+    oversize: str = _key("pad", choices=("pad", "cover", "skip"), help="terminal fallback for small sources")
+    fit_aware: bool = _key(True, help="draw the batch canvas from those its images can hold")
+    cover_max_scale: float = _key(1.15, ge=1.0, help="max gentle upscale before padding; 1.0 disables")
+    pad_mode: str = _key("reflect", choices=("reflect", "black"), help="how padding pixels are invented")
+    mask_padding: bool = _key(True, help="invented pixels carry no loss")
+    mask_ratio: list[float] = _key(factory=lambda: [0.5, 1.0],
+                                   help="[lo, hi] supervised sub-region, fraction of canvas side")
+    feather_latent_px: int = _key(4, ge=0, help="cosine taper of the loss mask, latent px")
+    energy_power: float = _key(1.0, ge=0.0, help="crop position ~ detail^power; 0 = uniform")
+    energy_downscale: int = _key(8, ge=1, help="energy map averaging factor")
+
+
+@dataclass
+class DatasetConfig:
+    path: str | None = _key(None, nonempty=True, help="single source directory (or use [[dataset.subsets]])")
+    subsets: list[SubsetConfig] = _array(SubsetConfig, "several source directories")
+    resolution: int = _key(1024, gt=0, help="area budget (about r x r pixels), not a side length")
+    resolutions: list[int] | None = _key(None, help="several area budgets (tiers); unset = [resolution]")
+    tier_collapse: str = _key("dedup", choices=("dedup", "repeat"),
+                              help="a tier above a source's size: keep one entry (dedup) or all (repeat)")
+    min_source_area: float = _key(0.0, ge=0.0, help="drop sources with w*h < value * (smallest tier)^2")
+    min_bucket_reso: int = _key(256, gt=0, help="smallest bucket side (inert when bucket_no_upscale)")
+    max_bucket_reso: int = _key(1920, gt=0, help="per-side cap of every bucket")
+    bucket_reso_steps: int = _key(64, gt=0, help="bucket sides are multiples of this (a multiple of 16)")
+    bucket_no_upscale: bool = _key(True, help="never enlarge a source (changing it invalidates caches)")
+    multires_training: bool = _key(False, help="area tie-break among equal aspect ratios (upscale branch)")
+    num_repeats: int = _key(1, ge=1, help="repeat factor of the single-path form")
+    source: str = _key("auto", choices=("images", "latents", "encode", "auto"),
+                       help="images (cached latents), latents (caches only), encode (VAE in the loop), auto")
+    caption: CaptionConfig = _table(CaptionConfig, "caption handling")
+    texture: TextureConfig = _table(TextureConfig, "texture-mode crops")
+
+    @property
+    def tiers(self) -> list[int]:
+        """The declared area budgets, ascending."""
+        return list(self.resolutions) if self.resolutions is not None else [self.resolution]
+
+    def resolved_subsets(self) -> list[SubsetConfig]:
+        """The single-path form is one subset with the top-level num_repeats and texture = true."""
+        if self.path is not None:
+            return [SubsetConfig(path=self.path, num_repeats=self.num_repeats, texture=True)]
+        return list(self.subsets)
+
+
+@dataclass
+class FlowConfig:
+    timestep_sample_method: str = _key("logit_normal", choices=("logit_normal", "uniform"),
+                                       help="logit_normal (t = sigmoid(scale * N(0,1))) or uniform")
+    sigmoid_scale: float = _key(1.0, gt=0.0, help="logistic width; > 1 widens toward both ends")
+    shift: float | None = _key(None, gt=0.0, help="static shift t' = t*s/(1+(s-1)t); 3.0 = inference default",
+                               hint="0 sends every t to 0 and the loss pins at 1.0; omit the key for no shift")
+    flux_shift: bool = _key(False, help="resolution-dependent shift")
+    use_ot: bool = _key(False, help="optimal-transport noise pairing within a micro-batch")
+    phase_mapping: str = _key("rescale", choices=("rescale", "truncate"),
+                              help="how a curriculum phase's t_range applies")
+    hf_scale: float = _key(0.0, ge=0.0, help="high-frequency token loss weight; 0 = off")
+    hf_exponent: float = _key(1.0, gt=0.0, help="concentration of that loss on detailed tokens")
+
+
+@dataclass
+class OptimizerConfig:
+    kind: str = _key("adamw", choices=("adamw",) + SDNQ_OPTIMIZERS,
+                     help="adamw (torch, fp32 moments) or an SDNQ optimizer")
+    lr: float = _key(1e-5, gt=0.0, help="peak LR for groups without a component_lr")
+    betas: list[float] = _key(factory=lambda: [0.9, 0.95], help="2 values; 3 for came")
+    eps: float = _key(1e-8, gt=0.0, help="denominator epsilon")
+    weight_decay: float = _key(0.01, ge=0.0, help="decoupled weight decay, per param group")
+    max_grad_norm: float = _key(1.0, ge=0.0, help="gradient clip on sync steps; 0 disables")
+    quantize_state: bool = _key(False, help="SDNQ only: uint8 optimizer state (~4x smaller)")
+    offload_state: bool = _key(False, help="SDNQ only: optimizer state in pinned host RAM")
+    use_kahan: bool = _key(False, help="SDNQ only: Kahan residual on bf16 masters")
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = _key("constant", choices=("constant", "linear", "cosine", "rex", "rerex"),
+                     help="LR multiplier curve after warmup")
+    warmup_steps: int = _key(0, ge=0, help="linear warmup, optimizer steps")
+    min_lr_ratio: float = _key(0.0, ge=0.0, lt=1.0, help="floor, fraction of each group's peak LR")
+    d: float = _key(0.9, ge=0.0, lt=1.0, help="REX curvature; 0 = linear", hint="d = 1 makes REX 0/0")
+    global_d: float = _key(0.78, ge=0.0, lt=1.0, help="ReREX outer curve d")
+    local_d: float = _key(0.85, ge=0.0, lt=1.0, help="ReREX within-segment d")
+    weight_power: float = _key(1.5, ge=0.0, help="ReREX budget skew to early segments; 0 = equal")
+    num_segments: int = _key(8, ge=1, help="ReREX segments")
+
+
+@dataclass
+class ComponentLRConfig:
+    self_attn: float | None = _key(None, ge=0.0, help="LR of self-attention (attn1); unset = optimizer.lr")
+    cross_attn: float | None = _key(None, ge=0.0, help="LR of cross-attention (attn2); unset = optimizer.lr")
+    mlp: float | None = _key(None, ge=0.0, help="LR of the MLP (ff); unset = optimizer.lr")
+    adaln: float = _key(0.0, ge=0.0, help="LR of the adaLN modulation; 0 = frozen")
+    base: float = _key(0.0, ge=0.0, help="LR of the in/out projections; 0 = frozen")
+    llm_adapter: float = _key(0.0, ge=0.0, help="LR of the LLM adapter (text conditioner); 0 = frozen")
+    text_encoder: float | None = _key(None, ge=0.0, help="LR of the Qwen3 LoRA; unset = optimizer.lr")
+
+
+@dataclass
+class AdapterConfig:
+    kind: str = _key("lora", choices=("lora", "lokr", "none"), help="lora, lokr, or none (= full finetune)")
+    rank: int = _key(32, ge=1, help="adapter rank")
+    alpha: float = _key(32.0, gt=0.0, help="scale alpha/rank (alpha = rank keeps the LR rank-independent)")
+    dropout: float = _key(0.0, ge=0.0, lt=1.0, help="LoRA dropout (LoKr: rank dropout)")
+    components: list[str] = _key(factory=lambda: ["self_attn", "cross_attn", "mlp"], choices=DIT_COMPONENTS,
+                                 help="DiT parts that get an adapter")
+    train_llm_adapter: bool = _key(False, help="also adapt the LLM adapter (text conditioner)")
+    train_text_encoder: bool = _key(False, help="LoRA on Qwen3, exported to a _te file")
+    text_encoder_rank: int | None = _key(None, ge=1, help="rank of the Qwen3 LoRA (unset = rank)")
+    lokr_factor: int = _key(-1, help="LoKr only: Kronecker factor; -1 = most balanced")
+    lokr_decompose_both: bool = _key(False, help="LoKr only: decompose both Kronecker factors")
+
+
+@dataclass
+class QuantConfig:
+    mode: str = _key("none", choices=("none", "frozen", "training"),
+                     help="none, frozen (quantized base under an adapter), training (quantized full finetune)")
+    weights_dtype: str = _key("int8", help="SDNQ weight dtype (int8, uint8, float8_e4m3fn, ...)")
+    use_quantized_matmul: bool | Literal["auto"] = _key("auto", choices=(True, False, "auto"),
+                                                        help="quantized matmul; leave on auto")
+    skip_policy: str = _key("default", choices=("default", "all_adaln", "first_block_adaln", "anima_int8_mm",
+                                                "mlp_down"), help="which layers stay unquantized")
+    quantize_text_conditioner: bool = _key(False, help="also quantize the LLM adapter")
+    quantize_text_encoder: bool = _key(False, help="also quantize Qwen3")
+    extra_skip: list[str] = _key(factory=list, help="more layers to skip: full name, dot component or glob")
+    dynamic_loss_threshold: float | None = _key(None, gt=0.0, help="per-layer bit search threshold")
+    group_size: int = _key(0, help="quantization group size; 0 = per-channel scales")
+    use_stochastic_rounding: bool = _key(True, help="stochastic rounding (load-bearing for training)")
+
+
+@dataclass
+class CurriculumPhase:
+    at: float = _key(0.0, ge=0.0, lt=1.0, help="training progress at which the phase starts, in [0, 1)")
+    t_range: list[float] = _key(factory=lambda: [0.0, 1.0], help="[lo, hi] continuous timestep range")
+    mode: str = _key("fullres", choices=("fullres", "texture"), help="full-resolution or texture crops")
+    lr_mul: float = _key(1.0, gt=0.0, help="multiplies the scheduler's current LR")
+
+
+@dataclass
+class Config:
+    train: TrainConfig = _table(TrainConfig, "run, batching, saving")
+    dataset: DatasetConfig = _table(DatasetConfig, "data sources and bucketing")
+    flow: FlowConfig = _table(FlowConfig, "flow matching: timesteps and loss")
+    optimizer: OptimizerConfig = _table(OptimizerConfig, "optimizer")
+    schedule: ScheduleConfig = _table(ScheduleConfig, "learning-rate schedule")
+    component_lr: ComponentLRConfig = _table(ComponentLRConfig, "per-component learning rates")
+    adapter: AdapterConfig = _table(AdapterConfig, "LoRA / LoKr / full finetune")
+    quant: QuantConfig = _table(QuantConfig, "SDNQ quantization")
+    curriculum: list[CurriculumPhase] = _array(CurriculumPhase, "curriculum phases, sorted by at")
+    # Where the config came from, so the run can copy it verbatim (comments kept). Not part of equality.
+    source_path: Path | None = field(default=None, compare=False, repr=False, metadata={"key": False})
+    source_text: str | None = field(default=None, compare=False, repr=False, metadata={"key": False})
+
+    @property
+    def run_stem(self) -> str:
+        """The sanitised run name: the stem of every output file."""
+        return sanitize_run_name(self.train.run_name)
+
+    def injected_components(self) -> list[str]:
+        """component_lr keys that own trainable weights under the current [adapter] settings."""
+        a = self.adapter
+        comps = list(DIT_COMPONENTS) + ["llm_adapter"] if a.kind == "none" else list(a.components)
+        if a.kind != "none" and a.train_llm_adapter:
+            comps.append("llm_adapter")
+        if a.train_text_encoder:
+            comps.append("text_encoder")
+        return comps
+
+    def component_learning_rates(self) -> dict[str, float]:
+        """Effective LR of each trainable component (0.0 = frozen); unset keys inherit optimizer.lr."""
+        out = {}
+        for comp in self.injected_components():
+            lr = getattr(self.component_lr, comp)
+            out[comp] = self.optimizer.lr if lr is None else lr
+        return out
+
+
+TABLES: dict[str, type] = {
+    "train": TrainConfig,
+    "dataset": DatasetConfig,
+    "dataset.subsets": SubsetConfig,
+    "dataset.caption": CaptionConfig,
+    "dataset.texture": TextureConfig,
+    "flow": FlowConfig,
+    "optimizer": OptimizerConfig,
+    "schedule": ScheduleConfig,
+    "component_lr": ComponentLRConfig,
+    "adapter": AdapterConfig,
+    "quant": QuantConfig,
+    "curriculum": CurriculumPhase,
+}
+ARRAY_TABLES = ("dataset.subsets", "curriculum")
+
+REQUIRED = object()  # default reported by iter_fields for a key without one (a subset's path)
+
+
+class FieldInfo(NamedTuple):
+    name: str
+    type: Any
+    default: Any
+    help: str
+    choices: tuple | None
+    metadata: dict
+
+
+def _is_key(f: dataclasses.Field) -> bool:
+    return f.metadata.get("key", True) and "table" not in f.metadata and "array" not in f.metadata
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return REQUIRED
+
+
+def iter_fields(table: str | type | Any) -> Iterator[FieldInfo]:
+    """The keys of one table (a TABLES name like "dataset.caption", a table class or instance), in order.
+
+    Nested tables ([dataset.caption], [[dataset.subsets]]) are not keys; walk TABLES for them.
+    """
+    cls = TABLES[table] if isinstance(table, str) else (table if isinstance(table, type) else type(table))
+    for f in dataclasses.fields(cls):
+        if _is_key(f):
+            yield FieldInfo(f.name, _hints(cls)[f.name], _field_default(f), f.metadata["help"],
+                            f.metadata.get("choices"), dict(f.metadata))
+
+
+# --------------------------------------------------------------------------------------------------- typing
+
+_TYPE_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    # `from __future__ import annotations` keeps annotations as strings; resolve them once per class.
+    if cls not in _TYPE_HINTS:
+        _TYPE_HINTS[cls] = typing.get_type_hints(cls)
+    return _TYPE_HINTS[cls]
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    if origin is Literal:
+        return " or ".join(_fmt(a) for a in args)
+    if origin is list:
+        inner = _describe(args[0])
+        inner = {"an integer": "integers", "a number": "numbers", "a string": "strings"}.get(inner, inner)
+        if inner.startswith("a list of "):
+            inner = "lists of " + inner[len("a list of "):]
+        return f"a list of {inner}"
+    if origin is dict:
+        return "a table"
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Check `value` (from TOML) against annotation `tp`; return it converted (ints to floats, str keys to int)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):  # true is not 1
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # an int is fine where a float is
+            if not math.isfinite(value):
+                raise _Mismatch("a finite number")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg)
+            except _Mismatch:
+                pass
+    elif origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_coerce(v, args[0]) for v in value]
+    elif origin is dict:
+        if isinstance(value, dict):
+            key_type, value_type = args
+            out = {}
+            for k, v in value.items():
+                if key_type is int:
+                    if not re.fullmatch(r"\s*-?\d+\s*", k):
+                        raise _Mismatch()
+                    k = int(k)
+                out[k] = _coerce(v, value_type)
+            return out
+    raise _Mismatch()
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    return f"a {type(value).__name__}"
+
+
+def _fmt(value: Any) -> str:
+    """A value as it would be written in TOML (for messages)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_fmt(v)}" for k, v in value.items()) + " }"
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+class _Problems:
+    """Errors and warnings found while loading, plus the keys whose values could not be trusted."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+        self.bad: set[str] = set()  # dotted keys with a wrong type or an out-of-range/unknown value
+
+    def error(self, msg: str, *bad_keys: str) -> None:
+        self.errors.append(msg)
+        self.bad.update(bad_keys)
+
+    def ok(self, *keys: str) -> bool:
+        """True if none of these keys failed on its own (cross-field rules skip untrustworthy inputs)."""
+        return not any(k in self.bad for k in keys)
+
+
+def _all_keys_by_table() -> dict[str, list[str]]:
+    out = {}
+    for name, cls in TABLES.items():
+        out[name] = [f.name for f in dataclasses.fields(cls) if f.metadata.get("key", True)]
+    return out
+
+
+def _header(name: str, index: int | None = None) -> str:
+    return f"[[{name}]] #{index + 1}" if index is not None else f"[{name}]"
+
+
+def _unknown_key(where: str, table: str, key: str, valid: list[str], what: str = "key") -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    elsewhere = [t for t, keys in _all_keys_by_table().items() if key in keys and t != table]
+    if close:
+        hint = f" (did you mean '{close[0]}'?)"
+    elif elsewhere:
+        home = elsewhere[0]
+        hint = f" ('{key}' belongs in {f'[[{home}]]' if home in ARRAY_TABLES else f'[{home}]'})"
+    else:
+        hint = ""
+    return f"{where} unknown {what} '{key}'{hint}; valid {what}s: {', '.join(valid)}"
+
+
+def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Problems) -> Any:
+    """Type-check one TOML table into dataclass `cls`. Bad values are reported and left at their defaults."""
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("key", True)}
+    for key in raw:
+        if key not in fields:
+            p.error(_unknown_key(where, table, key, list(fields)))
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        dotted = f"{prefix}.{name}"
+        if "table" in f.metadata or "array" in f.metadata:
+            continue  # nested tables are built by the caller
+        if name not in raw:
+            if f.default is MISSING and f.default_factory is MISSING:
+                p.error(f"{where} is missing the required key '{name}' ({f.metadata['help']})", dotted)
+            continue
+        value = raw[name]
+        try:
+            value = _coerce(value, hints[name])
+        except _Mismatch as exc:
+            expected = (exc.args[0] if exc.args else "") or f.metadata.get("type_desc") or _describe(hints[name])
+            example = _field_default(f)
+            example = f" (e.g. {name} = {_fmt(example)})" if example not in (None, REQUIRED) else ""
+            p.error(f"{where} {name} = {_fmt(value)}: expected {expected}{example}, got {_toml_type(value)}",
+                    dotted)
+            continue
+        if not _check_value(value, f, where, name, dotted, p):
+            continue
+        kwargs[name] = value
+    if any(f.default is MISSING and f.default_factory is MISSING and n not in kwargs for n, f in fields.items()):
+        return None
+    return cls(**kwargs)
+
+
+def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted: str, p: _Problems) -> bool:
+    """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed."""
+    m = f.metadata
+    hint = f" ({m['hint']})" if m.get("hint") else ""
+    choices = m.get("choices")
+    if choices and not isinstance(value, dict):
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if item is not None and item not in choices:
+                close = difflib.get_close_matches(str(item), [str(c) for c in choices], n=1, cutoff=0.6)
+                sugg = f"did you mean {_fmt(close[0])}? " if close else ""
+                p.error(f"{where} {name} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
+                        f"choose from {', '.join(_fmt(c) for c in choices)}", dotted)
+                return False
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for bound, test, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                                  ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+            b = m.get(bound)
+            if b is not None and not test(value, b):
+                p.error(f"{where} {name} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
+                return False
+    if m.get("nonempty") and isinstance(value, str) and not value.strip():
+        p.error(f"{where} {name} is empty; give a path or remove the key", dotted)
+        return False
+    return True
+
+
+def _build_config(raw: dict, p: _Problems) -> Config:
+    top = {f.name: f for f in dataclasses.fields(Config) if f.metadata.get("key", True)}
+    for key, value in raw.items():
+        if key not in top:
+            if isinstance(value, dict):
+                p.error(_unknown_key("config:", "", key, list(top), what="table"))
+            else:
+                homes = [t for t, keys in _all_keys_by_table().items() if key in keys]
+                inside = f"[{homes[0]}] {key}" if homes else f"[train] {key}"
+                p.error(f"config: key '{key}' is outside any table; keys go inside a table, e.g. {inside} "
+                        f"(tables: {', '.join(top)})")
+        elif key == "curriculum":
+            if isinstance(value, dict):
+                p.error("[curriculum] is a single table, but curriculum phases are an array of tables: write "
+                        "[[curriculum]] (double brackets) for each phase", "curriculum")
+            elif not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+                p.error(f"curriculum = {_fmt(value)}: expected [[curriculum]] tables", "curriculum")
+        elif not isinstance(value, dict):
+            p.error(f"config: '{key}' must be a table ([{key}]), got {_toml_type(value)}", key)
+
+    def sub(name: str) -> dict:
+        v = raw.get(name, {})
+        return v if isinstance(v, dict) else {}
+
+    cfg = Config()
+    cfg.train = _build(TrainConfig, sub("train"), "train", "[train]", "train", p)
+    draw = sub("dataset")
+    cfg.dataset = _build(DatasetConfig, draw, "dataset", "[dataset]", "dataset", p)
+    for nested in ("caption", "texture"):
+        value = draw.get(nested, {})
+        if not isinstance(value, dict):
+            p.error(f"[dataset] {nested} must be a table ([dataset.{nested}]), got {_toml_type(value)}",
+                    f"dataset.{nested}")
+            value = {}
+        setattr(cfg.dataset, nested, _build(TABLES[f"dataset.{nested}"], value, f"dataset.{nested}",
+                                            f"[dataset.{nested}]", f"dataset.{nested}", p))
+    subsets = draw.get("subsets", [])
+    if isinstance(subsets, dict) or not (isinstance(subsets, list) and all(isinstance(s, dict) for s in subsets)):
+        p.error("[dataset] subsets must be an array of tables: write [[dataset.subsets]] (double brackets) "
+                "for each subset", "dataset.subsets")
+        subsets = []
+    for i, s in enumerate(subsets):
+        built = _build(SubsetConfig, s, "dataset.subsets", _header("dataset.subsets", i),
+                       f"dataset.subsets[{i}]", p)
+        if built is not None:
+            cfg.dataset.subsets.append(built)
+        else:
+            p.bad.add("dataset.subsets")  # a subset was dropped: "no training data" would be misleading
+
+    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant"):
+        setattr(cfg, name, _build(TABLES[name], sub(name), name, _header(name), name, p))
+
+    phases = raw.get("curriculum", [])
+    if isinstance(phases, list) and all(isinstance(v, dict) for v in phases):
+        for i, ph in enumerate(phases):
+            cfg.curriculum.append(_build(CurriculumPhase, ph, "curriculum", _header("curriculum", i),
+                                         f"curriculum[{i}]", p))
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------- rules
+
+
+def _check_rules(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
+    """Every load-time and cross-field rule of CONFIG.md; appends to `p`, never raises."""
+    _check_train_and_tiers(cfg, raw, p)
+    _check_dataset(cfg, raw, base_dir, p)
+    _check_adapter_and_lrs(cfg, raw, p)
+    _check_quant(cfg, p)
+    _check_flow(cfg, p)
+    _check_curriculum(cfg, p)
+    _check_optimizer(cfg, p)
+
+
+def _check_train_and_tiers(cfg: Config, raw: dict, p: _Problems) -> None:
+    d = cfg.dataset
+    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
+    tiers_ok = p.ok("dataset.resolution", "dataset.resolutions", "dataset.max_bucket_reso")
+    if "resolution" in draw and "resolutions" in draw:
+        p.error("[dataset] sets both resolution and resolutions; keep one: resolution = N for one tier, or "
+                "resolutions = [..] for several", "dataset.resolutions")
+        tiers_ok = False
+    elif d.resolutions is not None and p.ok("dataset.resolutions"):
+        if not d.resolutions:
+            p.error("[dataset] resolutions = []: give at least one tier, or remove it and use resolution",
+                    "dataset.resolutions")
+            tiers_ok = False
+        elif any(r <= 0 for r in d.resolutions):
+            p.error(f"[dataset] resolutions = {_fmt(d.resolutions)}: every tier must be > 0", "dataset.resolutions")
+            tiers_ok = False
+        else:
+            d.resolutions = sorted(set(d.resolutions))
+    if tiers_ok and p.ok("dataset.max_bucket_reso"):
+        too_big = [t for t in d.tiers if t > d.max_bucket_reso]
+        if too_big:
+            key = "resolutions" if d.resolutions is not None else "resolution"
+            p.error(f"[dataset] {key}: tier(s) {_fmt(too_big)} exceed max_bucket_reso = {d.max_bucket_reso} (the "
+                    f"per-side cap); lower the tier or raise max_bucket_reso", f"dataset.{key}")
+            tiers_ok = False
+
+    bs = cfg.train.batch_size
+    if isinstance(bs, dict) and p.ok("train.batch_size"):
+        small = {k: v for k, v in bs.items() if v < 1}
+        if small:
+            p.error(f"[train] batch_size = {_fmt(bs)}: every batch size must be >= 1 (got {_fmt(small)})",
+                    "train.batch_size")
+        if tiers_ok and set(bs) != set(d.tiers):
+            missing = sorted(set(d.tiers) - set(bs))
+            extra = sorted(set(bs) - set(d.tiers))
+            p.error(f"[train] batch_size keys {sorted(bs)} must equal the declared tiers {d.tiers} exactly "
+                    f"(tiers without a key: {missing or 'none'}; keys that are not tiers: {extra or 'none'}); "
+                    f"write one entry per tier, e.g. batch_size = "
+                    f"{_fmt({t: bs.get(t, 1) for t in d.tiers})} (not a threshold ladder)", "train.batch_size")
+    elif isinstance(bs, int) and bs < 1:
+        p.error(f"[train] batch_size = {bs}: must be >= 1", "train.batch_size")
+
+
+def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
+    d = cfg.dataset
+    if p.ok("dataset.path", "dataset.subsets"):
+        if d.path is not None and d.subsets:
+            p.error("[dataset] sets both path and [[dataset.subsets]]; use one: move path into a "
+                    "[[dataset.subsets]] entry to train on several folders")
+        elif d.path is None and not d.subsets:
+            p.error('[dataset] no training data: set [dataset] path = "/your/images", or add '
+                    "[[dataset.subsets]] tables with a path each")
+    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
+    if d.subsets and "num_repeats" in draw:
+        p.warnings.append("[dataset] num_repeats only applies to the single-path form and is ignored with "
+                          "[[dataset.subsets]]; set num_repeats in each subset instead")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.subsets):
+        norm = os.path.normpath(s.path)
+        if norm in seen:
+            p.error(f"{_header('dataset.subsets', i)} path = {_fmt(s.path)} is the same folder as "
+                    f"{_header('dataset.subsets', seen[norm])}; list each folder once and use num_repeats "
+                    "to weight it")
+        seen.setdefault(norm, i)
+    if p.ok("dataset.bucket_reso_steps") and d.bucket_reso_steps % 16:
+        p.error(f"[dataset] bucket_reso_steps = {d.bucket_reso_steps}: must be a multiple of 16 (VAE factor 8 "
+                "x patch 2), e.g. 64", "dataset.bucket_reso_steps")
+    if (not d.bucket_no_upscale and p.ok("dataset.min_bucket_reso", "dataset.max_bucket_reso")
+            and d.min_bucket_reso > d.max_bucket_reso):
+        p.error(f"[dataset] min_bucket_reso = {d.min_bucket_reso} exceeds max_bucket_reso = {d.max_bucket_reso}")
+
+    c = d.caption
+    if p.ok("dataset.caption.mixed_weights"):
+        unknown = [k for k in c.mixed_weights if k not in CAPTION_VARIANTS]
+        if unknown:
+            close = {k: difflib.get_close_matches(k, CAPTION_VARIANTS, n=1) for k in unknown}
+            sugg = "".join(f" (did you mean '{v[0]}' for '{k}'?)" for k, v in close.items() if v)
+            p.error(f"[dataset.caption] mixed_weights: unknown key(s) {', '.join(unknown)}{sugg}; valid keys: "
+                    f"{', '.join(CAPTION_VARIANTS)}", "dataset.caption.mixed_weights")
+        elif any(w < 0 for w in c.mixed_weights.values()):
+            p.error(f"[dataset.caption] mixed_weights = {_fmt(c.mixed_weights)}: weights must be >= 0",
+                    "dataset.caption.mixed_weights")
+        else:
+            # Omitted variants weigh 0: a table { tags = 1 } means tags only.
+            c.mixed_weights = {k: c.mixed_weights.get(k, 0.0) for k in CAPTION_VARIANTS}
+    if p.ok("dataset.caption.tag_delimiter") and not c.tag_delimiter.strip():
+        p.error(f"[dataset.caption] tag_delimiter = {_fmt(c.tag_delimiter)}: tags are split on the trimmed "
+                'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
+    if c.protected_tags_file is not None and p.ok("dataset.caption.protected_tags_file"):
+        tag_path = Path(c.protected_tags_file).expanduser()
+        if not tag_path.is_absolute():
+            tag_path = base_dir / tag_path
+        try:
+            lines = tag_path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: file not found "
+                    f"({tag_path}); relative paths are read from the config file's folder")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: cannot read "
+                    f"{tag_path} as UTF-8 text ({exc})")
+        else:
+            c.file_protected_tags = [ln.strip().lower() for ln in lines
+                                     if ln.strip() and not ln.strip().startswith("#")]
+
+    t = d.texture
+    if p.ok("dataset.texture.canvases"):
+        if not t.canvases:
+            p.error("[dataset.texture] canvases = []: give at least one [w, h] canvas")
+        for cv in t.canvases:
+            if len(cv) != 2:
+                p.error(f"[dataset.texture] canvases: {_fmt(cv)} is not a [w, h] pair")
+                continue
+            for side in cv:
+                if side <= 0 or side % 16:
+                    p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side}, which is not a positive "
+                            "multiple of 16 (VAE factor 8 x patch 2)")
+                elif side > ROPE_SIDE_LIMIT:
+                    p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > {ROPE_SIDE_LIMIT}, past "
+                            "the model's RoPE position table; use sides <= 1920")
+                elif side > ROPE_SIDE_DECLARED:
+                    p.warnings.append(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > "
+                                      f"{ROPE_SIDE_DECLARED}; RoPE extrapolates past the declared range")
+    if p.ok("dataset.texture.mask_ratio"):
+        mr = t.mask_ratio
+        if len(mr) != 2 or not (0 < mr[0] <= mr[1] <= 1):
+            p.error(f"[dataset.texture] mask_ratio = {_fmt(mr)}: need a pair [lo, hi] with 0 < lo <= hi <= 1")
+
+
+def _check_adapter_and_lrs(cfg: Config, raw: dict, p: _Problems) -> None:
+    a, lrs = cfg.adapter, cfg.component_lr
+    if p.ok("adapter.components"):
+        dup = sorted({c for c in a.components if a.components.count(c) > 1})
+        if dup:
+            p.error(f"[adapter] components = {_fmt(a.components)}: {', '.join(dup)} listed twice",
+                    "adapter.components")
+    if p.ok("adapter.lokr_factor") and a.lokr_factor != -1 and a.lokr_factor < 1:
+        p.error(f"[adapter] lokr_factor = {a.lokr_factor}: use -1 (most balanced) or a factor >= 1",
+                "adapter.lokr_factor")
+    if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
+        p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
+                'a LoRA); use kind = "lora" or set train_text_encoder = false')
+    if not p.ok("adapter.kind", "adapter.components", "adapter.train_llm_adapter", "adapter.train_text_encoder",
+                "optimizer.lr", *(f"component_lr.{k}" for k in COMPONENT_LR_KEYS)):
+        return
+    injected = cfg.injected_components()
+    if a.kind != "none":
+        defaults = ComponentLRConfig()
+        for comp in COMPONENT_LR_KEYS:
+            value = getattr(lrs, comp)
+            if comp not in injected and value not in (None, 0.0) and value != getattr(defaults, comp):
+                how = {"llm_adapter": "set [adapter] train_llm_adapter = true",
+                       "text_encoder": "set [adapter] train_text_encoder = true"}.get(
+                    comp, f'add "{comp}" to [adapter] components')
+                p.error(f"[component_lr] {comp} = {_fmt(value)}, but no adapter is injected into {comp} "
+                        f"([adapter] components = {_fmt(a.components)}); {how}, or remove the key")
+    effective = cfg.component_learning_rates()
+    if not any(lr > 0 for lr in effective.values()):
+        shown = ", ".join(f"{k} = {_fmt(v)}" for k, v in effective.items()) or "none"
+        p.error(f"nothing to train: every trainable component is frozen ({shown}; [adapter] kind = "
+                f"{_fmt(a.kind)}, components = {_fmt(a.components)}); give one a non-zero [component_lr] "
+                "or add components")
+        return
+    clr_raw = raw.get("component_lr", {}) if isinstance(raw.get("component_lr"), dict) else {}
+    if a.kind != "none":
+        for comp in injected:
+            if effective[comp] == 0.0 and comp not in clr_raw:
+                p.warnings.append(f"[adapter] injects an adapter into {comp}, but [component_lr] {comp} defaults "
+                                  f"to 0.0 (frozen); set [component_lr] {comp} to train it")
+    if a.train_text_encoder and lrs.text_encoder is None:
+        p.warnings.append(f"[adapter] train_text_encoder = true with [component_lr] text_encoder unset: the "
+                          f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
+
+
+_WEIGHTS_DTYPE = re.compile(r"u?int([1-9]|1[0-6])|float8_e4m3fn|float8_e5m2|float16|bfloat16|float32"
+                            r"|float\d+_e\d+m\d+(fn)?u?")
+
+
+def _check_quant(cfg: Config, p: _Problems) -> None:
+    q, kind = cfg.quant, cfg.adapter.kind
+    if p.ok("quant.mode", "adapter.kind"):
+        if q.mode == "frozen" and kind == "none":
+            p.error('[quant] mode = "frozen" quantizes a base that an adapter trains on, but [adapter] kind = '
+                    '"none" (full finetune); use mode = "training" for a quantized full finetune, or an adapter')
+        if q.mode == "training" and kind != "none":
+            p.error(f'[quant] mode = "training" quantizes the trained weights (full finetune), but [adapter] '
+                    f'kind = {_fmt(kind)}; use mode = "frozen" under an adapter, or kind = "none"')
+    if p.ok("quant.weights_dtype") and not _WEIGHTS_DTYPE.fullmatch(q.weights_dtype):
+        p.error(f"[quant] weights_dtype = {_fmt(q.weights_dtype)}: not an SDNQ weight dtype; use e.g. "
+                '"int8", "uint8", "int4" or "float8_e4m3fn"')
+
+
+def _check_flow(cfg: Config, p: _Problems) -> None:
+    f = cfg.flow
+    if p.ok("flow.shift", "flow.flux_shift") and f.shift is not None and f.flux_shift:
+        p.error("[flow] shift and flux_shift = true are both set; use one (flux_shift picks the shift from the "
+                "resolution, shift is static)")
+    if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
+            and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
+        why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
+               else f"shift = {_fmt(f.shift)} already reshapes the distribution")
+        p.error(f"[flow] sigmoid_scale = {_fmt(f.sigmoid_scale)} is rejected here ({why}); set it back to 1.0, "
+                'or use timestep_sample_method = "logit_normal" with shift unset or 1.0')
+    if p.ok("flow.use_ot") and f.use_ot and importlib.util.find_spec("scipy") is None:
+        p.error("[flow] use_ot = true needs scipy (linear_sum_assignment), which is not importable; install "
+                "scipy or set use_ot = false")
+
+
+def _check_curriculum(cfg: Config, p: _Problems) -> None:
+    phases = cfg.curriculum
+    for i, ph in enumerate(phases):
+        where = _header("curriculum", i)
+        if p.ok(f"curriculum[{i}].t_range"):
+            tr = ph.t_range
+            if len(tr) != 2:
+                p.error(f"{where} t_range = {_fmt(tr)}: must be a pair [lo, hi]", f"curriculum[{i}].t_range")
+            elif any(v > 1 for v in tr):
+                fixed = [v / 1000 for v in tr]
+                p.error(f"{where} t_range = {_fmt(tr)} looks like discrete timesteps, divide by 1000: "
+                        f"t_range = {_fmt(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
+            elif not (0 <= tr[0] < tr[1] <= 1):
+                p.error(f"{where} t_range = {_fmt(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
+        if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
+                and cfg.dataset.source != "encode"):
+            p.error(f'{where} mode = "texture" needs [dataset] source = "encode" (a crop is chosen per sample '
+                    f'per step, so no cached latent can express it); it is {_fmt(cfg.dataset.source)}')
+    if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:
+        return
+    ats = [ph.at for ph in phases]
+    dups = sorted({a for a in ats if ats.count(a) > 1})
+    if dups:
+        p.error(f"[[curriculum]] several phases start at the same at = {', '.join(_fmt(a) for a in dups)}; each "
+                "phase needs its own start")
+    phases.sort(key=lambda ph: ph.at)
+    if phases[0].at != 0.0:
+        p.error(f"[[curriculum]] the first phase starts at {_fmt(phases[0].at)}; add a phase with at = 0.0 "
+                "(training must start inside a phase)")
+
+
+def _check_optimizer(cfg: Config, p: _Problems) -> None:
+    o = cfg.optimizer
+    if p.ok("optimizer.kind", "optimizer.betas"):
+        if o.kind == "came" and len(o.betas) != 3:
+            p.error(f'[optimizer] betas = {_fmt(o.betas)}: kind = "came" needs 3 betas, e.g. betas = '
+                    f"{_fmt(CAME_BETAS)} (CAME's defaults)")
+        elif o.kind != "came" and len(o.betas) != 2:
+            p.error(f"[optimizer] betas = {_fmt(o.betas)}: kind = {_fmt(o.kind)} needs 2 betas, e.g. "
+                    "betas = [0.9, 0.95]")
+        elif any(not 0.0 <= b < 1.0 for b in o.betas):
+            p.error(f"[optimizer] betas = {_fmt(o.betas)}: every beta must be in [0, 1)")
+    if p.ok("optimizer.kind") and o.kind == "adamw":
+        sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
+        if sdnq_only:
+            p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
+                    f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
+
+
+# --------------------------------------------------------------------------------------------------- gate
+
+
+def _get_dotted(cfg: Config, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _gate(cfg: Config) -> list[str]:
+    defaults = Config()
+    out = []
+    for dotted, feature in NOT_IMPLEMENTED.items():
+        if _get_dotted(cfg, dotted) == _get_dotted(defaults, dotted):
+            continue
+        if dotted in ARRAY_TABLES:
+            out.append(f"`[[{dotted}]]` is not implemented yet ({feature}); remove the [[{dotted}]] tables")
+        elif dotted in TABLES:
+            out.append(f"`[{dotted}]` is not implemented yet ({feature}); remove the table or set its keys back "
+                       "to their defaults")
+        else:
+            table, key = dotted.rsplit(".", 1)
+            default = _get_dotted(defaults, dotted)
+            back = "remove it (it is unset by default)" if default is None else \
+                f"remove it or set it back to its default {_fmt(default)}"
+            out.append(f"`[{table}] {key}` is not implemented yet ({feature}); {back}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- API
+
+
+def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
+    # A string is a path if it names a file, or if it is one line that cannot be a useful TOML document
+    # (no '=' and no '[': "configs/lora.toml" that does not exist must say "not found", not "invalid TOML").
+    if isinstance(source, os.PathLike) or (
+            isinstance(source, str) and "\n" not in source and source.strip() and (os.path.isfile(source) or (
+                "=" not in source and "[" not in source and not source.lstrip().startswith("#")))):
+        path = Path(source).expanduser()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc}); save the config as UTF-8") from None
+        return path, text
+    if not isinstance(source, str):
+        raise TypeError(f"load_config takes a path or TOML text, not {type(source).__name__}")
+    return None, source
+
+
+def load_config(source: str | os.PathLike) -> Config:
+    """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem."""
+    path, text = _read_source(source)
+    name = str(path) if path is not None else "<config text>"
+    try:
+        raw = tomllib.loads(text.removeprefix("\ufeff"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{name}: not valid TOML: {exc}") from None
+    p = _Problems()
+    cfg = _build_config(raw, p)
+    _check_rules(cfg, raw, path.parent if path is not None else Path.cwd(), p)
+    if p.errors:
+        n = len(p.errors)
+        raise ConfigError(f"{name}: {n} problem{'s' if n > 1 else ''} in the config:\n"
+                          + "\n".join(f"  - {e}" for e in p.errors), p.errors)
+    for w in p.warnings:
+        warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=2)
+    gated = _gate(cfg)
+    if gated:
+        n = len(gated)
+        raise ConfigError(f"{name}: {n} setting{'s' if n > 1 else ''} not implemented yet:\n"
+                          + "\n".join(f"  - {g}" for g in gated), gated)
+    cfg.source_path, cfg.source_text = path, text
+    return cfg
+
+
+def _atomic_write_text(dest: Path, text: str) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:  # newline="": keep the text's line endings
+            fh.write(text)
+        os.replace(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
+    """Write the config exactly as it was read (comments kept) to dest_path, atomically.
+
+    A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
+    """
+    dest = Path(dest_path)
+    if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
+        raise ValueError(f"refusing to copy the config onto its own source file {dest}")
+    _atomic_write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
+    return dest
+
+
+def _toml_value(value: Any) -> Any:
+    import tomlkit
+    if isinstance(value, dict):
+        tbl = tomlkit.inline_table()
+        tbl.update({str(k): _toml_value(v) for k, v in value.items()})
+        return tbl
+    if isinstance(value, list):
+        return [_toml_value(v) for v in value]
+    return value
+
+
+def _dump_table(obj: Any, default: Any, always: tuple[str, ...] = ()) -> Any:
+    import tomlkit
+    tbl = tomlkit.table()
+    for f in dataclasses.fields(obj):
+        if not f.metadata.get("key", True):
+            continue
+        value = getattr(obj, f.name)
+        if "table" in f.metadata:
+            sub = _dump_table(value, getattr(default, f.name))
+            if len(sub):
+                tbl[f.name] = sub
+        elif "array" in f.metadata:
+            if value:
+                aot = tomlkit.aot()
+                for item in value:  # every key of a subset: an entry reads best complete
+                    aot.append(_dump_table(item, None))
+                tbl[f.name] = aot
+        elif value is not None and (f.name in always or default is None
+                                    or value != getattr(default, f.name)):
+            tbl[f.name] = _toml_value(value)
+    return tbl
+
+
+def dump_toml(config: Config) -> str:
+    """TOML text of the non-default values (adapter.kind always). Loads back with load_config to an equal Config."""
+    import tomlkit
+    doc = tomlkit.document()
+    defaults = Config()
+    for f in dataclasses.fields(Config):
+        if "table" not in f.metadata:
+            continue
+        always = ("kind",) if f.name == "adapter" else ()
+        tbl = _dump_table(getattr(config, f.name), getattr(defaults, f.name), always)
+        if len(tbl):
+            doc[f.name] = tbl
+    if config.curriculum:
+        aot = tomlkit.aot()
+        for ph in config.curriculum:  # every key of a phase: a phase reads best complete
+            aot.append(_dump_table(ph, None))
+        doc["curriculum"] = aot
+    return tomlkit.dumps(doc)
+
+
+_RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
+
+
+def sanitize_run_name(name: str, fallback: str = "anima") -> str:
+    """A run name safe as a file stem on every OS (CONFIG.md B.13): `my run 2` -> `my-run-2`, `.hidden` -> `hidden`.
+
+    Keeps Unicode letters/digits and - _ . ; any other run of characters becomes one '-'; leading/trailing '-'
+    and '.' are stripped; Windows device names get '-run' appended; an empty result gives `fallback`.
+    """
+    s = unicodedata.normalize("NFC", str(name)).strip()
+    s = re.sub(r"[^\w.\-]+", "-", s)  # \w is Unicode-aware: letters, digits, underscore
+    s = s.strip("-.")
+    if not s:
+        return fallback
+    # Windows reserves the device name even with an extension ("con.v2.safetensors"), so test the first part.
+    head, dot, tail = s.partition(".")
+    if head.upper() in _RESERVED:
+        s = f"{head}-run{dot}{tail}"
+    return s

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Install the Anima trainer into ./venv and check it.
+#
+#   bash install.sh             create or update venv/ (a second run with nothing changed installs nothing)
+#   bash install.sh --recreate  delete venv/ first and start clean
+#
+# Environment:
+#   ANIMA_PYTHON      interpreter to build the venv from (default: python3.11, else python3.12)
+#   ANIMA_TORCH_SPEC  what to pip-install when the venv has no working torch (default: "torch torchvision",
+#                     i.e. pip chooses the build; e.g. "torch==2.14.1 torchvision==0.29.1" pins it)
+set -euo pipefail
+
+cd "$(dirname "$0")"
+VENV=venv
+STAMP="$VENV/.anima-train-install"
+
+recreate=0
+for arg in "$@"; do
+  case "$arg" in
+    --recreate) recreate=1 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "install.sh: unknown option '$arg' (known: --recreate)" >&2; exit 2 ;;
+  esac
+done
+
+say() { printf 'install.sh: %s\n' "$*"; }
+
+pick_python() {
+  if [ -n "${ANIMA_PYTHON:-}" ]; then echo "$ANIMA_PYTHON"; return; fi
+  local cand
+  for cand in python3.11 python3.12 python3; do
+    if command -v "$cand" >/dev/null 2>&1; then
+      case "$("$cand" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" in
+        3.11|3.12) echo "$cand"; return ;;
+      esac
+    fi
+  done
+}
+
+if [ "$recreate" = 1 ] && [ -d "$VENV" ]; then
+  say "--recreate: removing $VENV/"
+  rm -rf "$VENV"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY=$(pick_python)
+  if [ -z "$PY" ]; then
+    echo "install.sh: no Python 3.11 or 3.12 found. Install one (e.g. 'apt-get install python3.11-venv' or pyenv)," \
+         "or point ANIMA_PYTHON at it." >&2
+    exit 1
+  fi
+  ver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ "$ver" != "3.11" ]; then
+    say "Python 3.11 not found; falling back to $PY ($ver)"
+  fi
+  say "creating $VENV/ with $PY ($ver)"
+  "$PY" -m venv "$VENV"
+fi
+
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+# torch: ComfyUI (and users with a particular CUDA) own their torch, so only install one when none works.
+if "$VENV/bin/python" -c 'import torch, torchvision; torch.ones(1) + 1' >/dev/null 2>&1; then
+  say "torch already works in $VENV: $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+else
+  spec=${ANIMA_TORCH_SPEC:-"torch torchvision"}
+  say "installing $spec (this is the big download on a new machine)"
+  # shellcheck disable=SC2086
+  "${PIP[@]}" install -q $spec
+fi
+
+# The project itself, editable, with test extras. Skipped when nothing it depends on has changed.
+want=$(cat pyproject.toml requirements.txt | "$VENV/bin/python" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
+   && "$VENV/bin/python" -c 'import anima_train, anchor, pytest' >/dev/null 2>&1 \
+   && [ -x "$VENV/bin/anima-train" ]; then
+  say "dependencies up to date (pyproject.toml and requirements.txt unchanged)"
+else
+  say "installing the project (editable) with its dependencies"
+  "${PIP[@]}" install -q -e ".[dev]"
+  echo "$want" > "$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
+fi
+
+"$VENV/bin/anima-train" check
+say "done. Try: $VENV/bin/anima-train demo"

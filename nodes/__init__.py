@@ -1,0 +1,32 @@
+"""The ComfyUI node pack (V3 node API).
+
+One module per node family (`nodes_*.py`), each a thin wrapper over library code in `anima_train` / `anchor`. The
+only place ComfyUI's API is imported is `nodes/comfy.py`, so everything else stays unit-testable without ComfyUI.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# Node families, in the order they appear in ComfyUI's menu. Each module exports NODES: list[type[io.ComfyNode]].
+NODE_MODULES = ["nodes_check"]
+
+
+def node_classes() -> list:
+    classes = []
+    for name in NODE_MODULES:
+        classes.extend(importlib.import_module(f"{__name__}.{name}").NODES)
+    return classes
+
+
+def __getattr__(name: str):
+    # Lazy: `AnimaTrainExtension` needs comfy_api, which exists only inside ComfyUI.
+    if name == "AnimaTrainExtension":
+        from .comfy import ComfyExtension
+
+        class AnimaTrainExtension(ComfyExtension):
+            async def get_node_list(self):
+                return node_classes()
+
+        return AnimaTrainExtension
+    raise AttributeError(name)

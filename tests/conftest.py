@@ -1,0 +1,28 @@
+"""Shared test setup: marker gating, so the default `pytest` run is everything that can run on this machine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+COMFYUI_SKIP = ("needs ComfyUI: set COMFYUI_PATH to a ComfyUI checkout with Anima support "
+                "(and COMFYUI_PYTHON to its venv's python) to run it")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    need_gpu = [item for item in items if "gpu" in item.keywords]
+    gpu_ok = _cuda_available() if need_gpu else False
+    for item in items:
+        if "comfyui" in item.keywords and not os.environ.get("COMFYUI_PATH"):
+            item.add_marker(pytest.mark.skip(reason=COMFYUI_SKIP))
+        if "gpu" in item.keywords and not gpu_ok:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (run it on the GPU machine)"))
