@@ -26,3 +26,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=COMFYUI_SKIP))
         if "gpu" in item.keywords and not gpu_ok:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (run it on the GPU machine)"))
+
+
+@pytest.fixture(scope="session")
+def tiny_anima(tmp_path_factory):
+    """The tiny random Anima (diffusers repo + native single files), built once per session; read-only."""
+    from tests import fixtures_tiny
+
+    return fixtures_tiny.tiny_anima(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def synthetic_dataset(tmp_path_factory):
+    """16 generated images with tag captions, built once per session; read-only."""
+    from tests import fixtures_tiny
+
+    return fixtures_tiny.synthetic_dataset(tmp_path_factory)

@@ -1,0 +1,187 @@
+"""Caption building (CONFIG.md §4, §B.6): a fresh caption on every __getitem__.
+
+Files: `<stem>.txt` holds the tags (delimited by `tag_delimiter`, default ", "); an optional `<stem>_nl.txt`
+next to it holds a natural-language caption. `read_caption_files(stem)` reads both.
+
+Per call, in this order:
+  1. caption dropout: with probability `caption_dropout_percent` the caption is "" (unconditional, for CFG);
+  2. variant: `caption_mode`, or under "mixed" a draw weighted by the positive `mixed_weights` (none positive
+     -> "tags"); an NL variant without NL text falls back to "tags";
+  3. tags: split on the trimmed delimiter, strip, drop empties; the first `shuffle_keep_first_n` are pinned;
+     `protected_tags` (case-insensitive) are never dropped; round(droppable · tag_dropout_percent) random
+     droppable tags are removed, capped so at least `min_tags_kept` tags remain; order kept, then the
+     unpinned tail is shuffled if `shuffle_tags`; joined with `tag_delimiter`;
+  4. NL: if `nl_shuffle_sentences`, sentences (split on ". ") are shuffled, the first pinned if
+     `nl_keep_first_sentence`, and the text ends with a "." again;
+  5. "tags_nl" = "<tags>. <nl>", "nl_tags" = "<nl> <tags>" (the NL alone when no tag survives).
+
+Randomness comes from a private random.Random seeded from (seed, epoch, index) only: the same sample in the
+same epoch gives the same caption in any worker or rank, a new epoch gives a new view, and the global `random`
+state is never read or advanced. Each random step draws the same amount whatever the options, so switching one
+option on does not reshuffle the others' streams.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")
+VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
+NL_SUFFIX = "_nl"
+
+
+@dataclass
+class CaptionOptions:
+    """`[dataset.caption]`; field names are the config keys, so the config's own object can stand in."""
+
+    caption_mode: str = "tags"
+    mixed_weights: dict[str, float] = field(default_factory=lambda: {v: 1.0 for v in VARIANTS})
+    shuffle_tags: bool = False
+    shuffle_keep_first_n: int = 0
+    tag_dropout_percent: float = 0.0  # fractions in [0, 1] despite the names
+    caption_dropout_percent: float = 0.0
+    min_tags_kept: int = 3
+    tag_delimiter: str = ", "
+    protected_tags: list[str] = field(default_factory=list)
+    protected_tags_file: str | None = None
+    nl_shuffle_sentences: bool = False
+    nl_keep_first_sentence: bool = True
+
+
+def caption_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """A private generator for one sample in one epoch. A str seed is hashed with SHA-512 by random.Random,
+    so the stream is the same across processes and Python runs (unlike hash())."""
+    return random.Random(f"anima-caption/{int(seed)}/{int(epoch)}/{int(index)}")
+
+
+def read_caption_files(stem: str | Path) -> tuple[str, str | None]:
+    """(tags text, NL text or None) for `<stem>.txt` and the optional `<stem>_nl.txt`."""
+    stem = Path(stem)
+    tags_path = stem.with_name(stem.name + ".txt")
+    nl_path = stem.with_name(stem.name + NL_SUFFIX + ".txt")
+    if not tags_path.is_file():
+        raise FileNotFoundError(f"caption file {tags_path} is missing: every image/cache needs a <stem>.txt")
+    tags = tags_path.read_text(encoding="utf-8")
+    nl = nl_path.read_text(encoding="utf-8") if nl_path.is_file() else None
+    return tags, nl
+
+
+def load_protected_tags(lines: Iterable[str]) -> frozenset[str]:
+    """Parse protected-tag file lines (for a config loader that reads the file itself)."""
+    return frozenset(s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#"))
+
+
+@functools.lru_cache(maxsize=16)
+def _read_protected_file(path: str) -> frozenset[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise FileNotFoundError(f"protected_tags_file {path!r} cannot be read ({e}): fix the path or unset it") from e
+    return load_protected_tags(lines)
+
+
+def protected_tag_set(options) -> frozenset[str]:
+    """Lower-cased protected tags. The config's CaptionConfig has read `protected_tags_file` at load (relative
+    to the config's folder) and answers itself; otherwise `protected_tags` plus the file's lines."""
+    own = getattr(options, "protected_tag_set", None)
+    if callable(own):
+        return own()
+    tags = frozenset(t.strip().lower() for t in (options.protected_tags or ()) if t.strip())
+    path = getattr(options, "protected_tags_file", None)
+    return tags | _read_protected_file(str(path)) if path else tags
+
+
+def split_tags(text: str, delimiter: str) -> list[str]:
+    """Split on the delimiter without its surrounding spaces (", " also splits "a,b"); whitespace-only
+    delimiters split on any whitespace."""
+    sep = delimiter.strip()
+    parts = text.split(sep) if sep else text.split()
+    return [p.strip() for p in parts if p.strip()]
+
+
+def process_tags(tags: list[str], options, rng: random.Random, protected: frozenset[str]) -> list[str]:
+    """Pinning, protected tags, tag dropout with the min_tags_kept floor, then the shuffle of the tail."""
+    shuffle_rng = random.Random(rng.getrandbits(64))  # split first: the dropout count cannot move the shuffle
+    n_pinned = max(0, int(options.shuffle_keep_first_n))
+    droppable = [i for i in range(n_pinned, len(tags)) if tags[i].lower() not in protected]
+    n_drop = round(len(droppable) * float(options.tag_dropout_percent))
+    n_drop = max(0, min(n_drop, len(tags) - int(options.min_tags_kept)))
+    dropped = set(rng.sample(droppable, n_drop)) if n_drop else set()
+    kept = [t for i, t in enumerate(tags) if i not in dropped]
+    head, tail = kept[:n_pinned], kept[n_pinned:]
+    if options.shuffle_tags:
+        shuffle_rng.shuffle(tail)
+    return head + tail
+
+
+def process_nl(text: str, options, rng: random.Random) -> str:
+    text = text.strip()
+    if not options.nl_shuffle_sentences:
+        return text
+    if text.endswith("."):
+        text = text[:-1]  # the split removes the other sentences' periods; put this one back at the end
+    sentences = [s.strip() for s in text.split(". ") if s.strip()]
+    head = sentences[:1] if options.nl_keep_first_sentence else []
+    tail = sentences[len(head):]
+    rng.shuffle(tail)
+    text = ". ".join(head + tail)
+    return text if text.endswith((".", "!", "?")) else text + "."
+
+
+def choose_variant(options, rng: random.Random) -> str:
+    """The caption variant: fixed, or a weighted draw under "mixed" (positive weights only)."""
+    mode = options.caption_mode
+    if mode not in CAPTION_MODES:
+        raise ValueError(f"[dataset.caption] caption_mode = {mode!r}: use one of {', '.join(CAPTION_MODES)}")
+    draw = rng.random()  # drawn in every mode, so the later draws do not depend on the mode
+    if mode != "mixed":
+        return mode
+    weights: Mapping[str, float] = options.mixed_weights or {}
+    unknown = set(weights) - set(VARIANTS)
+    if unknown:
+        raise ValueError(
+            f"[dataset.caption] mixed_weights has unknown key(s) {sorted(unknown)}: valid keys are {list(VARIANTS)}"
+        )
+    positive = [(v, float(weights.get(v, 0.0))) for v in VARIANTS if float(weights.get(v, 0.0)) > 0]
+    if not positive:
+        return "tags"
+    target = draw * sum(w for _, w in positive)
+    for variant, w in positive:
+        target -= w
+        if target < 0:
+            return variant
+    return positive[-1][0]  # float rounding at the top end
+
+
+def build_caption(
+    tags_text: str, nl_text: str | None, options, seed: int, epoch: int, index: int
+) -> str:
+    """The caption for sample `index` in `epoch`; deterministic in (seed, epoch, index) and the options."""
+    rng = caption_rng(seed, epoch, index)
+    dropout = rng.random()
+    variant = choose_variant(options, rng)
+    # the tag and NL steps get their own streams, so e.g. NL shuffling never moves the tag draws
+    tag_rng = random.Random(rng.getrandbits(64))
+    nl_rng = random.Random(rng.getrandbits(64))
+    if dropout < float(options.caption_dropout_percent):
+        return ""
+    nl = nl_text.strip() if nl_text else ""
+    if variant != "tags" and not nl:
+        variant = "tags"
+
+    tags = ""
+    if variant != "nl":
+        kept = process_tags(split_tags(tags_text, options.tag_delimiter), options, tag_rng, protected_tag_set(options))
+        tags = options.tag_delimiter.join(kept)
+    if variant == "tags":
+        return tags
+    nl = process_nl(nl, options, nl_rng)
+    if variant == "nl" or not tags:
+        return nl
+    if variant == "tags_nl":
+        return f"{tags}. {nl}"
+    return f"{nl} {tags}"

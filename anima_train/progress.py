@@ -1,0 +1,198 @@
+"""How a run reports itself: a tqdm bar, plain lines, or nothing per step — plus a JSON-lines event stream.
+
+Human output (CONFIG.md §B.12):
+  bar    e3  47%|█████▍      | 1410/3000 [42:11<47:34, 1.80s/step, loss 0.0712 (mse 0.0650 + hf 0.0062)  lr 2.71e-05  peak 8.1GB]
+  plain  e3 step 1410/3000 (47%)  loss 0.0712 (mse 0.0650 + hf 0.0062)  lr 2.71e-05  1.80s/it  peak 8.1GB  eta 47m34s
+`auto` draws the bar on a terminal and plain lines otherwise (a bar redirected into a log file is thousands of
+\\r-fragments); `off` drops the per-step report but keeps start-up and checkpoint messages.
+
+The ETA is the cumulative mean step time since an anchor taken *after* the first step, times the steps left: buckets
+differ in token count, so the last interval would swing the estimate several-fold, and step 1 carries one-off costs
+(compile, the first dataloader fork).
+
+Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the ComfyUI node and other tools:
+  {"event": "start", ...} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
+  "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...]} {"event": "message", "text"}
+  {"event": "checkpoint", "path", "step"} {"event": "done", ...} {"event": "error", "message", "traceback"}
+Only the main process reports; the trainer passes `enabled=False` on other ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+PROGRESS_MODES = ("auto", "bar", "plain", "off")
+
+
+def format_duration(seconds: float) -> str:
+    """47m34s, 1h02m03s, 9s — compact, as in the plain progress line."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m:02d}m{s:02d}s"
+    if m:
+        return f"{m}m{s:02d}s"
+    return f"{s}s"
+
+
+def format_clock(seconds: float) -> str:
+    """tqdm-style 42:11 / 1:02:03."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+@dataclass
+class StepStats:
+    step: int  # optimizer steps done (1-based after the first)
+    epoch: int  # 1-based
+    loss: float
+    lrs: list[float]
+    mse: float | None = None
+    hf: float | None = None  # present only when the hf loss is on
+    ot: float | None = None  # fraction of noise rows moved, only with use_ot
+    peak_gb: list[float] = field(default_factory=list)  # one per rank; empty on CPU
+
+
+def describe_step(stats: StepStats) -> str:
+    """The part of a progress line after the counters: loss parts, ot, lr, peak."""
+    parts = [f"loss {stats.loss:.4f}" + (f" (mse {stats.mse:.4f} + hf {stats.hf:.4f})" if stats.hf is not None else "")]
+    if stats.ot is not None:
+        parts.append(f"ot {stats.ot:.2f}")
+    distinct = []
+    for lr in stats.lrs:
+        if f"{lr:.2e}" not in distinct:
+            distinct.append(f"{lr:.2e}")
+    parts.append("lr " + "/".join(distinct))
+    return "  ".join(parts)
+
+
+def _peak(stats: StepStats) -> str:
+    return f"peak {'/'.join(f'{g:.1f}' for g in stats.peak_gb)}GB" if stats.peak_gb else ""
+
+
+class Progress:
+    def __init__(self, mode: str, total_steps: int, *, enabled: bool = True, events: str | None = None,
+                 stream: IO[str] | None = None, start_step: int = 0):
+        if mode not in PROGRESS_MODES:
+            raise ValueError(f"progress mode {mode!r}: use one of {', '.join(PROGRESS_MODES)}")
+        self.enabled = enabled
+        self.total = total_steps
+        self._events: IO[str] | None = None
+        self._own_events = False
+        # With events on stdout, stdout belongs to the machine-readable stream; humans get stderr.
+        self.stream = stream or (sys.stderr if events == "-" else sys.stdout)
+        if enabled and events:
+            if events == "-":
+                self._events = sys.stdout
+            else:
+                self._events = open(events, "a", encoding="utf-8", buffering=1)
+                self._own_events = True
+        if mode == "auto":
+            mode = "bar" if _isatty(self.stream) else "plain"
+        self.mode = mode
+        self._bar = None
+        self._start_step = start_step
+        self._anchor: tuple[float, int] | None = None  # (time, step) after the first step
+        self._t0 = time.perf_counter()
+        if enabled and mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
+                             bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{postfix}]")
+
+    # -- events ------------------------------------------------------------------------------------------
+    def event(self, kind: str, **data: Any) -> None:
+        if self._events is None:
+            return
+        record = {"event": kind, "time": round(time.time(), 3), **data}
+        self._events.write(json.dumps(record, default=_json_default) + "\n")
+        self._events.flush()
+
+    # -- human messages ----------------------------------------------------------------------------------
+    def message(self, text: str) -> None:
+        """Start-up, checkpoint and warning lines: printed in every mode (written above the bar)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+        self.event("message", text=text)
+
+    # -- per step ----------------------------------------------------------------------------------------
+    def eta_seconds(self, step: int) -> float | None:
+        if self._anchor is None or step <= self._anchor[1]:
+            return None
+        t_anchor, s_anchor = self._anchor
+        per_step = (time.perf_counter() - t_anchor) / (step - s_anchor)
+        return per_step * max(0, self.total - step)
+
+    def seconds_per_step(self, step: int) -> float | None:
+        if self._anchor is None or step <= self._anchor[1]:
+            done = step - self._start_step
+            return (time.perf_counter() - self._t0) / done if done > 0 else None
+        return (time.perf_counter() - self._anchor[0]) / (step - self._anchor[1])
+
+    def step(self, stats: StepStats, report: bool = True) -> None:
+        if not self.enabled:
+            return
+        if self._anchor is None:
+            # first completed step of this process: anchor the mean after it (compile, first fork excluded)
+            self._anchor = (time.perf_counter(), stats.step)
+        s_per_step = self.seconds_per_step(stats.step)
+        eta = self.eta_seconds(stats.step)
+        self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, mse=stats.mse,
+                   hf=stats.hf, ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb)
+        if not report or self.mode == "off":
+            if self._bar is not None:
+                self._bar.n = stats.step
+            return
+        body = describe_step(stats)
+        rate = f"{s_per_step:.2f}s" if s_per_step is not None else "?s"
+        if self._bar is not None:
+            self._bar.set_description_str(f"e{stats.epoch} ", refresh=False)
+            elapsed = format_clock(time.perf_counter() - self._t0)
+            post = ", ".join(x for x in (f"{elapsed}<{format_clock(eta)}", f"{rate}/step", body, _peak(stats)) if x)
+            self._bar.set_postfix_str(post, refresh=False)
+            self._bar.update(stats.step - self._bar.n)
+        else:
+            pct = 100 * stats.step / self.total if self.total else 100.0
+            fields = [f"e{stats.epoch} step {stats.step}/{self.total} ({pct:.0f}%)", body, f"{rate}/it",
+                      _peak(stats), f"eta {format_duration(eta) if eta is not None else '?'}"]
+            print("  ".join(f for f in fields if f), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._own_events and self._events is not None:
+            self._events.close()
+        self._events = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def _json_default(value):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)

@@ -1,0 +1,49 @@
+"""Prompt encoding for training: Qwen3 hidden states + T5 ids → LLM adapter context, as the diffusers pipeline does.
+
+Text embeddings are never cached: tag shuffling and caption dropout make a different caption for the same image each
+epoch, so both tokenizers and Qwen3 run on every step (MODEL.md §5). The conditioner (LLM adapter) runs inside the
+training graph because it may be trainable.
+
+Facts (diffusers `AnimaTextEncoderStep`, MODEL.md §5): both tokenizers get the raw prompt, no template; padding
+"longest", truncation at `max_sequence_length` (512); Qwen adds no BOS/EOS, T5 appends `</s>`; when the whole batch
+tokenises to zero Qwen tokens the ids become a single 0 with mask 0; the Qwen hidden state is multiplied by its mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_SEQUENCE_LENGTH = 512
+
+
+def tokenize(captions: list[str], tokenizer, t5_tokenizer, max_length: int = MAX_SEQUENCE_LENGTH) -> dict:
+    """Token ids and masks for both streams (CPU tensors)."""
+    if max_length > 4096:
+        raise ValueError(f"max_length {max_length} is above the pipeline's limit of 4096")
+    qwen = tokenizer(captions, padding="longest", max_length=max_length, truncation=True, return_tensors="pt")
+    qwen_ids, qwen_mask = qwen["input_ids"], qwen["attention_mask"]
+    if qwen_ids.shape[1] == 0:  # every caption empty (e.g. a batch of dropped captions)
+        qwen_ids = torch.zeros(len(captions), 1, dtype=torch.long)
+        qwen_mask = torch.zeros(len(captions), 1, dtype=torch.long)
+    t5 = t5_tokenizer(captions, padding="longest", max_length=max_length, truncation=True, return_tensors="pt")
+    return {"qwen_ids": qwen_ids, "qwen_mask": qwen_mask, "t5_ids": t5["input_ids"], "t5_mask": t5["attention_mask"]}
+
+
+def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor) -> torch.Tensor:
+    hidden = text_encoder(input_ids=qwen_ids, attention_mask=qwen_mask).last_hidden_state
+    return hidden * qwen_mask[..., None].to(hidden.dtype)
+
+
+def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder, conditioner,
+                   device: torch.device | str, max_length: int = MAX_SEQUENCE_LENGTH,
+                   train_text_encoder: bool = False) -> torch.Tensor:
+    """Context [B, max(L, min_sequence_length), D] for the DiT's `encoder_hidden_states`.
+
+    Qwen3 runs without autograd unless it is being trained (it is the largest part of the text path and is frozen in
+    the common case); the conditioner always runs with autograd enabled so it can be trained or pass gradients.
+    """
+    tok = {k: v.to(device) for k, v in tokenize(captions, tokenizer, t5_tokenizer, max_length).items()}
+    with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):
+        qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"])
+    return conditioner(source_hidden_states=qwen_hidden, target_input_ids=tok["t5_ids"],
+                       target_attention_mask=tok["t5_mask"], source_attention_mask=tok["qwen_mask"])

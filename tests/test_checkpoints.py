@@ -1,0 +1,91 @@
+"""Checkpoint naming, keep_last_n pruning and resume resolution (CONFIG.md §B.11)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from anima_train import checkpoints as C
+
+
+def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None):
+    meta = {"step": str(step_meta)} if step_meta is not None else {}
+    save_file({"x": torch.zeros(1)}, str(run_dir / f"{stem}.safetensors"), metadata=meta)
+    if te:
+        save_file({"x": torch.zeros(1)}, str(run_dir / f"{stem}_te.safetensors"))
+    if state_step is not None:
+        d = run_dir / f"{stem}-state"
+        (d / "accelerator").mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"global_step": state_step}))
+
+
+def test_names():
+    assert C.checkpoint_stem("run", step=60) == "run-step000060"
+    assert C.checkpoint_stem("run", epoch=5) == "run-epoch005"
+    assert C.checkpoint_stem("run") == "run"
+    assert C.state_dir_for(Path("o/run-step000060.safetensors")) == Path("o/run-step000060-state")
+    with pytest.raises(ValueError):
+        C.checkpoint_stem("run", step=1, epoch=1)
+
+
+def test_prune_orders_by_recorded_step_and_removes_siblings_together(tmp_path):
+    # steps_per_epoch = 10. epoch002 is step 20; step000015 < epoch002 < step000025 (mtime order is scrambled)
+    _ckpt(tmp_path, "run-step000025", step_meta=25, te=True, state_step=25)
+    _ckpt(tmp_path, "run-epoch002", step_meta=20, te=True, state_step=20)
+    _ckpt(tmp_path, "run-step000015", te=True)  # no metadata: falls back to the tag
+    _ckpt(tmp_path, "run-step5")  # legacy unpadded name
+    (tmp_path / "run-step000030").mkdir()  # diffusers-directory checkpoint (full FT without save_native)
+    (tmp_path / "run-step000030" / "transformer").mkdir()
+    _ckpt(tmp_path, "run")  # final: never touched
+    (tmp_path / "run.toml").write_text("# config\n")
+    _ckpt(tmp_path, "other-step000001")  # another run's: never touched
+    (tmp_path / "notes.txt").write_text("mine")
+
+    removed = C.prune_checkpoints(tmp_path, "run", keep_last_n=2, steps_per_epoch=10)
+    names = sorted(p.name for p in removed)
+    assert names == sorted(["run-step5.safetensors", "run-step000015.safetensors", "run-step000015_te.safetensors",
+                            "run-epoch002.safetensors", "run-epoch002_te.safetensors", "run-epoch002-state"])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["run-step000025.safetensors", "run-step000025_te.safetensors", "run-step000025-state",
+                           "run-step000030", "run.safetensors", "run.toml", "other-step000001.safetensors",
+                           "notes.txt"])
+    assert C.prune_checkpoints(tmp_path, "run", keep_last_n=None, steps_per_epoch=10) == []
+
+
+def test_state_json_beats_metadata_and_tag(tmp_path):
+    _ckpt(tmp_path, "run-epoch001", step_meta=999, state_step=7)
+    (found,) = C.find_periodic(tmp_path, "run")
+    assert found.recorded_step(steps_per_epoch=100) == 7
+
+
+def test_resume_resolution(tmp_path):
+    _ckpt(tmp_path, "run-step000010", state_step=10)
+    state = tmp_path / "run-step000010-state"
+    assert C.resolve_resume(tmp_path / "run-step000010.safetensors") == state
+    assert C.resolve_resume(state) == state
+    _ckpt(tmp_path, "run-step000020")
+    with pytest.raises(C.ResumeError, match="inference-only.*save_optimizer_state = true"):
+        C.resolve_resume(tmp_path / "run-step000020.safetensors")
+    broken = tmp_path / "run-step000030-state"
+    broken.mkdir()
+    (broken / "state.json").write_text("{}")
+    with pytest.raises(C.ResumeError, match="missing accelerator"):
+        C.resolve_resume(broken)
+    with pytest.raises(C.ResumeError, match="does not exist"):
+        C.resolve_resume(tmp_path / "nope-state")
+
+
+def test_replace_dir_atomic(tmp_path):
+    final = tmp_path / "x-state"
+    final.mkdir()
+    (final / "old").write_text("old")
+    tmp = tmp_path / ".x-state.tmp"
+    tmp.mkdir()
+    (tmp / "new").write_text("new")
+    C.replace_dir_atomic(tmp, final)
+    assert sorted(p.name for p in final.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]
