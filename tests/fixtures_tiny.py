@@ -1,0 +1,82 @@
+"""Shared tiny-model helpers for tests (a plain module; conftest.py can wrap these in session fixtures).
+
+Suggested conftest.py fixtures:
+
+    @pytest.fixture(scope="session")
+    def tiny_anima(tmp_path_factory):
+        return fixtures_tiny.tiny_anima(tmp_path_factory)            # size="tiny", seed=0, float32
+
+    @pytest.fixture(scope="session")
+    def synthetic_dataset(tmp_path_factory):
+        return fixtures_tiny.synthetic_dataset(tmp_path_factory)     # 16 images + captions
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CACHE: dict = {}
+
+
+def tiny_anima(tmp_path_factory, size: str = "tiny", seed: int = 0):
+    """Build once per test session (per size/seed) and share; treat the files as read-only."""
+    from anima_train.tiny import build_tiny_anima
+
+    key = ("anima", size, seed)
+    if key not in _CACHE:
+        _CACHE[key] = build_tiny_anima(tmp_path_factory.mktemp(f"anima_{size}_{seed}"), seed=seed, size=size)
+    return _CACHE[key]
+
+
+def synthetic_dataset(tmp_path_factory, n: int = 16, seed: int = 0):
+    from anima_train.tiny import make_synthetic_dataset
+
+    key = ("dataset", n, seed)
+    if key not in _CACHE:
+        _CACHE[key] = make_synthetic_dataset(tmp_path_factory.mktemp(f"dataset_{n}_{seed}"), n=n, seed=seed)
+    return _CACHE[key]
+
+
+def load_repo(repo_dir):
+    """Every component of a tiny diffusers repo with the plain per-subfolder from_pretrained calls."""
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen2Tokenizer, Qwen3Model, T5TokenizerFast
+
+    return dict(
+        transformer=CosmosTransformer3DModel.from_pretrained(repo_dir, subfolder="transformer"),
+        text_conditioner=AnimaTextConditioner.from_pretrained(repo_dir, subfolder="text_conditioner"),
+        text_encoder=Qwen3Model.from_pretrained(repo_dir, subfolder="text_encoder"),
+        vae=AutoencoderKLQwenImage.from_pretrained(repo_dir, subfolder="vae"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(repo_dir, subfolder="scheduler"),
+        tokenizer=Qwen2Tokenizer.from_pretrained(repo_dir, subfolder="tokenizer"),
+        t5_tokenizer=T5TokenizerFast.from_pretrained(repo_dir, subfolder="t5_tokenizer"),
+    )
+
+
+def latent_stats(vae):
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
+def training_loss(parts: dict, images: torch.Tensor, captions: list[str], generator=None) -> torch.Tensor:
+    """The MODEL.md §6 training step: Qwen3 -> conditioner -> DiT (with padding_mask) on VAE latents."""
+    tok, t5_tok = parts["tokenizer"], parts["t5_tokenizer"]
+    q = tok(captions, padding="longest", return_tensors="pt")
+    t5 = t5_tok(captions, padding="longest", return_tensors="pt")
+    mask = q.attention_mask
+    qwen_h = parts["text_encoder"](input_ids=q.input_ids, attention_mask=mask).last_hidden_state * mask[..., None]
+    mean, std = latent_stats(parts["vae"])
+    x0 = (parts["vae"].encode(images[:, :, None]).latent_dist.mode() - mean) / std
+    eps = torch.randn(x0.shape, generator=generator)
+    u = torch.sigmoid(torch.randn(x0.shape[0], generator=generator))
+    sigma = 3 * u / (1 + 2 * u)
+    s = sigma.view(-1, 1, 1, 1, 1)
+    x_t = (1 - s) * x0 + s * eps
+    ctx = parts["text_conditioner"](source_hidden_states=qwen_h, target_input_ids=t5.input_ids,
+                                    target_attention_mask=t5.attention_mask, source_attention_mask=mask)
+    h, w = x_t.shape[-2:]
+    v = parts["transformer"](x_t, timestep=sigma, encoder_hidden_states=ctx,
+                             padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
+    return torch.nn.functional.mse_loss(v.float(), (eps - x0).float())
