@@ -1,0 +1,360 @@
+"""`anima-train convert`: ComfyUI single files (DiT + adapter, Qwen3, VAE) -> a diffusers Anima repo.
+
+    anima-train convert --anima anima-base-v1.0.safetensors --qwen qwen_3_06b_base.safetensors \\
+                        --vae qwen_image_vae.safetensors --out ../anima-diffusers
+
+Writes transformer/, text_conditioner/, text_encoder/, vae/, scheduler/, tokenizer/, t5_tokenizer/ and
+modular_model_index.json (skip with --no-modular-index). Rules:
+- The inputs are only read. Each is checked before conversion: unreadable/truncated files and a file passed in the
+  wrong slot ("--vae got a Qwen3 text encoder") are refused with the file named.
+- --out must be absent or empty: merging into an existing repo would let a stale file survive a re-convert.
+- Everything is written into a temp folder beside --out and renamed at the end, so a failed run leaves no half repo.
+- Tokenizers cannot be derived from weights. --tokenizers takes a local folder (always wins; it must hold
+  tokenizer/ and t5_tokenizer/), a Hugging Face repo id (only those two folders are downloaded, via allow_patterns,
+  into the normal HF cache) or `none`. An unreachable repo only warns: the weights are converted anyway and the
+  warning says how to add the tokenizers later.
+
+Default tokenizer repo: circlestone-labs/Anima-Base-v1.0-Diffusers, the diffusers repo published by Anima's authors
+(the original trainer README used a community mirror, Bluvoll/Anima-v1.0-Base-Diffusers, and notes both give
+identical ids; we prefer the first-party source).
+
+Model configs are inferred from tensor shapes (the released files give exactly the MODEL.md §3 configs); values a
+checkpoint cannot carry (RoPE constants, the adapter's 512-token padding, Qwen3 RoPE theta) are the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from anima_train import keymaps
+from anima_train.models import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
+
+# which state_dict_kind each slot expects, and how to name it in messages
+SLOTS = {
+    "anima": ("anima_dit", "an Anima DiT single file (net.* with net.llm_adapter.*, e.g. anima-base-v1.0.safetensors)"),
+    "qwen": ("qwen3", "a Qwen3-0.6B text encoder (e.g. qwen_3_06b_base.safetensors)"),
+    "vae": ("vae", "a Qwen-Image / Wan2.1 VAE (e.g. qwen_image_vae.safetensors)"),
+}
+KIND_TO_SLOT = {kind: slot for slot, (kind, _) in SLOTS.items()}
+
+
+class ConvertError(ValueError):
+    """Conversion refused or failed; the message names the file/folder and the fix."""
+
+
+class TokenizersMissingWarning(UserWarning):
+    """The repo was written without tokenizers (skipped or unreachable)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading and checking the inputs
+
+
+def read_keys(path: Path, slot: str) -> list[str]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ConvertError(f"--{slot} {path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as exc:  # SafetensorError, OSError: header unreadable or shorter than it claims
+        raise ConvertError(f"--{slot} {path}: cannot read it as safetensors ({exc}). The file is truncated or "
+                           f"corrupt (an interrupted download?); download it again") from exc
+
+
+def check_slot(path: Path, slot: str, keys: list[str]) -> None:
+    expected_kind, what = SLOTS[slot]
+    kind = keymaps.state_dict_kind(keys)
+    if kind == expected_kind:
+        return
+    msg = f"--{slot} {path} {keymaps.describe_state_dict(keys)}, not {what}"
+    if kind in KIND_TO_SLOT:
+        msg += f"; did you mean --{KIND_TO_SLOT[kind]}?"
+    elif kind.startswith("diffusers_"):
+        msg += "; it is already in diffusers layout (convert takes the ComfyUI single files)"
+    elif kind == "unknown":
+        msg += f" (first keys: {', '.join(sorted(keys)[:3])})"
+    raise ConvertError(msg)
+
+
+def rename(fn, sd: dict, slot: str, path: Path, *args):
+    """Apply a keymaps conversion; an unknown key becomes a ConvertError naming the file."""
+    try:
+        return fn(sd, *args)
+    except KeyError as exc:
+        raise ConvertError(f"--{slot} {path}: {exc.args[0] if exc.args else exc}; the file holds a tensor this "
+                           f"converter has no mapping for (a modified or different model?)") from exc
+
+
+def load_tensors(path: Path, slot: str) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:
+        raise ConvertError(f"--{slot} {path}: reading the tensors failed ({exc}); the file is truncated or "
+                           f"corrupt, download it again") from exc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs from shapes (names after conversion to diffusers keys)
+
+
+def _count(sd: dict, pattern: str) -> int:
+    return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
+
+
+def transformer_config(sd: dict) -> dict:
+    from anima_train.tiny import TRANSFORMER_FULL  # the real constants (MODEL.md §3)
+
+    hidden, patch_in = sd["patch_embed.proj.weight"].shape
+    head_dim = sd["transformer_blocks.0.attn1.norm_q.weight"].shape[0]
+    p_t, p_h, p_w = TRANSFORMER_FULL["patch_size"]
+    return dict(TRANSFORMER_FULL,
+                in_channels=patch_in // (p_t * p_h * p_w) - 1,  # +1: the concatenated padding mask
+                out_channels=sd["proj_out.weight"].shape[0] // (p_t * p_h * p_w),
+                num_attention_heads=hidden // head_dim, attention_head_dim=head_dim,
+                num_layers=_count(sd, r"^transformer_blocks\.(\d+)\."),
+                mlp_ratio=sd["transformer_blocks.0.ff.net.0.proj.weight"].shape[0] / hidden,
+                text_embed_dim=sd["transformer_blocks.0.attn2.to_k.weight"].shape[1],
+                adaln_lora_dim=sd["transformer_blocks.0.norm1.linear_1.weight"].shape[0])
+
+
+def conditioner_config(sd: dict) -> dict:
+    from anima_train.tiny import CONDITIONER_FULL
+
+    target_dim, model_dim = sd["out_proj.weight"].shape
+    head_dim = sd["blocks.0.cross_attn.q_norm.weight"].shape[0]
+    return dict(CONDITIONER_FULL,
+                source_dim=sd["blocks.0.cross_attn.k_proj.weight"].shape[1], target_dim=target_dim,
+                model_dim=model_dim, num_layers=_count(sd, r"^blocks\.(\d+)\."),
+                num_attention_heads=model_dim // head_dim,
+                mlp_ratio=sd["blocks.0.mlp.0.weight"].shape[0] / model_dim,
+                target_vocab_size=sd["embed.weight"].shape[0],
+                use_self_attention="blocks.0.self_attn.q_proj.weight" in sd,
+                use_layer_norm="blocks.0.norm_cross_attn.bias" in sd)
+
+
+def qwen3_config(sd: dict) -> dict:
+    from anima_train.tiny import QWEN3_FULL
+
+    head_dim = sd["layers.0.self_attn.q_norm.weight"].shape[0]
+    vocab, hidden = sd["embed_tokens.weight"].shape
+    return dict(QWEN3_FULL, vocab_size=vocab, hidden_size=hidden,
+                intermediate_size=sd["layers.0.mlp.gate_proj.weight"].shape[0],
+                num_hidden_layers=_count(sd, r"^layers\.(\d+)\."),
+                num_attention_heads=sd["layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
+                num_key_value_heads=sd["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim, head_dim=head_dim)
+
+
+def vae_config(native_sd: dict, path: Path) -> dict:
+    from anima_train.tiny import VAE_FULL
+
+    base_dim, z_dim = native_sd["encoder.conv1.weight"].shape[0], native_sd["conv2.weight"].shape[0]
+    r = keymaps.vae_num_res_blocks(native_sd)
+    layout = keymaps.wan_vae_native_layout(base_dim, z_dim, r, VAE_FULL["dim_mult"], VAE_FULL["temperal_downsample"])
+    got = {k: tuple(v.shape) for k, v in native_sd.items()}
+    if got != layout:
+        bad = sorted(set(got) ^ set(layout)) or sorted(k for k in got if got[k] != layout[k])
+        raise ConvertError(f"--vae {path}: not the Wan2.1 VAE layout this converter knows (dim_mult "
+                           f"{VAE_FULL['dim_mult']}); first difference at {bad[0]!r}")
+    return dict(VAE_FULL, base_dim=base_dim, z_dim=z_dim, num_res_blocks=r)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building and saving
+
+
+def _materialise(cls_factory, sd: dict, what: str, path: Path):
+    """Build the model without allocating weights, then adopt the converted tensors (strict: every key used)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = cls_factory()
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ConvertError(f"{path}: the converted {what} does not fit the model built from its shapes: {exc}") from exc
+    return model.eval()
+
+
+def write_modular_index(repo: Path, final: Path) -> None:
+    """The AnimaModularPipeline index (what `save_pretrained` of the pipeline writes), pointing at `final`."""
+    import diffusers
+
+    parts = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+             "t5_tokenizer": ("transformers", "T5Tokenizer"),
+             "text_conditioner": ("diffusers", "AnimaTextConditioner"),
+             "text_encoder": ("transformers", "Qwen3Model"),
+             "tokenizer": ("transformers", "Qwen2Tokenizer"),
+             "transformer": ("diffusers", "CosmosTransformer3DModel"),
+             "vae": ("diffusers", "AutoencoderKLQwenImage")}
+    index = {"_blocks_class_name": "AnimaAutoBlocks", "_class_name": "AnimaModularPipeline",
+             "_diffusers_version": diffusers.__version__}
+    for name, (lib, cls) in parts.items():
+        index[name] = [lib, cls, {"pretrained_model_name_or_path": str(final), "revision": None, "subfolder": name,
+                                  "type_hint": [lib, cls], "variant": None}]
+    (repo / "modular_model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def resolve_tokenizers(value: str) -> Path | str | None:
+    """Local folder (checked now) -> Path; 'none' -> None; else a repo id (str), fetched after the weights."""
+    if value.lower() == "none":
+        return None
+    local = Path(value).expanduser()
+    if local.is_dir():
+        missing = [t for t in TOKENIZER_FOLDERS if not (local / t).is_dir()]
+        if missing:
+            raise ConvertError(f"--tokenizers {local}: folder has no {' or '.join(m + '/' for m in missing)}; point "
+                               f"it at a diffusers Anima repo (or any folder holding tokenizer/ and t5_tokenizer/)")
+        return local
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value):  # "./x", "/abs", "a/b/c": a missing folder
+        raise ConvertError(f"--tokenizers {value!r} is neither an existing folder nor a Hugging Face repo id "
+                           f"(owner/name); use `none` to skip the tokenizers")
+    return value
+
+
+def fetch_tokenizers(repo_id: str) -> tuple[Path | None, str]:
+    """Download only tokenizer/ and t5_tokenizer/ of `repo_id` into the HF cache -> (folder, ""), or
+    (None, reason) if that fails for any reason: a conversion that has already read several GB is not thrown
+    away over 13 MB of vocabulary."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(repo_id, allow_patterns=[f"{t}/*" for t in TOKENIZER_FOLDERS]))
+        missing = [t for t in TOKENIZER_FOLDERS if not (root / t).is_dir()]
+        if missing:
+            raise FileNotFoundError(f"the repo has no {' or '.join(m + '/' for m in missing)}")
+        return root, ""
+    except Exception as exc:  # offline, repo missing/gated, HF validation error, ...
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.PathLike, out: str | os.PathLike,
+            tokenizers: str = DEFAULT_TOKENIZER_REPO, modular_index: bool = True, log=print) -> dict:
+    """Convert the three single files into a diffusers repo at `out`. Returns a report:
+    {"out": Path, "counts": {file slot/component: tensor count}, "tokenizers": source or None}."""
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen3Config, Qwen3Model
+
+    inputs = {"anima": Path(anima).expanduser(), "qwen": Path(qwen).expanduser(), "vae": Path(vae).expanduser()}
+    out = Path(out).expanduser().absolute()
+    # cheap checks first: output folder, tokenizer source, every input's header and slot
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"--out {out} exists and is not an empty folder; convert refuses to merge into an "
+                           f"existing repo (a stale file would survive). Choose a new folder or empty this one")
+    token_source = resolve_tokenizers(tokenizers)
+    for slot, path in inputs.items():
+        check_slot(path, slot, read_keys(path, slot))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    counts: dict[str, int] = {}
+    try:
+        t0 = time.perf_counter()
+        native = load_tensors(inputs["anima"], "anima")
+        counts["anima file"] = len(native)
+        dit_sd, cond_sd = rename(keymaps.split_anima_native, native, "anima", inputs["anima"])
+        del native
+        cfg = transformer_config(dit_sd)
+        model = _materialise(lambda: CosmosTransformer3DModel(**cfg), dit_sd, "transformer", inputs["anima"])
+        model.save_pretrained(tmp / "transformer")
+        counts["transformer"] = len(dit_sd)
+        del model, dit_sd
+        cfg = conditioner_config(cond_sd)
+        model = _materialise(lambda: AnimaTextConditioner(**cfg), cond_sd, "text_conditioner", inputs["anima"])
+        model.save_pretrained(tmp / "text_conditioner")
+        counts["text_conditioner"] = len(cond_sd)
+        del model, cond_sd
+        log(f"anima: {counts['anima file']} tensors -> transformer {counts['transformer']} + text_conditioner "
+            f"{counts['text_conditioner']}")
+
+        native = load_tensors(inputs["qwen"], "qwen")
+        counts["qwen file"] = len(native)
+        te_sd = rename(keymaps.qwen3_native_to_diffusers, native, "qwen", inputs["qwen"])
+        del native
+        cfg = qwen3_config(te_sd)
+        model = _materialise(lambda: Qwen3Model(Qwen3Config(**cfg)), te_sd, "text encoder", inputs["qwen"])
+        model.save_pretrained(tmp / "text_encoder")
+        counts["text_encoder"] = len(te_sd)
+        dropped = counts["qwen file"] - counts["text_encoder"]
+        log(f"qwen: {counts['qwen file']} tensors -> text_encoder {counts['text_encoder']}"
+            + (f" ({dropped} LM-head tensor(s) dropped: Qwen3Model has no head)" if dropped else ""))
+        del model, te_sd
+
+        native = load_tensors(inputs["vae"], "vae")
+        counts["vae file"] = len(native)
+        cfg = vae_config(native, inputs["vae"])
+        vae_sd = rename(keymaps.vae_native_to_diffusers, native, "vae", inputs["vae"], cfg["num_res_blocks"])
+        del native
+        model = _materialise(lambda: AutoencoderKLQwenImage(**cfg), vae_sd, "VAE", inputs["vae"])
+        model.save_pretrained(tmp / "vae")
+        counts["vae"] = len(vae_sd)
+        log(f"vae: {counts['vae file']} tensors -> vae {counts['vae']}")
+        del model, vae_sd
+
+        FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(tmp / "scheduler")
+        if isinstance(token_source, str):
+            log(f"fetching tokenizer/ and t5_tokenizer/ from {token_source} (only those folders)")
+            fetched, why_not = fetch_tokenizers(token_source)
+            token_source = fetched if fetched is not None else f"could not be fetched from {token_source} ({why_not})"
+        if isinstance(token_source, Path):
+            for t in TOKENIZER_FOLDERS:
+                shutil.copytree(token_source / t, tmp / t)
+            log(f"tokenizers: copied from {token_source}")
+        if modular_index:
+            write_modular_index(tmp, out)
+        if out.exists():
+            out.rmdir()  # empty (checked above); os.replace cannot replace a folder on every platform
+        os.replace(tmp, out)
+        log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not isinstance(token_source, Path):
+        why = "skipped (--tokenizers none)" if token_source is None else token_source
+        message = (f"tokenizers {why}: {out} holds every weight, but training needs tokenizer/ and t5_tokenizer/. "
+                   + tokenizer_fix_hint(out))
+        warnings.warn(message, TokenizersMissingWarning, stacklevel=2)
+        log(f"WARNING: {message}")
+    return {"out": out, "counts": counts,
+            "tokenizers": token_source if isinstance(token_source, Path) else None}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--anima", required=True, help="Anima DiT single file (net.*, incl. llm_adapter)")
+    parser.add_argument("--qwen", required=True, help="Qwen3-0.6B text encoder single file (ComfyUI text_encoders)")
+    parser.add_argument("--vae", required=True, help="Qwen-Image / Wan2.1 VAE single file (ComfyUI vae)")
+    parser.add_argument("--out", required=True, help="output folder; must be absent or empty")
+    parser.add_argument("--tokenizers", default=DEFAULT_TOKENIZER_REPO,
+                        help="folder holding tokenizer/ and t5_tokenizer/ (wins if it exists), a Hugging Face repo "
+                             f"id (default {DEFAULT_TOKENIZER_REPO}; only those two folders are downloaded), "
+                             "or `none`")
+    parser.add_argument("--no-modular-index", action="store_true",
+                        help="do not write modular_model_index.json (the trainer never reads it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        convert(args.anima, args.qwen, args.vae, args.out, tokenizers=args.tokenizers,
+                modular_index=not args.no_modular_index)
+    except ConvertError as exc:
+        print(f"anima-train convert: {exc}", file=sys.stderr)
+        return 2
+    return 0
