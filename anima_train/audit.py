@@ -1,0 +1,192 @@
+"""`anima-train audit`: a dataset's size distribution, a tier ladder for it, and whether its images can be deleted.
+
+    anima-train audit DIR [DIR ...] [--resolution R ...] [--config cfg.toml] [--model PATH]
+
+Prints (CONFIG.md §B.3) the source-area percentiles and the suggested ladder, the collapse rate of the configured
+ladder and of the suggested one, and a verdict: SAFE to delete the images only when every readable image is cached
+at every configured tier with the current settings (and, when the model's VAE is found, by that VAE) and every
+source has its caption; otherwise NOT SAFE with the reasons and counts. Exit status 0 = SAFE, 1 = NOT SAFE,
+2 = error.
+
+Tiers and bucket settings: --resolution / flags, else --config, else the settings recorded in the caches
+themselves (the most common record), else the defaults (resolution 1024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from anima_train.buckets import BUCKET_KEYS, audit_report, make_bucketers, suggest_ladder, tier_counts
+from anima_train.cache import add_dataset_arguments, flag_overrides, resolve_dataset_args
+from anima_train.dataset import (
+    BucketSettings,
+    DatasetError,
+    Source,
+    _parse_wxh,
+    _record,
+    cache_command,
+    check_caches,
+    explain_settings,
+    image_sources,
+    missing_captions,
+    plan_sources,
+    plan_tiers_checked,
+    read_cache_metadata,
+    scan_folders,
+    vae_identity,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataset_arguments(parser, skip_unreadable=False)  # the audit lists unreadable images as a reason
+
+
+def run(args) -> int:
+    try:
+        lines, safe = audit(args)
+    except DatasetError as e:
+        print(f"anima-train audit: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0 if safe else 1
+
+
+def settings_from_caches(metadata: dict) -> BucketSettings | None:
+    """The most common settings record among the caches (tiers + bucket keys), if any."""
+    records = Counter()
+    for meta in metadata.values():
+        rec = _record(meta)
+        if "resolutions" in rec and all(k in rec for k in BUCKET_KEYS):
+            records[json.dumps({"tiers": rec["resolutions"], **{k: rec[k] for k in BUCKET_KEYS}})] += 1
+    if not records:
+        return None
+    best = json.loads(records.most_common(1)[0][0])
+    best["tiers"] = tuple(sorted(best["tiers"]))
+    return BucketSettings(**best)
+
+
+def ladder_lines(sizes, ladder, settings: BucketSettings, label: str) -> list[str]:
+    """Collapse rate of one ladder (dedup): per tier, and over all (source, tier) pairs."""
+    bucketers = make_bucketers(ladder, **{k: getattr(settings, k) for k in BUCKET_KEYS})
+    entries, bad = plan_tiers_checked(sizes, bucketers, "dedup")
+    n = len(sizes) - len(bad)
+    if n == 0:
+        return [f"   {label:<10} [{', '.join(map(str, ladder))}]: no source can be bucketed with these settings"]
+    counts = tier_counts(entries, n, ladder)
+    per_tier = ", ".join(f"{c.tier} {100 * c.collapsed / n:.1f}%" for c in counts)
+    pairs = sum(c.collapsed for c in counts)
+    skipped = f"; {len(bad)} source(s) cannot be bucketed" if bad else ""
+    return [f"   {label:<10} [{', '.join(map(str, ladder))}]: {pairs}/{n * len(ladder)} (source, tier) "
+            f"pairs collapse ({100 * pairs / (n * len(ladder)):.1f}%); per tier: {per_tier}{skipped}"]
+
+
+def _examples(items, k: int = 4) -> str:
+    items = list(items)
+    return ", ".join(map(str, items[:k])) + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def audit(args) -> tuple[list[str], bool]:
+    subsets, settings, model_path, tiers_given = resolve_dataset_args(args, need_tiers=False)
+    scan = scan_folders(subsets)
+    metadata = {p: read_cache_metadata(p) for f in scan.folders for ps in f.caches.values() for p in ps}
+    out = []
+    if not tiers_given:
+        recorded = settings_from_caches(metadata)
+        if recorded is not None:
+            settings = dataclasses.replace(recorded, **flag_overrides(args),
+                                           tier_collapse=settings.tier_collapse,
+                                           min_source_area=settings.min_source_area)
+            out.append(f"settings taken from the caches' records: resolutions {list(settings.tiers)}, "
+                       f"bucket_reso_steps {settings.bucket_reso_steps}, bucket_no_upscale "
+                       f"{str(settings.bucket_no_upscale).lower()} (pass --resolution or --config to audit others)")
+        else:
+            out.append(f"no --resolution/--config and no cache records: auditing the default tier {settings.tiers[0]}")
+
+    # sources: every image (header), plus cached stems whose image is gone (size from the cache metadata)
+    for f in scan.folders:
+        f.mode = "images"
+    image_srcs, unreadable = image_sources(scan, skip_unreadable=True)
+    cache_only = []
+    for fi, f in enumerate(scan.folders):
+        for stem, paths in f.caches.items():
+            if stem in f.images:
+                continue
+            sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata[p]]
+            size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
+            cache_only.append(Source(fi, f.path / stem, None, size))
+    sources = image_srcs + [s for s in cache_only if s.size is not None]
+    unsized = [s for s in cache_only if s.size is None]
+    if not sources:
+        raise DatasetError("nothing to audit: no readable images and no caches with an original_size")
+
+    areas = [s.size[0] * s.size[1] for s in sources]
+    sizes = [s.size for s in sources]
+    out += audit_report(areas, settings.bucket_reso_steps, settings.max_bucket_reso)
+    out.append("collapse (dedup): a tier above a source's own area repeats a lower tier's bucket")
+    out += ladder_lines(sizes, list(settings.tiers), settings, "configured")
+    suggested = suggest_ladder(areas, settings.bucket_reso_steps, settings.max_bucket_reso)
+    if suggested != list(settings.tiers):
+        out += ladder_lines(sizes, suggested, settings, "suggested")
+
+    # verdict
+    vae_id = vae_identity(model_path) if model_path else None
+    plan = plan_sources(sources, settings, drop_unbucketable=True)
+    check = check_caches(scan, plan, settings, vae_id, metadata)
+    reasons = []
+    def cached_stem(e) -> bool:
+        src = plan.sources[e.source]
+        return bool(scan.folders[src.folder].caches.get(src.stem.name))
+
+    never = [e for e, _ in check.missing if not cached_stem(e)]
+    stale = [e for e, _ in check.missing if cached_stem(e)]
+    if never:
+        reasons.append(f"{len(never)} (image, tier) pair(s) have no cache: "
+                       + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in never))
+    if stale:
+        src = plan.sources[stale[0].source]
+        newest = max(scan.folders[src.folder].caches[src.stem.name], key=lambda p: p.stat().st_mtime_ns)
+        reasons.append(f"{len(stale)} (image, tier) pair(s) have only caches made with other settings (e.g. "
+                       f"{src.stem.name}: {explain_settings(metadata[newest], settings, vae_id)}): "
+                       + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in stale))
+    uncaptioned = missing_captions(scan, sources + unsized)
+    if uncaptioned:
+        reasons.append(f"{len(uncaptioned)} source(s) have no caption file: " + _examples(p.name for p in uncaptioned))
+    if unreadable:
+        reasons.append(f"{len(unreadable)} image(s) cannot be read, so they have no cache: "
+                       + _examples(p.name for p, _ in unreadable))
+    vaes = {_record(m).get("vae") for m in metadata.values()} - {None}
+    if plan.unbucketable:
+        reasons.append(f"{len(plan.unbucketable)} source(s) cannot be bucketed with these settings (so no cache): "
+                       + _examples(s.stem.name for s, _ in plan.unbucketable))
+    if len(vaes) > 1:
+        reasons.append(f"the caches were made with {len(vaes)} different VAEs")
+    if len(settings.tiers) > 1 and unsized:
+        reasons.append(f"{len(unsized)} image-less cache stem(s) carry no original_size and cannot be attributed "
+                       f"to a tier: " + _examples(s.stem.name for s in unsized))
+
+    image_bytes = sum(s.image.stat().st_size for s in image_srcs)
+    cache_bytes = sum(p.stat().st_size for p in metadata)
+    out.append(f"files    {len(image_srcs)} image(s) {image_bytes / 2**20:.1f} MiB, {len(metadata)} cache(s) "
+               f"{cache_bytes / 2**20:.1f} MiB" + (f", {len(cache_only)} cached stem(s) without image" if cache_only else ""))
+    if plan.dropped_small:
+        out.append(f"note     {len(plan.dropped_small)} source(s) below min_source_area are not trained (and need no cache)")
+    if check.unused:
+        out.append(f"note     {len(check.unused)} cache file(s) match no configured tier (other settings); training "
+                   f"ignores them")
+    if vae_id is None:
+        out.append(f"note     VAE identity not checked (no VAE under {model_path}/vae; pass --model)")
+    if reasons:
+        out.append("verdict  NOT SAFE to delete the images:")
+        out += [f"  - {r}" for r in reasons]
+        tops = [Path(s.path) for s in subsets]
+        if never or stale:
+            out.append(f"fix: {cache_command(tops, settings)}")
+        return out, False
+    out.append(f"verdict  SAFE to delete the images: every image is cached at tier(s) {list(settings.tiers)} with the "
+               f"current settings and every cache has its caption (keep the .txt files and the caches)")
+    return out, True

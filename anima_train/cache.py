@@ -1,0 +1,254 @@
+"""`anima-train cache`: encode a dataset's images into latent caches next to them (CONFIG.md §B.2).
+
+    anima-train cache DIR [DIR ...] --resolution 768 1024 [--dry-run] [--overwrite] [--allow-missing-captions]
+    anima-train cache --config cfg.toml            # [dataset] folders/settings and train.model_path from a config
+
+Prints the bucket plan and the cache size first, then writes `<stem>_WWWWxHHHH_anima.safetensors` beside each
+image for each tier (one file per (image, bucket): a tier that collapses onto a lower one's bucket shares its file).
+Existing caches that match the current settings are skipped; stale ones (other settings, another VAE) are
+re-encoded; --overwrite re-encodes everything. Images are grouped by bucket and encoded in batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+from anima_train.buckets import tier_counts, tier_report
+from anima_train.dataset import (
+    BucketSettings,
+    DatasetError,
+    cache_path,
+    check_caches,
+    encode_latents,
+    image_sources,
+    load_pixels,
+    missing_captions,
+    plan_metadata,
+    plan_sources,
+    refuse_missing_captions,
+    scan_folders,
+    vae_identity,
+)
+
+CACHE_HEADER_BYTES = 600  # safetensors header + our metadata, roughly
+
+
+# ------------------------------------------------------------------------------------------- shared with audit
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser, skip_unreadable: bool = True) -> None:
+    """Folder, tier and bucket options shared by `cache` and `audit` (unset = the config's value or default)."""
+    parser.add_argument("dirs", nargs="*", metavar="DIR", help="dataset folder(s); default: the config's folders")
+    parser.add_argument("--config", metavar="CFG.toml",
+                        help="take [dataset] folders/settings and train.model_path from a training config "
+                             "(flags given here override it)")
+    parser.add_argument("--resolution", type=int, nargs="+", metavar="R",
+                        help="tier(s): area budgets of about R x R pixels (several = multi-resolution)")
+    parser.add_argument("--model", metavar="PATH", help="diffusers repo with vae/ (default: the config's model_path)")
+    parser.add_argument("--bucket-reso-steps", type=int, help="bucket sides are multiples of this (default 64)")
+    parser.add_argument("--max-bucket-reso", type=int, help="per-side cap of every bucket (default 1920)")
+    parser.add_argument("--min-bucket-reso", type=int, help="smallest bucket side, upscale mode only (default 256)")
+    parser.add_argument("--upscale", action="store_const", const=True, default=None,
+                        help="bucket_no_upscale = false: scale sources up or down to predefined buckets")
+    parser.add_argument("--multires-training", action="store_const", const=True, default=None,
+                        help="area tie-break among equal aspect ratios (upscale mode)")
+    if skip_unreadable:
+        parser.add_argument("--skip-unreadable", action="store_true", help="leave unreadable images out (listed)")
+
+
+def flag_overrides(args) -> dict:
+    """The BucketSettings fields given explicitly on the command line."""
+    given = {"tiers": tuple(sorted(set(args.resolution))) if args.resolution else None,
+             "bucket_reso_steps": args.bucket_reso_steps, "max_bucket_reso": args.max_bucket_reso,
+             "min_bucket_reso": args.min_bucket_reso, "bucket_no_upscale": False if args.upscale else None,
+             "multires_training": args.multires_training}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def resolve_dataset_args(args, *, need_tiers: bool = True):
+    """(subsets, BucketSettings, model_path, tiers_given) from the flags and an optional --config."""
+    from anima_train.config import ConfigError, DatasetConfig, TrainConfig, load_config
+
+    if args.config:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as e:
+            raise DatasetError(str(e)) from None
+        dataset, model_path = cfg.dataset, cfg.train.model_path
+        subsets = dataset.resolved_subsets()
+    else:
+        dataset, model_path, subsets = DatasetConfig(), TrainConfig().model_path, []
+    if args.dirs:
+        subsets = [SimpleNamespace(path=d, num_repeats=1, texture=True) for d in args.dirs]
+    if not subsets:
+        raise DatasetError("no dataset folder: give DIR, or --config with a [dataset] path or subsets")
+    settings = dataclasses.replace(BucketSettings.from_config(dataset), **flag_overrides(args))
+    if any(t <= 0 for t in settings.tiers):
+        raise DatasetError(f"--resolution {list(settings.tiers)}: every tier must be > 0")
+    tiers_given = bool(args.resolution or args.config)
+    if need_tiers and not tiers_given:
+        raise DatasetError("give the tier(s) with --resolution R [R ...] (or --config): caches are made per tier")
+    return subsets, settings, args.model or model_path, tiers_given
+
+
+def plan_lines(plan, settings: BucketSettings) -> list[str]:
+    """The bucket plan: per tier, its buckets and entry counts; and the size of the caches it makes."""
+    lines = []
+    files = {}
+    for e in plan.entries:
+        files[(e.source, e.plan.bucket)] = e.plan.bucket  # collapsed tiers share one file
+    by_tier = defaultdict(Counter)
+    for e in plan.entries:
+        by_tier[e.tier][e.plan.bucket] += 1
+    for t in settings.tiers:
+        buckets = by_tier.get(t, Counter())
+        lines.append(f"tier {t}: {sum(buckets.values())} entries in {len(buckets)} bucket(s)")
+        for b, n in sorted(buckets.items(), key=lambda kv: (-kv[1], kv[0]))[:12]:
+            lines.append(f"   {b[0]:>5}x{b[1]:<5} {n:>6}   {(b[0] // 16) * (b[1] // 16):>6} tokens")
+        if len(buckets) > 12:
+            lines.append(f"   ... {len(buckets) - 12} more bucket(s)")
+    n_sized = len(plan.sources)
+    lines += tier_report(tier_counts(plan.entries, n_sized, settings.tiers), n_sized)[0]
+    size = sum(16 * (w // 8) * (h // 8) * 4 + CACHE_HEADER_BYTES for w, h in files.values())
+    lines.append(f"cache    {len(files)} file(s), {size / 2**20:.1f} MiB (float32 latents)")
+    return lines
+
+
+# -------------------------------------------------------------------------------------------------- cache
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataset_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the cache size; write nothing")
+    parser.add_argument("--overwrite", action="store_true", help="re-encode caches that already exist and match")
+    parser.add_argument("--allow-missing-captions", action="store_true",
+                        help="cache images without a <stem>.txt (training still needs the captions)")
+    parser.add_argument("--batch-size", type=int, default=4, help="images per VAE forward (same bucket)")
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="VAE compute dtype (default: bfloat16 on CUDA, float32 on CPU); caches are float32")
+
+
+def load_vae(model_path, device: str, dtype: str):
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+
+    vae_dir = Path(model_path) / "vae"
+    if not vae_dir.is_dir():
+        raise DatasetError(f"no VAE at {vae_dir}: pass --model /path/to/anima-diffusers (the converted repo)")
+    vae = AutoencoderKLQwenImage.from_pretrained(str(model_path), subfolder="vae", torch_dtype=getattr(torch, dtype))
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def save_cache(path: Path, latents, metadata: dict[str, str]) -> None:
+    """Atomic write (temp file in the same folder, then os.replace)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({"latents": latents.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except DatasetError as e:
+        print(f"anima-train cache: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    subsets, settings, model_path, _ = resolve_dataset_args(args)
+    if args.batch_size < 1:
+        raise DatasetError("--batch-size must be >= 1")
+    scan = scan_folders(subsets)
+    for f in scan.folders:  # caching reads images; cache-only folders are left alone
+        f.mode = "images" if f.images else "latents"
+    sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable)
+    if not sources:
+        raise DatasetError("no readable images to cache in " + ", ".join(str(s.path) for s in subsets))
+    missing = missing_captions(scan, sources)
+    if not args.allow_missing_captions:
+        refuse_missing_captions(missing)
+    plan = plan_sources(sources, settings)
+
+    print(f"images   {len(sources)} in {len(scan.folders)} folder(s)" +
+          (f", {len(bad)} unreadable skipped" if bad else "") +
+          (f", {len(missing)} without caption" if missing else "") +
+          (f", {len(plan.dropped_small)} below min_source_area dropped" if plan.dropped_small else ""))
+    for line in plan_lines(plan, settings) + scan.notes:
+        print(line)
+
+    vae_id = None if args.dry_run else vae_identity(model_path)
+    check = check_caches(scan, plan, settings, vae_id)
+    # one job per (source, bucket): a collapsed tier shares the lower tier's file
+    jobs, seen = [], set()
+    todo = check.entries if args.overwrite else [e for e, _ in check.missing]
+    for e in todo:
+        key = (e.source, e.plan.bucket)
+        if key not in seen:
+            seen.add(key)
+            jobs.append(e)
+    stale = sum(1 for e in jobs if cache_path(plan.sources[e.source].stem, e.plan.bucket).exists())
+    n_files = len({(e.source, e.plan.bucket) for e in plan.entries})
+    print(f"todo     {len(jobs)} of {n_files} cache file(s) to write" +
+          (f" ({stale} existing re-encoded: stale or --overwrite)" if stale else "") +
+          (f"; {n_files - len(jobs)} already valid, skipped" if n_files - len(jobs) else ""))
+    if args.dry_run or not jobs:
+        return 0
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    vae = load_vae(model_path, device, dtype)
+    if vae_id is None:
+        print(f"warning: cannot hash the VAE weights under {model_path}/vae; caches record no VAE identity")
+
+    by_bucket = defaultdict(list)
+    for e in jobs:
+        by_bucket[e.plan.bucket].append(e)
+    failed: list[tuple[Path, str]] = []
+    written = 0
+    t0 = time.perf_counter()
+    with tqdm(total=len(jobs), unit="img", desc="caching", file=sys.stdout) as bar:
+        for bucket in sorted(by_bucket):
+            group = by_bucket[bucket]
+            for i in range(0, len(group), args.batch_size):
+                chunk, pixels = [], []
+                for e in group[i:i + args.batch_size]:
+                    src = plan.sources[e.source]
+                    try:
+                        pixels.append(load_pixels(src.image, e.plan))
+                        chunk.append(e)
+                    except Exception as exc:
+                        failed.append((src.image, f"{type(exc).__name__}: {exc}"))
+                        bar.update(1)
+                if not chunk:
+                    continue
+                latents = encode_latents(vae, torch.stack(pixels))
+                for e, z in zip(chunk, latents):
+                    src = plan.sources[e.source]
+                    save_cache(cache_path(src.stem, e.plan.bucket), z,
+                               plan_metadata(e.plan, settings, e.tier, vae_id))
+                    written += 1
+                bar.update(len(chunk))
+    dt = time.perf_counter() - t0
+    print(f"wrote    {written} cache file(s) in {dt:.1f} s ({written / max(dt, 1e-9):.2f} img/s)")
+    if failed:
+        listing = "\n".join(f"  {p}  ({why})" for p, why in failed)
+        print(f"{len(failed)} image(s) could not be decoded and have no cache:\n{listing}", file=sys.stderr)
+        return 0 if args.skip_unreadable else 1
+    return 0

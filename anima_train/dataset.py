@@ -1,0 +1,869 @@
+"""The dataset pipeline: scan folders, bucket every source at every tier, find (and check) latent caches, and
+serve bucket-homogeneous batches (CONFIG.md §2, §3, §B.1-§B.4, §B.6).
+
+    build_training_data(cfg, model_path) -> TrainingData   what the trainer calls
+    scan_folders / plan_sources / attach_caches              the same steps, used by `anima-train cache` / `audit`
+
+Folders. A source folder (`[dataset] path` or a `[[dataset.subsets]]` path) is scanned for images
+(.png .jpg .jpeg .webp .bmp), captions `<stem>.txt` (+ optional `<stem>_nl.txt`) and latent caches
+`<stem>_WWWWxHHHH_anima.safetensors`. Its immediate subfolders named like sd-scripts' DreamBooth folders,
+`N_name` (e.g. `10_char`), are scanned too, each as its own group repeated N x the subset's `num_repeats`
+(so `num_repeats = 2` and a subfolder `10_char` give 20 repeats); files directly in the folder get `num_repeats`.
+Other subfolders are not scanned (reported). A source folder itself named `N_name` gets no extra factor: its
+repeats are what the config says. Scanning is not recursive below the `N_name` level.
+
+Source modes (`[dataset] source`): `images` buckets from the images and reads their caches (every expected
+(image, bucket) pair must have a valid cache); `latents` reads caches only (images may be deleted: the source
+size comes from the cache's `original_size`); `encode` buckets like `images` and yields pixels for the trainer's
+VAE; `auto` is `images` for a folder with any image, else `latents`. Every folder must end up in one mode.
+
+Caches. One safetensors file per (source, bucket) beside the image: tensor `latents` (16, 1, H/8, W/8), float32,
+normalised per channel with the VAE's `latents_mean/std`; metadata `bucket`, `original_size`, `resized`, `trim`,
+`crop_ltrb` and `settings`, a JSON record of what it depends on (tier, resolutions, the bucket keys, the VAE's
+identity). A cache is valid when its plan (original size, resized size, trim, bucket) equals the plan the current
+settings give and its VAE is the current one; otherwise the scan refuses and says which setting changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from anima_train.buckets import (
+    BUCKET_KEYS,
+    BucketError,
+    BucketPlan,
+    below_min_source_area,
+    crop_ltrb,
+    make_bucketers,
+    plan_tiers,
+    tier_counts,
+    tier_report,
+)
+from anima_train.captions import build_caption, read_caption_files
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
+CACHE_TAIL = "_anima.safetensors"
+CACHE_NAME = re.compile(r"^(?P<stem>.+)_(?P<w>\d{4})x(?P<h>\d{4})_anima\.safetensors$")
+REPEAT_FOLDER = re.compile(r"^(?P<n>\d+)_(?P<name>.+)$")  # sd-scripts DreamBooth folders: "10_char"
+CACHE_FORMAT = "anima-latent-cache/1"
+SOURCE_MODES = ("images", "latents", "encode", "auto")
+
+
+class DatasetError(ValueError):
+    """A dataset problem found while scanning; the message names the files/settings and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Settings: what a bucket plan (and so a cache) depends on
+
+
+@dataclass(frozen=True)
+class BucketSettings:
+    """The `[dataset]` keys that decide buckets. Field names are the config keys."""
+
+    tiers: tuple[int, ...] = (1024,)
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = True
+    max_bucket_reso: int = 1920
+    min_bucket_reso: int = 256
+    multires_training: bool = False
+    tier_collapse: str = "dedup"
+    min_source_area: float = 0.0
+
+    @classmethod
+    def from_config(cls, dataset) -> "BucketSettings":
+        """From a DatasetConfig (or anything with its attribute names)."""
+        return cls(tiers=tuple(sorted(set(dataset.tiers))), tier_collapse=dataset.tier_collapse,
+                   min_source_area=float(dataset.min_source_area),
+                   **{k: getattr(dataset, k) for k in BUCKET_KEYS})
+
+    def bucketers(self):
+        try:
+            return make_bucketers(self.tiers, **{k: getattr(self, k) for k in BUCKET_KEYS})
+        except BucketError as e:
+            raise DatasetError(str(e)) from None
+
+    def record(self, tier: int) -> dict:
+        """The settings part of a cache's metadata (tier = the tier the cache was made for)."""
+        return {"tier": tier, "resolutions": list(self.tiers), **{k: getattr(self, k) for k in BUCKET_KEYS}}
+
+    def tier_key(self) -> str:
+        return "resolution" if len(self.tiers) == 1 else "resolutions"
+
+    def tier_value(self):
+        return self.tiers[0] if len(self.tiers) == 1 else list(self.tiers)
+
+
+def cache_path(stem_path: Path, bucket: tuple[int, int]) -> Path:
+    """`<stem>_WWWWxHHHH_anima.safetensors` beside the image (stem_path = folder / stem)."""
+    return stem_path.with_name(f"{stem_path.name}_{bucket[0]:04d}x{bucket[1]:04d}{CACHE_TAIL}")
+
+
+def _wxh(size) -> str:
+    return f"{size[0]}x{size[1]}"
+
+
+def _parse_wxh(text: str) -> tuple[int, int]:
+    w, h = text.lower().split("x")
+    return int(w), int(h)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# VAE identity: a content hash of the weights and the config, so caches from another VAE are refused
+
+_VAE_ID_MEMO: dict = {}
+
+
+def vae_identity(model_path) -> str | None:
+    """sha256 of `vae/*.safetensors` (bytes) and `vae/config.json` (parsed, without diffusers' bookkeeping keys
+    that start with "_"), or None when the model has no `vae/` folder. Memoised per (file, size, mtime)."""
+    vae_dir = Path(model_path) / "vae"
+    weights = sorted(vae_dir.glob("*.safetensors")) if vae_dir.is_dir() else []
+    config = vae_dir / "config.json"
+    if not weights or not config.is_file():
+        return None
+    key = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in weights + [config])
+    if key not in _VAE_ID_MEMO:
+        h = hashlib.sha256()
+        for p in weights:
+            with open(p, "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        cfg = {k: v for k, v in json.loads(config.read_text(encoding="utf-8")).items() if not k.startswith("_")}
+        h.update(json.dumps(cfg, sort_keys=True).encode())
+        _VAE_ID_MEMO[key] = "sha256:" + h.hexdigest()
+    return _VAE_ID_MEMO[key]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Folders
+
+
+@dataclass
+class Folder:
+    """One scanned directory: a source folder or one of its N_name subfolders."""
+
+    subset: int  # index into the resolved subsets
+    path: Path
+    repeats: int  # folder factor x subset num_repeats
+    texture: bool
+    images: dict[str, Path] = field(default_factory=dict)  # stem -> image file
+    caches: dict[str, list[Path]] = field(default_factory=dict)  # stem -> cache files
+    captions: set[str] = field(default_factory=set)  # stems with a <stem>.txt
+    mode: str = ""  # images | latents | encode, once resolved
+
+
+@dataclass
+class Scan:
+    folders: list[Folder]
+    subsets: list  # SubsetConfig-like (path, num_repeats, texture)
+    notes: list[str]  # things worth printing (ignored subfolders, ...)
+
+
+def _list_folder(folder: Folder) -> None:
+    with os.scandir(folder.path) as it:
+        names = sorted(e.name for e in it if e.is_file() and not e.name.startswith("."))
+    for name in names:
+        lower = name.lower()
+        if lower.endswith(CACHE_TAIL):
+            m = CACHE_NAME.match(name)
+            if m:
+                folder.caches.setdefault(m["stem"], []).append(folder.path / name)
+        elif lower.endswith(".txt"):
+            folder.captions.add(name[:-4])
+        elif lower.endswith(IMAGE_EXTENSIONS):
+            stem = name.rsplit(".", 1)[0]
+            if stem in folder.images:
+                raise DatasetError(
+                    f"{folder.images[stem].name} and {name} in {folder.path} share the stem {stem!r}, so they would "
+                    f"share one caption and one cache: rename or remove one of them")
+            folder.images[stem] = folder.path / name
+
+
+def scan_folders(subsets) -> Scan:
+    """List every source folder and its N_name subfolders (see the module docstring)."""
+    folders, notes = [], []
+    for i, sub in enumerate(subsets):
+        root = Path(sub.path).expanduser()
+        if not root.is_dir():
+            raise DatasetError(f"dataset folder {root} does not exist (or is not a folder): fix the path in the config")
+        top = Folder(i, root, int(sub.num_repeats), bool(sub.texture))
+        _list_folder(top)
+        mine = [top]
+        with os.scandir(root) as it:
+            subdirs = sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+        for name in subdirs:
+            m = REPEAT_FOLDER.match(name)
+            if not m:
+                notes.append(f"{root / name}: not scanned (only N_name subfolders such as 10_{name} are)")
+                continue
+            n = int(m["n"])
+            if n < 1:
+                raise DatasetError(f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
+            sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))
+            _list_folder(sub_folder)
+            mine.append(sub_folder)
+        mine = [f for f in mine if f.images or f.caches]
+        if not mine:
+            raise DatasetError(f"dataset folder {root} holds no images ({' '.join(IMAGE_EXTENSIONS)}) and no "
+                               f"*{CACHE_TAIL} caches: check the path")
+        folders += mine
+    return Scan(folders, list(subsets), notes)
+
+
+def resolve_modes(scan: Scan, source: str) -> str:
+    """Give every folder its mode; all folders must agree (a batch is all pixels or all latents)."""
+    if source not in SOURCE_MODES:
+        raise DatasetError(f"[dataset] source = {source!r}: use one of {', '.join(SOURCE_MODES)}")
+    for f in scan.folders:
+        if source == "auto":
+            f.mode = "images" if f.images else "latents"
+        elif source in ("images", "encode") and not f.images:
+            raise DatasetError(
+                f'{f.path} has caches but no images, and source = "{source}" buckets from images: set '
+                f'source = "latents" (or "auto") to train on the caches')
+        else:
+            f.mode = source
+    modes = {f.mode for f in scan.folders}
+    if len(modes) > 1:
+        lines = []
+        for f in scan.folders:
+            what = f"{len(f.images)} images" if f.images else f"{sum(map(len, f.caches.values()))} caches, no images"
+            lines.append(f"  subset {f.subset} {f.path}: {f.mode} ({what})")
+        raise DatasetError(
+            "the dataset folders resolve to different source modes, but a batch must be all latents from one "
+            "kind of source:\n" + "\n".join(lines) + '\nfix: set [dataset] source = "latents" to train on the '
+            "caches everywhere (cache the image folders first with anima-train cache), or restore the images")
+    return modes.pop()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sources: one image (or one cached stem) with its original size
+
+
+@dataclass
+class Source:
+    folder: int  # index into Scan.folders
+    stem: Path  # folder / stem
+    image: Path | None
+    size: tuple[int, int] | None  # original (w, h); None for a cache without original_size
+
+
+def read_cache_metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # a truncated/foreign file: say which
+        raise DatasetError(f"latent cache {path} cannot be read ({e}): delete it and re-run anima-train cache") from e
+
+
+def image_sources(scan: Scan, *, skip_unreadable: bool = False) -> tuple[list[Source], list[tuple[Path, str]]]:
+    """Sources from the image files (header read only). Unreadable images are all listed at once; with
+    skip_unreadable they are left out and returned as (path, reason)."""
+    from PIL import Image
+
+    sources, bad = [], []
+    for fi, f in enumerate(scan.folders):
+        if f.mode == "latents":
+            continue
+        for stem, path in f.images.items():
+            try:
+                with Image.open(path) as im:
+                    size = im.size
+            except Exception as e:
+                bad.append((path, f"{type(e).__name__}: {e}"))
+                continue
+            sources.append(Source(fi, f.path / stem, path, (int(size[0]), int(size[1]))))
+    if bad and not skip_unreadable:
+        shown = "\n".join(f"  {p}  ({why})" for p, why in bad[:50])
+        more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
+        raise DatasetError(f"{len(bad)} image(s) cannot be read:\n{shown}{more}\nfix or delete them, or skip them "
+                           f"(--skip-unreadable on the command line, skip_unreadable=True in code)")
+    return sources, bad
+
+
+def cache_sources(scan: Scan, metadata: dict[Path, dict]) -> list[Source]:
+    """Sources from cache files (latents mode): the size is the caches' `original_size` (None if absent)."""
+    sources = []
+    for fi, f in enumerate(scan.folders):
+        if f.mode != "latents":
+            continue
+        for stem, paths in f.caches.items():
+            sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata[p]]
+            size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
+            sources.append(Source(fi, f.path / stem, None, size))
+    return sources
+
+
+def missing_captions(scan: Scan, sources: Sequence[Source]) -> list[Path]:
+    return [s.stem.with_name(s.stem.name + ".txt") for s in sources
+            if s.stem.name not in scan.folders[s.folder].captions]
+
+
+def refuse_missing_captions(missing: Sequence[Path], what: str = "image") -> None:
+    if missing:
+        shown = "\n".join(f"  {p}" for p in missing[:50])
+        more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
+        raise DatasetError(f"{len(missing)} {what}(s) have no caption file:\n{shown}{more}\nwrite a <stem>.txt "
+                           f"for each (tags), or delete the {what}s")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Planning: every source at every tier
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One (source, tier) pair the epoch contains (before repeats)."""
+
+    source: int  # index into the sources list
+    tier: int
+    plan: BucketPlan
+    collapsed: bool
+    cache: Path | None = None  # the latents to read (images / latents modes)
+
+
+@dataclass
+class Plan:
+    sources: list[Source]  # kept sources (min_source_area applied)
+    entries: list[Entry]
+    dropped_small: list[Source]
+    unsized: list[Source]  # caches without original_size (latents mode)
+    unbucketable: list[tuple[Source, str]] = field(default_factory=list)  # (source, why) with drop_unbucketable
+
+
+def plan_tiers_checked(sizes: Sequence[tuple[int, int]], bucketers: dict, tier_collapse: str):
+    """plan_tiers, but a source that cannot be bucketed (too thin for a step) is reported, not fatal:
+    returns (tier entries of the good sources re-indexed to `sizes`, [(index, reason)])."""
+    try:
+        return plan_tiers(sizes, bucketers, tier_collapse), []
+    except BucketError:
+        pass  # find every offender (rare path), then plan the rest
+    bad, good = [], []
+    for i, (w, h) in enumerate(sizes):
+        try:
+            for b in bucketers.values():
+                b.select(w, h)
+            good.append(i)
+        except BucketError as e:
+            bad.append((i, str(e)))
+    entries = plan_tiers([sizes[i] for i in good], bucketers, tier_collapse)
+    return [dataclasses.replace(e, source_index=good[e.source_index]) for e in entries], bad
+
+
+def plan_sources(sources: Sequence[Source], settings: BucketSettings, *, drop_unbucketable: bool = False) -> Plan:
+    """Apply min_source_area, then bucket every sized source at every tier (dedup/repeat collapse). Sources
+    that cannot be bucketed are all listed in one error, or left out with drop_unbucketable."""
+    kept, small, unsized = [], [], []
+    for s in sources:
+        if s.size is None:
+            unsized.append(s)
+        elif settings.min_source_area and below_min_source_area(*s.size, settings.min_source_area, settings.tiers):
+            small.append(s)
+        else:
+            kept.append(s)
+    try:
+        tier_entries, bad = plan_tiers_checked([s.size for s in kept], settings.bucketers(), settings.tier_collapse)
+    except BucketError as e:
+        raise DatasetError(str(e)) from None
+    unbucketable = [(kept[i], why) for i, why in bad]
+    if unbucketable and not drop_unbucketable:
+        shown = "\n".join(f"  {s.image or s.stem}: {why}" for s, why in unbucketable[:50])
+        raise DatasetError(f"{len(unbucketable)} source(s) cannot be bucketed with these settings:\n{shown}\n"
+                           f"delete or crop them, or lower bucket_reso_steps / raise the resolution")
+    if bad:  # re-index onto the kept-and-bucketable list
+        good = [i for i in range(len(kept)) if i not in {j for j, _ in bad}]
+        remap = {old: new for new, old in enumerate(good)}
+        kept = [kept[i] for i in good]
+        tier_entries = [dataclasses.replace(e, source_index=remap[e.source_index]) for e in tier_entries]
+    entries = [Entry(e.source_index, e.tier, e.plan, e.collapsed) for e in tier_entries]
+    return Plan(kept, entries, small, unsized, unbucketable)
+
+
+def plan_metadata(plan: BucketPlan, settings: BucketSettings, tier: int, vae_id: str | None) -> dict[str, str]:
+    """The metadata written into a cache (all strings, as safetensors requires)."""
+    return {
+        "format": CACHE_FORMAT,
+        "bucket": _wxh(plan.bucket),
+        "original_size": _wxh(plan.source),
+        "resized": _wxh(plan.resized),
+        "trim": f"{plan.trim[0]},{plan.trim[1]}",
+        "crop_ltrb": json.dumps(list(plan.crop_ltrb)),
+        "settings": json.dumps({**settings.record(tier), "vae": vae_id}),
+    }
+
+
+def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None) -> str | None:
+    """None if the cache matches the plan (and the VAE, when both are known); else a short reason."""
+    if meta.get("format") != CACHE_FORMAT:
+        return "not an anima latent cache of this format"
+    for key, want in (("original_size", _wxh(plan.source)), ("bucket", _wxh(plan.bucket)),
+                      ("resized", _wxh(plan.resized)), ("trim", f"{plan.trim[0]},{plan.trim[1]}")):
+        if meta.get(key) != want:
+            return f"{key} {meta.get(key)} != {want}"
+    made_with = _record(meta).get("vae")
+    if vae_id and made_with and made_with != vae_id:
+        return "made with another VAE"
+    return None
+
+
+def _record(meta: dict) -> dict:
+    try:
+        return json.loads(meta.get("settings", "{}"))
+    except json.JSONDecodeError:
+        return {}
+
+
+def explain_settings(meta: dict, settings: BucketSettings, vae_id: str | None) -> str:
+    """Which settings differ between a cache's record and the current ones, e.g.
+    "bucket_reso_steps=64, the config says 32"."""
+    rec = _record(meta)
+    if not rec:
+        return "no settings record (not made by anima-train cache)"
+    diffs = []
+    old_tiers = rec.get("resolutions")
+    if old_tiers is not None and sorted(old_tiers) != list(settings.tiers):
+        key = "resolution" if len(old_tiers) == 1 and len(settings.tiers) == 1 else "resolutions"
+        old = old_tiers[0] if key == "resolution" else old_tiers
+        diffs.append(f"{key}={old}, the config says {settings.tier_value()}")
+    upscale_branch = not settings.bucket_no_upscale or not rec.get("bucket_no_upscale", True)
+    for k in BUCKET_KEYS:
+        if k in ("min_bucket_reso", "multires_training") and not upscale_branch:
+            continue  # inert in the no-upscale branch
+        if k in rec and rec[k] != getattr(settings, k):
+            old, new = rec[k], getattr(settings, k)
+            if isinstance(new, bool):
+                old, new = str(old).lower(), str(new).lower()
+            diffs.append(f"{k}={old}, the config says {new}")
+    if vae_id and rec.get("vae") and rec["vae"] != vae_id:
+        diffs.append(f"VAE {rec['vae'][:19]}, the model's VAE is {vae_id[:19]}")
+    return "; ".join(diffs) if diffs else "the same settings (the image may have changed since)"
+
+
+def cache_command(folders: Iterable[Path], settings: BucketSettings, overwrite: bool = False) -> str:
+    """The `anima-train cache` line that makes caches for the current settings."""
+    d = BucketSettings()
+    parts = ["anima-train cache", *sorted({str(p) for p in folders}),
+             "--resolution", *map(str, settings.tiers)]
+    parts += ["--bucket-reso-steps", str(settings.bucket_reso_steps)]  # always: it is what changes most
+    if settings.max_bucket_reso != d.max_bucket_reso:
+        parts += ["--max-bucket-reso", str(settings.max_bucket_reso)]
+    if not settings.bucket_no_upscale:
+        parts += ["--upscale"]
+        if settings.min_bucket_reso != d.min_bucket_reso:
+            parts += ["--min-bucket-reso", str(settings.min_bucket_reso)]
+        if settings.multires_training:
+            parts += ["--multires-training"]
+    if overwrite:
+        parts.append("--overwrite")
+    return " ".join(parts)
+
+
+@dataclass
+class CacheCheck:
+    """Result of matching a plan's entries against the cache files on disk."""
+
+    entries: list[Entry]  # with .cache set where valid
+    missing: list[tuple[Entry, str]]  # (entry, why) for entries without a valid cache
+    unused: list[Path]  # caches of known stems that match no entry (other tiers / settings)
+    metadata: dict[Path, dict]
+
+
+def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str | None,
+                 metadata: dict[Path, dict] | None = None) -> CacheCheck:
+    """For each entry, the cache file its plan names, if it exists and matches (see cache_problem)."""
+    metadata = {} if metadata is None else metadata
+
+    def meta(p: Path) -> dict:
+        if p not in metadata:
+            metadata[p] = read_cache_metadata(p)
+        return metadata[p]
+
+    out, missing, used = [], [], set()
+    for e in plan.entries:
+        src = plan.sources[e.source]
+        path = cache_path(src.stem, e.plan.bucket)
+        if path in scan.folders[src.folder].caches.get(src.stem.name, ()):
+            why = cache_problem(meta(path), e.plan, vae_id)
+            if why is None:
+                out.append(Entry(e.source, e.tier, e.plan, e.collapsed, path))
+                used.add(path)
+                continue
+        else:
+            why = "no cache file"
+        out.append(e)
+        missing.append((e, why))
+    unused = [p for s in plan.sources for p in scan.folders[s.folder].caches.get(s.stem.name, ()) if p not in used]
+    return CacheCheck(out, missing, unused, metadata)
+
+
+def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: BucketSettings,
+                      vae_id: str | None) -> DatasetError:
+    """One error for every (source, tier) pair without a valid cache, grouped by the setting that changed."""
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for e, why in check.missing:
+        src = plan.sources[e.source]
+        others = scan.folders[src.folder].caches.get(src.stem.name, [])
+        if not others:
+            reason = "are missing"
+        else:
+            latest = max(others, key=lambda p: p.stat().st_mtime_ns)
+            meta = check.metadata.get(latest) or read_cache_metadata(latest)
+            reason = f"were made with {explain_settings(meta, settings, vae_id)}"
+        by_reason[reason].append(f"{src.stem.name} (tier {e.tier}, {_wxh(e.plan.bucket)})")
+    n = len(check.missing)
+    lines = [f"{n} (source, tier) pair(s) have no valid latent cache for the current settings:"]
+    for reason, items in by_reason.items():
+        shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+        lines.append(f"  caches for {shown} {reason}")
+    folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
+    tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
+                   for e, _ in check.missing})
+    lines.append(f"fix: re-run `{cache_command(tops, settings)}` (it re-encodes stale caches), or set the "
+                 f"config back to the settings the caches were made with")
+    if any(f.mode == "latents" for f in scan.folders):
+        lines.append("(the images are gone from " + ", ".join(map(str, folders[:3]))
+                     + ": restore them to re-cache, or set the settings back)")
+    return DatasetError("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pixels and latents
+
+
+def load_pixels(image: Path, plan: BucketPlan):
+    """The training crop as a float tensor [3, 1, H, W] in [-1, 1]: LANCZOS resize to plan.resized, then the
+    bucket-sized window at plan.trim. Shared by `anima-train cache` and source = "encode", so both paths see
+    bit-identical pixels."""
+    import torch
+    from PIL import Image
+
+    with Image.open(image) as im:
+        if im.size != plan.source:
+            raise DatasetError(f"{image} is {_wxh(im.size)} but was scanned as {_wxh(plan.source)}: the file "
+                               f"changed during the run; restart to re-scan")
+        im = im.convert("RGB")
+        if im.size != plan.resized:
+            im = im.resize(plan.resized, Image.LANCZOS)
+        (x, y), (w, h) = plan.trim, plan.bucket
+        if x < 0 or y < 0 or x + w > im.size[0] or y + h > im.size[1]:
+            raise DatasetError(f"{image}: trim window {plan.trim} + {_wxh(plan.bucket)} exceeds the resized "
+                               f"{_wxh(im.size)} (a bucketing bug; please report it)")
+        im = im.crop((x, y, x + w, y + h))
+        arr = np.asarray(im, dtype=np.float32)
+    return torch.from_numpy(arr / 127.5 - 1.0).permute(2, 0, 1).unsqueeze(1).contiguous()
+
+
+def encode_latents(vae, pixels):
+    """Normalised latents (MODEL.md §4, §6): (vae.encode(x).latent_dist.mode() - mean) / std, float32.
+    pixels: [B, 3, 1, H, W] in [-1, 1] -> [B, 16, 1, H/8, W/8]."""
+    import torch
+
+    p = next(vae.parameters())
+    with torch.no_grad():
+        z = vae.encode(pixels.to(device=p.device, dtype=p.dtype)).latent_dist.mode().float()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def load_latents(path: Path):
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))["latents"]
+    except Exception as e:
+        raise DatasetError(f"latent cache {path} cannot be read ({e}): delete it and re-run anima-train cache") from e
+    return t.float()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dataset, collate, sampler
+
+
+@dataclass(frozen=True)
+class Item:
+    """What one dataset index reads (entries expanded by their folder's repeats)."""
+
+    stem: Path
+    image: Path | None
+    cache: Path | None
+    plan: BucketPlan
+    tier: int
+    texture: bool
+
+
+class AnimaDataset:
+    """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
+    index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG."""
+
+    def __init__(self, items: Sequence[Item], mode: str, caption_options, seed: int = 0):
+        self.items = list(items)
+        self.mode = mode
+        self.caption_options = caption_options
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        it = self.items[index]
+        tags, nl = read_caption_files(it.stem)
+        out = {
+            "caption": build_caption(tags, nl, self.caption_options, self.seed, self.epoch, index),
+            "bucket": it.plan.bucket,
+            "index": index,
+            "tier": it.tier,
+            "texture": it.texture,
+        }
+        if self.mode == "encode":
+            out["pixels"] = load_pixels(it.image, it.plan)
+        else:
+            out["latents"] = load_latents(it.cache)
+        return out
+
+
+def collate(batch: Sequence[dict]) -> dict:
+    """Stack one bucket-homogeneous batch: latents [B,16,1,h,w] or pixels [B,3,1,H,W]; lists for the rest."""
+    import torch
+
+    buckets = {b["bucket"] for b in batch}
+    if len(buckets) != 1:
+        raise ValueError(f"a batch mixes buckets {sorted(buckets)}: use BucketBatchSampler as batch_sampler")
+    out = {"bucket": batch[0]["bucket"], "caption": [b["caption"] for b in batch],
+           "index": [b["index"] for b in batch], "tier": [b["tier"] for b in batch],
+           "texture": [b["texture"] for b in batch]}
+    key = "pixels" if "pixels" in batch[0] else "latents"
+    out[key] = torch.stack([b[key] for b in batch])
+    return out
+
+
+class BucketBatchSampler:
+    """Bucket-homogeneous batches of dataset indices (a torch batch_sampler).
+
+    Indices are grouped by (bucket, texture eligibility); each epoch every group is shuffled with a generator
+    seeded from (seed, epoch), cut into batches of the group's batch size keeping the partial tail, and the
+    batch order is shuffled. Deterministic per (seed, epoch) and rank-agnostic: it yields whole batches and
+    Accelerate's data loader shards them across processes (never shard here). It deliberately has no
+    `batch_size` attribute: Accelerate's BatchSamplerShard then treats batches as variable-length lists and, with
+    even_batches, pads a short last round with whole earlier batches, so every batch stays one bucket.
+    """
+
+    def __init__(self, group_keys: Sequence, batch_sizes: dict, seed: int = 0):
+        self.groups: dict = defaultdict(list)
+        for index, key in enumerate(group_keys):
+            self.groups[key].append(index)
+        self.keys = sorted(self.groups)  # fixed order, independent of dict insertion
+        missing = [k for k in self.keys if k not in batch_sizes]
+        if missing:
+            raise ValueError(f"no batch size for group(s) {missing}")
+        self.batch_sizes = {k: int(batch_sizes[k]) for k in self.keys}
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return sum(math.ceil(len(self.groups[k]) / self.batch_sizes[k]) for k in self.keys)
+
+    def batches(self, epoch: int | None = None) -> list[list[int]]:
+        rng = random.Random(f"anima-sampler/{self.seed}/{self.epoch if epoch is None else int(epoch)}")
+        out = []
+        for k in self.keys:
+            idx = list(self.groups[k])
+            rng.shuffle(idx)
+            bs = self.batch_sizes[k]
+            out += [idx[i:i + bs] for i in range(0, len(idx), bs)]
+        rng.shuffle(out)
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+
+def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:
+    """Optimizer steps per epoch: ceil(ceil(batches / processes) / accum); a partial accumulation group still
+    steps (CONFIG.md §B.4: 113 images, batch 12, accum 2, 2 processes -> 10 batches -> 3 steps)."""
+    return math.ceil(math.ceil(num_batches / max(1, num_processes)) / max(1, accum))
+
+
+def bucket_batch_sizes(entries_by_bucket: dict[tuple[int, int], set[int]], batch_size) -> dict[tuple[int, int], int]:
+    """Batch size per bucket: an int everywhere, or {tier: int} where a bucket shared by several tiers takes the
+    largest tier's batch size (its memory cost is that of the largest tier it serves)."""
+    if isinstance(batch_size, int):
+        return {b: batch_size for b in entries_by_bucket}
+    out = {}
+    for bucket, tiers in entries_by_bucket.items():
+        top = max(tiers)
+        if top not in batch_size:
+            raise DatasetError(f"[train] batch_size has no entry for tier {top} (keys: {sorted(batch_size)})")
+        out[bucket] = int(batch_size[top])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Building it all
+
+
+@dataclass
+class TrainingData:
+    mode: str  # images | latents | encode
+    sources: list[Source]
+    entries: list[Entry]
+    dataset: AnimaDataset
+    sampler: BucketBatchSampler
+    report: list[str]  # startup lines
+    warnings: list[str]
+    settings: BucketSettings
+    scan: Scan = field(repr=False, default=None)
+
+    def set_epoch(self, epoch: int) -> None:
+        """New batch order and new captions for this epoch (sampler and dataset)."""
+        self.sampler.set_epoch(epoch)
+        self.dataset.set_epoch(epoch)
+
+
+def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
+                     warn: list[str]) -> tuple[list[Source], Plan, CacheCheck]:
+    """Latents mode: sources from cache metadata, planned like images, attributed to tiers by plan match."""
+    metadata: dict[Path, dict] = {}
+    for f in scan.folders:
+        if f.mode == "latents":
+            for paths in f.caches.values():
+                for p in paths:
+                    metadata[p] = read_cache_metadata(p)
+    sources = cache_sources(scan, metadata)
+    plan = plan_sources(sources, settings)
+    check = check_caches(scan, plan, settings, vae_id, metadata)
+    # caches without original_size: attributable only when there is one tier and one such cache per stem
+    extra = []
+    for s in plan.unsized:
+        paths = scan.folders[s.folder].caches[s.stem.name]
+        if len(settings.tiers) > 1:
+            raise DatasetError(
+                f"caches for {s.stem} carry no original_size, so they cannot be attributed to one of the tiers "
+                f"{list(settings.tiers)}: re-cache from the images with anima-train cache, or use one resolution")
+        if len(paths) > 1:
+            raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
+                               f"per source: keep one of {', '.join(p.name for p in paths)}")
+        m = CACHE_NAME.match(paths[0].name)
+        bucket = (int(m["w"]), int(m["h"]))
+        bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))
+        plan.sources.append(s)
+        extra.append(Entry(len(plan.sources) - 1, settings.tiers[0], bplan, False, paths[0]))
+    if extra:
+        warn.append(f"{len(extra)} cache(s) carry no original_size: used as-is at tier {settings.tiers[0]} "
+                    f"(their bucket cannot be checked against the settings)")
+    check.entries += extra
+    return sources, plan, check
+
+
+def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) -> TrainingData:
+    """Scan, plan, check caches and build the dataset + sampler + startup report for a loaded Config."""
+    d = cfg.dataset
+    settings = BucketSettings.from_config(d)
+    warn: list[str] = []
+    scan = scan_folders(d.resolved_subsets())
+    mode = resolve_modes(scan, d.source)
+    vae_id = None
+    if mode != "encode" and model_path is not None:
+        vae_id = vae_identity(model_path)
+        if vae_id is None:
+            warn.append(f"no VAE under {model_path}/vae: the caches' VAE identity is not checked")
+
+    if mode == "latents":
+        sources, plan, check = _latents_entries(scan, settings, vae_id, warn)
+    else:
+        sources, bad = image_sources(scan, skip_unreadable=skip_unreadable)
+        if bad:
+            warn.append(f"skipped {len(bad)} unreadable image(s): " + ", ".join(str(p) for p, _ in bad[:5])
+                        + (" ..." if len(bad) > 5 else ""))
+        plan = plan_sources(sources, settings)
+        check = check_caches(scan, plan, settings, vae_id) if mode == "images" else None
+        orphans = sum(1 for f in scan.folders for stem in f.caches if stem not in f.images)
+        if orphans and mode == "images":
+            warn.append(f"{orphans} cached stem(s) have no image and are not used under source = images: set "
+                        f'source = "latents" to train on every cache')
+    refuse_missing_captions(missing_captions(scan, plan.sources), "cache" if mode == "latents" else "image")
+    if check is not None:
+        if check.missing:
+            raise stale_cache_error(scan, plan, check, settings, vae_id)
+        entries = check.entries
+        unused = check.unused
+        if unused:
+            warn.append(f"{len(unused)} cache file(s) match no declared tier under the current settings and are "
+                        f"ignored (e.g. {unused[0].name}: made with "
+                        f"{explain_settings(check.metadata.get(unused[0]) or read_cache_metadata(unused[0]), settings, vae_id)})")
+    else:
+        entries = plan.entries
+    if plan.dropped_small:
+        warn.append(f"min_source_area = {settings.min_source_area}: dropped {len(plan.dropped_small)} source(s) "
+                    f"smaller than {settings.min_source_area} x {min(settings.tiers)}^2 px")
+    if not entries:
+        raise DatasetError("the dataset has no usable entries after scanning (all dropped or unreadable)")
+
+    # expand repeats into dataset items
+    items, keys = [], []
+    for e in entries:
+        src = plan.sources[e.source]
+        folder = scan.folders[src.folder]
+        item = Item(src.stem, src.image, e.cache, e.plan, e.tier, folder.texture)
+        items += [item] * folder.repeats
+        keys += [(e.plan.bucket, folder.texture)] * folder.repeats
+    tiers_by_bucket: dict = defaultdict(set)
+    for e in entries:
+        tiers_by_bucket[e.plan.bucket].add(e.tier)
+    per_bucket = bucket_batch_sizes(tiers_by_bucket, cfg.train.batch_size)
+    sampler = BucketBatchSampler(keys, {k: per_bucket[k[0]] for k in set(keys)}, seed=cfg.train.seed)
+    dataset = AnimaDataset(items, mode, d.caption, seed=cfg.train.seed)
+
+    n_sized = sum(1 for s in plan.sources if s.size is not None)
+    sized_entries = [e for e in entries if plan.sources[e.source].size is not None]
+    lines, tier_warn = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)
+    report = startup_report(scan, plan, entries, items, sampler, mode) + lines
+    warn += tier_warn + scan.notes
+    return TrainingData(mode, plan.sources, entries, dataset, sampler, report, warn, settings, scan)
+
+
+def startup_report(scan: Scan, plan: Plan, entries: Sequence[Entry], items: Sequence[Item],
+                   sampler: BucketBatchSampler, mode: str) -> list[str]:
+    what = {"images": "images (cached latents)", "latents": "latents (cache files only)",
+            "encode": "encode (pixels; the VAE runs in the loop)"}[mode]
+    buckets = Counter(it.plan.bucket for it in items)
+    common = ", ".join(f"{_wxh(b)} ({n})" for b, n in buckets.most_common(3))
+    lines = [f"source   {what}",
+             f"samples  {len(items)} per epoch ({len(entries)} entries x repeats), {len(sampler)} batches",
+             f"buckets  {len(buckets)}; most common: {common}"]
+    per_subset_entries: Counter = Counter()
+    per_subset_items: Counter = Counter()
+    for e in entries:
+        f = scan.folders[plan.sources[e.source].folder]
+        per_subset_entries[f.subset] += 1
+        per_subset_items[f.subset] += f.repeats
+    total = max(1, len(items))
+    lines.append("subsets")
+    for i, sub in enumerate(scan.subsets):
+        reps = sorted({f.repeats for f in scan.folders if f.subset == i})
+        xn = "/".join(f"x{r}" for r in reps) or f"x{sub.num_repeats}"
+        tail = "  [fullres only -- keeps its captions]" if not sub.texture else ""
+        lines.append(f"  {sub.path}: {per_subset_entries[i]} entries, {100 * per_subset_items[i] / total:.1f}% "
+                     f"of epoch  {xn}{tail}")
+    return lines

@@ -1,0 +1,128 @@
+"""`anima-train audit`: percentiles and ladders, collapse per ladder, and the SAFE / NOT SAFE verdict.
+
+Caches hold random latents written through the real metadata path, so no VAE is needed here."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from anima_train import cli
+from anima_train.buckets import Bucketer, suggest_ladder
+from anima_train.cache import save_cache
+from anima_train.dataset import BucketSettings, cache_path, plan_metadata
+
+SIZES = {"a": (160, 96), "b": (96, 160), "c": (128, 128), "d": (64, 64)}
+SETTINGS = BucketSettings(tiers=(96, 128), bucket_reso_steps=32)
+
+
+def png_header(w: int, h: int) -> bytes:
+    """A PNG that declares w x h and carries no pixels (a scan reads only the header)."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) + \
+        chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def fake_caches(folder: Path, sizes: dict, settings: BucketSettings):
+    paths = []
+    for stem, size in sizes.items():
+        for t in settings.tiers:
+            plan = Bucketer(t, bucket_reso_steps=settings.bucket_reso_steps).select(*size)
+            path = cache_path(folder / stem, plan.bucket)
+            if not path.exists():
+                save_cache(path, torch.zeros(16, 1, plan.bucket[1] // 8, plan.bucket[0] // 8),
+                           plan_metadata(plan, settings, t, None))
+                paths.append(path)
+    return paths
+
+
+@pytest.fixture
+def cached_set(tmp_path):
+    folder = tmp_path / "set"
+    folder.mkdir()
+    for stem, size in SIZES.items():
+        Image.new("RGB", size, (10, 200, 30)).save(folder / f"{stem}.png")
+        (folder / f"{stem}.txt").write_text("green square, black background")
+    return folder
+
+
+def audit(capsys, *args) -> tuple[int, str]:
+    rc = cli.main(["audit", *map(str, args)])
+    return rc, capsys.readouterr().out
+
+
+def test_safe_only_when_every_image_is_cached_and_captioned(cached_set, capsys):
+    flags = ("--resolution", 96, 128, "--bucket-reso-steps", 32)
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 1 and "NOT SAFE" in out and "(image, tier) pair(s) have no cache" in out
+    assert "fix: anima-train cache" in out
+    caches = fake_caches(cached_set, SIZES, SETTINGS)
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 0 and "verdict  SAFE" in out and "NOT SAFE" not in out
+
+    # one cache missing
+    data = caches[0].read_bytes()
+    caches[0].unlink()
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 1 and "1 (image, tier) pair(s)" in out and "NOT SAFE" in out
+    caches[0].write_bytes(data)
+    # one caption missing
+    (cached_set / "c.txt").unlink()
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 1 and "1 source(s) have no caption file: c.txt" in out
+    (cached_set / "c.txt").write_text("x")
+    # an unreadable image
+    (cached_set / "e.png").write_bytes(b"nope")
+    (cached_set / "e.txt").write_text("x")
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 1 and "1 image(s) cannot be read" in out
+    (cached_set / "e.png").unlink()
+    (cached_set / "e.txt").unlink()
+    # other settings than the caches were made with
+    rc, out = audit(capsys, cached_set, "--resolution", 96, 128, "--bucket-reso-steps", 64)
+    assert rc == 1 and "bucket_reso_steps=32, the config says 64" in out
+    rc, out = audit(capsys, cached_set, "--resolution", 64, 96, 128, "--bucket-reso-steps", 32)
+    assert rc == 1 and "resolutions=[96, 128], the config says [64, 96, 128]" in out
+    assert audit(capsys, cached_set, *flags)[0] == 0
+
+
+def test_after_deleting_images_settings_come_from_the_caches(cached_set, capsys, tmp_path):
+    fake_caches(cached_set, SIZES, SETTINGS)
+    for p in cached_set.glob("*.png"):
+        p.unlink()
+    rc, out = audit(capsys, cached_set)  # no --resolution: the caches' own record
+    assert "settings taken from the caches' records: resolutions [96, 128], bucket_reso_steps 32" in out
+    assert rc == 0 and "verdict  SAFE" in out and "4 cached stem(s) without image" in out
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[dataset]\npath = "{cached_set}"\nresolutions = [96, 128]\nbucket_reso_steps = 32\n')
+    assert audit(capsys, "--config", cfg)[0] == 0
+    cfg.write_text(f'[dataset]\npath = "{cached_set}"\nresolution = 128\nbucket_reso_steps = 32\n')
+    rc, out = audit(capsys, "--config", cfg)
+    assert rc == 0 and "match no configured tier" in out  # tier-96-only caches are left over, not needed
+
+
+def test_percentiles_ladders_and_collapse(tmp_path, capsys):
+    folder = tmp_path / "big"
+    folder.mkdir()
+    sizes = [(4000, 3000), (1920, 1080), (1024, 1024), (3000, 2000), (800, 600), (2048, 2048), (1500, 1000),
+             (600, 900), (2500, 1600), (1280, 720)] * 2
+    for i, (w, h) in enumerate(sizes):
+        (folder / f"s{i:02d}.png").write_bytes(png_header(w, h))
+        (folder / f"s{i:02d}.txt").write_text("x")
+    areas = [w * h for w, h in sizes]
+    ladder = suggest_ladder(areas, 64, 1920)
+    rc, out = audit(capsys, folder, "--resolution", 768, 1024, 1280)
+    assert rc == 1  # nothing cached
+    assert "source-area distribution (20 sources)" in out and "p10" in out
+    assert f"suggested ladder: resolutions = [{', '.join(map(str, ladder))}]" in out
+    configured = next(line for line in out.splitlines() if line.strip().startswith("configured"))
+    suggested = next(line for line in out.splitlines() if line.strip().startswith("suggested "))
+    # 800x600 and 600x900 (4 of 20) are below 1024^2; 1280x720 (2 more) below 1280^2 too
+    assert "[768, 1024, 1280]" in configured and "per tier: 768 0.0%, 1024 20.0%, 1280 40.0%" in configured
+    assert f"[{', '.join(map(str, ladder))}]" in suggested
