@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 # Node families, in the order they appear in ComfyUI's menu. Each module exports NODES: list[type[io.ComfyNode]].
-NODE_MODULES = ["nodes_check"]
+NODE_MODULES = ["nodes_check", "nodes_dataset", "nodes_train", "nodes_anchor"]
 
 
 def node_classes() -> list:
