@@ -1,0 +1,284 @@
+"""LoRA / LoKr injection, full-finetune selection and per-component param groups on tiny random Anima models."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from anima_train import adapters
+from anima_train.config import Config
+
+# MODEL.md §10 tiny configs
+TRANSFORMER_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
+                        mlp_ratio=4.0, text_embed_dim=32, adaln_lora_dim=16, max_size=(128, 240, 240),
+                        patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True,
+                        extra_pos_embed_type=None)
+CONDITIONER_TINY = dict(source_dim=32, target_dim=32, model_dim=32, num_layers=2, num_attention_heads=4,
+                        mlp_ratio=4.0, target_vocab_size=110, use_self_attention=True, use_layer_norm=False,
+                        min_sequence_length=64)
+QWEN3_TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=False)
+
+
+def tiny_models(seed: int = 0, dtype=torch.float32) -> dict:
+    from diffusers import CosmosTransformer3DModel
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    models = dict(transformer=CosmosTransformer3DModel(**TRANSFORMER_TINY),
+                  text_conditioner=AnimaTextConditioner(**CONDITIONER_TINY),
+                  text_encoder=Qwen3Model(Qwen3Config(**QWEN3_TINY)))
+    if dtype != torch.float32:
+        models = {k: m.to(dtype) for k, m in models.items()}
+    return {k: m.eval() for k, m in models.items()}
+
+
+def tiny_batch(seed: int = 1, batch: int = 2, dtype=torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(ids=torch.randint(0, 300, (batch, 6), generator=g), t5=torch.randint(2, 110, (batch, 5), generator=g),
+                x=torch.randn(batch, 16, 1, 8, 8, generator=g).to(dtype),
+                sigma=torch.rand(batch, generator=g).to(dtype),
+                target=torch.randn(batch, 16, 1, 8, 8, generator=g))
+
+
+def tiny_forward(models: dict, b: dict) -> torch.Tensor:
+    """Qwen3 -> conditioner -> DiT, as in MODEL.md §6 (no VAE: latents are given)."""
+    mask = torch.ones_like(b["ids"])
+    h = models["text_encoder"](input_ids=b["ids"], attention_mask=mask).last_hidden_state
+    ctx = models["text_conditioner"](source_hidden_states=h, target_input_ids=b["t5"],
+                                     target_attention_mask=torch.ones_like(b["t5"]), source_attention_mask=mask)
+    x = b["x"]
+    return models["transformer"](x, timestep=b["sigma"], encoder_hidden_states=ctx,
+                                 padding_mask=x.new_zeros(1, 1, 64, 64), return_dict=False)[0]
+
+
+def tiny_loss(models: dict, b: dict) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(tiny_forward(models, b).float(), b["target"])
+
+
+def make_cfg(**adapter) -> Config:
+    cfg = Config()
+    for k, v in adapter.items():
+        setattr(cfg.adapter, k, v)
+    return cfg
+
+
+def inject(models: dict, cfg: Config) -> dict:
+    return adapters.inject_adapters(models["transformer"], models["text_conditioner"], models["text_encoder"], cfg)
+
+
+# ------------------------------------------------------------------------------------------------- components
+
+
+def test_component_targets_are_exact():
+    m = tiny_models()
+    dit = m["transformer"]
+    blocks = [f"transformer_blocks.{i}" for i in range(2)]
+    expected = {
+        "self_attn": {f"{b}.attn1.{x}" for b in blocks for x in ("to_q", "to_k", "to_v", "to_out.0")},
+        "cross_attn": {f"{b}.attn2.{x}" for b in blocks for x in ("to_q", "to_k", "to_v", "to_out.0")},
+        "mlp": {f"{b}.ff.net.{x}" for b in blocks for x in ("0.proj", "2")},
+        "adaln": {f"{b}.norm{i}.linear_{j}" for b in blocks for i in (1, 2, 3) for j in (1, 2)}
+                 | {"norm_out.linear_1", "norm_out.linear_2"},
+        "base": {"patch_embed.proj", "time_embed.t_embedder.linear_1", "time_embed.t_embedder.linear_2", "proj_out"},
+    }
+    for comp, names in expected.items():
+        assert set(adapters.target_modules(dit, [comp])) == names, comp
+    linears = {n for n, mod in dit.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert set().union(*expected.values()) == linears  # every DiT Linear is in exactly one component
+    # non-target modules and near-miss names are no component
+    for name in ("transformer_blocks.0.attn1.norm_q", "time_embed.norm", "transformer_blocks.0.attn1.to_out",
+                 "transformer_blocks.0.attn1.to_qx", "transformer_blocks.0.attn3.to_q", "proj_out.lora_A"):
+        assert adapters.component_of(name) is None, name
+    cond_linears = {n for n, mod in m["text_conditioner"].named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert set(adapters.target_modules(m["text_conditioner"], ["llm_adapter"], "text_conditioner")) == cond_linears
+    assert len(cond_linears) == 21
+    te = adapters.target_modules(m["text_encoder"], ["text_encoder"], "text_encoder")
+    assert len(te) == 14 and all(re.search(r"(q|k|v|o|gate|up|down)_proj$", n) for n in te)
+    # names are per model: the conditioner's `norm` is not a DiT component, a DiT name is not the conditioner's
+    assert adapters.component_of("out_proj", "text_conditioner") == "llm_adapter"
+    assert adapters.component_of("out_proj") is None
+    assert adapters.component_of("blocks.0.self_attn.q_proj", "text_encoder") is None
+    with pytest.raises(ValueError, match="unknown model role"):
+        adapters.component_of("proj_out", "vae")
+
+
+def test_lora_injects_exact_targets_and_is_a_noop():
+    m = tiny_models()
+    b = tiny_batch()
+    with torch.no_grad():
+        before = tiny_forward(m, b)
+    cfg = make_cfg()  # default: rank 32 LoRA on self_attn, cross_attn, mlp
+    injected = inject(m, cfg)
+    want = set(adapters.target_modules(tiny_models()["transformer"], ["self_attn", "cross_attn", "mlp"]))
+    assert set(injected) == {"transformer"} and set(injected["transformer"]) == want
+    wrapped = {name for name, _, _ in adapters.adapter_parameters(m["transformer"])}
+    assert wrapped == want
+    with torch.no_grad():
+        after = tiny_forward(m, b)
+    assert torch.equal(before, after)  # B = 0: a fresh LoRA changes nothing, bit for bit
+    trainable = {n for n, p in m["transformer"].named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A.default." in n or ".lora_B.default." in n for n in trainable)
+    assert not any(p.requires_grad for k in ("text_conditioner", "text_encoder") for p in m[k].parameters())
+    lora_b = [p for n, p in m["transformer"].named_parameters() if ".lora_B." in n]
+    assert all(torch.count_nonzero(p) == 0 for p in lora_b)
+    with pytest.raises(ValueError, match="already holds peft adapters"):
+        inject(m, cfg)
+
+
+def test_param_groups_lrs_freezing_and_table():
+    m = tiny_models()
+    cfg = make_cfg(rank=4, alpha=4.0, components=["self_attn", "cross_attn", "mlp", "adaln", "base"])
+    cfg.component_lr.self_attn, cfg.component_lr.cross_attn, cfg.component_lr.mlp = 3e-5, 1.5e-5, 0.0
+    cfg.component_lr.adaln, cfg.component_lr.base = 1e-4, 0.0
+    cfg.optimizer.weight_decay = 0.05
+    inject(m, cfg)
+    groups, table = adapters.build_param_groups(m, cfg)
+    assert [(g["name"], g["lr"], g["weight_decay"]) for g in groups] == [
+        ("self_attn", 3e-5, 0.05), ("cross_attn", 1.5e-5, 0.05), ("adaln", 1e-4, 0.05)]
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    per_comp = {}
+    for mod, name, p in adapters.adapter_parameters(m["transformer"]):
+        comp = adapters.component_of(mod)
+        per_comp[comp] = per_comp.get(comp, 0) + p.numel()
+        assert p.requires_grad == (comp in ("self_attn", "cross_attn", "adaln")), name
+        assert (id(p) in in_groups) == p.requires_grad, name
+    # rank-4 sizes from the shapes: r * (in + out) per wrapped Linear
+    dit = tiny_models()["transformer"]
+    for comp in ("self_attn", "mlp", "base"):
+        want = sum(4 * (dit.get_submodule(n).in_features + dit.get_submodule(n).out_features)
+                   for n in adapters.target_modules(dit, [comp]))
+        assert per_comp[comp] == want, comp
+    rows = {line.split()[0]: line for line in table.splitlines()}
+    self_attn_m = per_comp["self_attn"] / 1e6
+    assert rows["self_attn"] == f"  self_attn      {self_attn_m:6.2f}M trainable      0.00M frozen  lr=3.00e-05"
+    assert rows["mlp"].endswith("M frozen  FROZEN") and f"{per_comp['mlp'] / 1e6:.2f}M frozen" in rows["mlp"]
+    assert "lr=1.00e-04" in rows["adaln"] and rows["base"].endswith("FROZEN")
+    assert list(rows) == ["self_attn", "cross_attn", "mlp", "adaln", "base", "total"]
+
+    # a frozen component gets no gradient and no optimizer state
+    opt = torch.optim.AdamW(groups)
+    tiny_loss(m, tiny_batch()).backward()
+    opt.step()
+    for mod, name, p in adapters.adapter_parameters(m["transformer"]):
+        comp = adapters.component_of(mod)
+        if comp in ("mlp", "base"):
+            assert p.grad is None and p not in opt.state, name
+        elif ".lora_A." in name:  # B was 0, so only B has a gradient after one step; A got state all the same
+            assert p in opt.state
+    assert any(torch.count_nonzero(p.grad) > 0 for g in groups for p in g["params"] if p.grad is not None)
+
+
+def test_everything_frozen_is_an_error():
+    m = tiny_models()
+    cfg = make_cfg(rank=2, alpha=2.0, components=["adaln"])  # adaln defaults to 0.0
+    inject(m, cfg)
+    with pytest.raises(ValueError, match="nothing to train") as exc:
+        adapters.build_param_groups(m, cfg)
+    assert "adaln" in str(exc.value) and "FROZEN" in str(exc.value)
+
+
+def test_full_finetune_groups_every_parameter_by_owner():
+    m = tiny_models()
+    cfg = make_cfg(kind="none")
+    cfg.component_lr.self_attn, cfg.component_lr.base = 2e-5, 1e-6  # cross_attn, mlp inherit optimizer.lr
+    injected = inject(m, cfg)
+    assert injected == {} and not adapters.adapter_parameters(m["transformer"])
+    groups, table = adapters.build_param_groups(m, cfg)
+    names = {g["name"]: g for g in groups}
+    assert list(names) == ["self_attn", "cross_attn", "mlp", "base"]  # adaln 0.0 and llm_adapter 0.0 frozen
+    assert names["mlp"]["lr"] == cfg.optimizer.lr and names["base"]["lr"] == 1e-6
+    dit = m["transformer"]
+    comp_of = {id(p): g["name"] for g in groups for p in g["params"]}
+    params = dict(dit.named_parameters())
+    assert comp_of[id(params["transformer_blocks.1.attn1.norm_q.weight"])] == "self_attn"
+    assert comp_of[id(params["transformer_blocks.0.attn2.norm_k.weight"])] == "cross_attn"
+    assert comp_of[id(params["time_embed.norm.weight"])] == "base"
+    assert comp_of[id(params["proj_out.weight"])] == "base"
+    adaln_owner = re.compile(r"(transformer_blocks\.\d+\.norm[123]|norm_out)\.")
+    for n, p in params.items():
+        is_adaln = adaln_owner.match(n) is not None
+        assert p.requires_grad != is_adaln, n
+        assert (id(p) in comp_of) != is_adaln, n
+    n_dit = sum(p.numel() for p in dit.parameters())
+    n_cond = sum(p.numel() for p in m["text_conditioner"].parameters())
+    n_groups = sum(p.numel() for g in groups for p in g["params"])
+    n_adaln = sum(p.numel() for n, p in params.items() if adaln_owner.match(n))
+    assert n_groups == n_dit - n_adaln
+    assert f"{(n_adaln + n_cond) / 1e6:9.2f}M frozen" in table.splitlines()[-1]
+    assert not any(p.requires_grad for p in m["text_conditioner"].parameters())
+    assert not any(p.requires_grad for p in m["text_encoder"].parameters())
+
+
+def _train(models, groups, batch, steps=4, opt_cls=torch.optim.AdamW, **kw):
+    opt = opt_cls(groups, **kw)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = tiny_loss(models, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_lokr_injects_and_trains():
+    m = tiny_models()
+    b = tiny_batch()
+    with torch.no_grad():
+        before = tiny_forward(m, b)
+    cfg = make_cfg(kind="lokr", rank=4, alpha=4.0, components=["self_attn", "mlp"], train_llm_adapter=True)
+    cfg.component_lr.llm_adapter = 1e-3
+    cfg.optimizer.lr = 1e-3
+    injected = inject(m, cfg)
+    assert set(injected) == {"transformer", "text_conditioner"}
+    names = [n for _, n, _ in adapters.adapter_parameters(m["transformer"])]
+    assert names and all(re.search(r"\.lokr_w(1|2|1_a|1_b|2_a|2_b)\.default$", n) for n in names)
+    with torch.no_grad():
+        assert torch.equal(tiny_forward(m, b), before)  # fresh LoKr is a no-op too
+    groups, _ = adapters.build_param_groups(m, cfg)
+    assert [g["name"] for g in groups] == ["self_attn", "mlp", "llm_adapter"]
+    loss = tiny_loss(m, b)
+    loss.backward()
+    grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+    assert grads and sum(g.abs().sum().item() for g in grads) > 0
+    losses = _train(m, groups, b, steps=4)
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        assert not torch.allclose(tiny_forward(m, b), before)
+
+
+def test_text_encoder_lora_rank_scale_and_gradients():
+    m = tiny_models()
+    cfg = make_cfg(rank=4, alpha=8.0, components=["cross_attn"], train_text_encoder=True, text_encoder_rank=2)
+    cfg.component_lr.text_encoder = 5e-6
+    injected = inject(m, cfg)
+    assert len(injected["text_encoder"]) == 14
+    q_proj = m["text_encoder"].layers[0].self_attn.q_proj
+    assert q_proj.lora_A["default"].weight.shape == (2, 32)
+    assert q_proj.scaling["default"] == pytest.approx(8.0 / 4)  # alpha/rank of the DiT adapter kept
+    groups, table = adapters.build_param_groups(m, cfg)
+    assert [(g["name"], g["lr"]) for g in groups] == [("cross_attn", cfg.optimizer.lr), ("text_encoder", 5e-6)]
+    assert "text_encoder" in table
+    for p in groups[1]["params"]:
+        torch.nn.init.normal_(p, std=0.1)  # non-zero B so that A gets a gradient as well
+    tiny_loss(m, tiny_batch()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in groups[1]["params"])
+    assert not any(p.requires_grad for n, p in m["text_encoder"].named_parameters() if "lora_" not in n)
+
+
+def test_adapter_dtype_follows_the_optimizer():
+    m = tiny_models(dtype=torch.bfloat16)
+    cfg = make_cfg(rank=2, alpha=2.0, components=["mlp"])
+    inject(m, cfg)  # torch adamw: fp32 adapters, so the moments are fp32
+    assert {p.dtype for _, _, p in adapters.adapter_parameters(m["transformer"])} == {torch.float32}
+    out = tiny_forward(m, tiny_batch(dtype=torch.bfloat16))  # no autocast needed
+    assert out.dtype == torch.bfloat16
+    m = tiny_models(dtype=torch.bfloat16)
+    cfg.optimizer.kind = "adamw8bit"
+    inject(m, cfg)  # SDNQ optimizers: adapters in train.dtype (stochastic rounding / Kahan do the work)
+    assert {p.dtype for _, _, p in adapters.adapter_parameters(m["transformer"])} == {torch.bfloat16}
