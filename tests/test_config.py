@@ -503,7 +503,7 @@ GATED = {
     "train.allow_multi_gpu_texture": D + "[train]\nallow_multi_gpu_texture = true\n",
     "train.resume_from": D + '[train]\nresume_from = "output/anima/anima-step000100.safetensors"\n',
     "dataset.texture": D + '[dataset.texture]\ntrigger = "texture"\n',
-    "curriculum": D + "[[curriculum]]\nat = 0.0\n",
+    "curriculum.texture": D + 'source = "encode"\n[[curriculum]]\nat = 0.0\nmode = "texture"\n',
     "flow.use_ot": D + "[flow]\nuse_ot = true\n",
     "flow.hf_scale": D + "[flow]\nhf_scale = 0.25\n",
     "flow.hf_exponent": D + "[flow]\nhf_exponent = 1.5\n",
@@ -530,7 +530,8 @@ def test_gate_refuses_unimplemented_keys(key, monkeypatch):
         pytest.skip(f"{key} has been implemented")
     text = GATED[key]
     table, _, name = key.rpartition(".")
-    label = f"`[[{key}]]`" if key == "curriculum" else f"`[{key}]`" if key in C.TABLES else f"`[{table}] {name}`"
+    label = ('`[[curriculum]] mode = "texture"`' if key == "curriculum.texture" else
+             f"`[{key}]`" if key in C.TABLES else f"`[{table}] {name}`")
     msg = _errors(text)
     assert f"{label} is not implemented yet ({C.NOT_IMPLEMENTED[key]})" in msg
     # Removing the entry is the whole switch: the same text then loads.
@@ -550,20 +551,20 @@ def _gated_keys_of(text: str) -> set[str]:
 
 
 def test_gate_message_quotes_the_default():
-    msg = _errors(D + "[flow]\nuse_ot = true\n")
-    assert ("`[flow] use_ot` is not implemented yet (optimal-transport noise pairing); remove it or set it back to "
-            "its default false") in msg
+    msg = _errors(D + "[train]\ncompile_dynamic = false\n")
+    assert ("`[train] compile_dynamic` is not implemented yet (torch.compile); remove it or set it back to "
+            "its default true") in msg
     assert "(it is unset by default)" in _errors(D + "[adapter]\ntext_encoder_rank = 8\n")
 
 
 def test_gate_applies_only_after_validation():
-    msg = _errors(D + "[flow]\nuse_ot = true\nhf_exponent = 0\n")
+    msg = _errors(D + "[train]\ncompile = \"default\"\n[flow]\nhf_exponent = 0\n")
     assert "hf_exponent = 0.0: must be > 0.0" in msg and "not implemented" not in msg
 
 
 def test_gate_lists_every_gated_key():
     with pytest.raises(ConfigError) as exc:
-        load_config(D + "[flow]\nuse_ot = true\nhf_scale = 0.5\n")
+        load_config(D + "[train]\ncompile = \"default\"\ncompile_regional = false\n")
     assert len(exc.value.errors) == 2
 
 

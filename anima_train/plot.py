@@ -1,0 +1,69 @@
+"""A loss chart as a PNG, drawn with Pillow (already a dependency) — raw per-step loss plus its EMA.
+
+Flow-matching loss is noisy by construction (every step draws a different timestep), so the EMA line is the one
+to read; the raw points show the spread.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def ema(values: list[float], alpha: float = 0.1) -> list[float]:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else (1 - alpha) * acc + alpha * v
+        out.append(acc)
+    return out
+
+
+def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "training loss",
+                size: tuple[int, int] = (800, 450)) -> Path:
+    """Write a PNG chart of `losses` (one value per optimizer step). Atomic write."""
+    from PIL import Image, ImageDraw
+
+    if not losses:
+        raise ValueError("no losses to plot")
+    w, h = size
+    left, right, top, bottom = 70, 20, 40, 45
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    lo, hi = min(losses), max(losses)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = 0.05 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    n = len(losses)
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        x = left + (w - left - right) * (i / max(1, n - 1))
+        y = top + (h - top - bottom) * (1 - (v - lo) / (hi - lo))
+        return x, y
+
+    # axes, grid and labels
+    d.rectangle([left, top, w - right, h - bottom], outline="black")
+    for k in range(5):
+        v = lo + (hi - lo) * k / 4
+        _, y = xy(0, v)
+        d.line([left, y, w - right, y], fill=(225, 225, 225))
+        d.text((5, y - 6), f"{v:.4g}", fill="black")
+    for k in range(5):
+        i = round((n - 1) * k / 4)
+        x, _ = xy(i, lo)
+        d.text((x - 10, h - bottom + 8), str(i + 1), fill="black")
+    d.text((left, 12), f"{title}  ({n} steps; grey: per step, blue: EMA)", fill="black")
+    d.text((w // 2 - 30, h - 18), "optimizer step", fill="black")
+
+    raw = [xy(i, v) for i, v in enumerate(losses)]
+    if n > 1:
+        d.line(raw, fill=(170, 170, 170), width=1)
+        d.line([xy(i, v) for i, v in enumerate(ema(losses))], fill=(30, 90, 200), width=3)
+    for x, y in raw:
+        d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(120, 120, 120))
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    img.save(tmp, format="PNG")
+    os.replace(tmp, path)
+    return path

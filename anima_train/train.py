@@ -1,0 +1,474 @@
+"""`anima-train train cfg.toml`: the training loop, top to bottom.
+
+    anima-train train cfg.toml [--max-steps N] [--no-save] [--dry-run] [--events PATH|-]
+    accelerate launch --num_processes 2 -m anima_train train cfg.toml
+
+Flow matching (MODEL.md §6): x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, context). Latents come
+from the cache (or the VAE under `source = "encode"`); captions are rebuilt and encoded on every step because tag
+shuffling and dropout change them per epoch. Accelerate runs it on one or many processes; it is constructed with
+`mixed_precision="no"` because precision is `train.dtype` and nothing else (autocast breaks SDNQ's backward).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from anima_train import checkpoints as ckpt
+from anima_train.config import Config, copy_config_verbatim, load_config
+from anima_train.progress import Progress, StepStats
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final: Path | None
+    global_step: int
+    losses: list[float] = field(default_factory=list)  # mean-over-ranks loss per optimizer step
+    saved: list[Path] = field(default_factory=list)
+    tag_frequency: dict = field(default_factory=dict)
+    stopped: bool = False  # ended early through the stop file
+    components: object = field(default=None, repr=False)  # the trained models (in-process callers: eval, demo)
+    trainable_digest: str = ""  # sha256 over this process's trainable tensors: equal on every rank under DDP
+    batches_seen: list[list[int]] = field(default_factory=list)  # dataset indices per micro-batch, this rank
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="the run's TOML config")
+    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (overrides the config)")
+    parser.add_argument("--no-save", action="store_true", help="write no checkpoint, config copy or state")
+    parser.add_argument("--dry-run", action="store_true", help="build everything, run one step, save nothing, exit")
+    parser.add_argument("--events", metavar="PATH|-", help="append JSON-lines progress events to PATH (- = stdout)")
+    parser.add_argument("--skip-unreadable", action="store_true", help="skip unreadable images instead of refusing")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
+    parser.add_argument("--stop-file", metavar="PATH",
+                        help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists")
+
+
+def run(args) -> int:
+    cfg = load_config(args.config)
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise SystemExit(f"--max-steps {args.max_steps}: must be at least 1")
+        cfg.train.max_steps = args.max_steps
+    train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
+          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file)
+    return 0
+
+
+def _precision_note() -> str | None:
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if asked and asked != "no":
+        return (f"note: the environment asks for mixed precision {asked!r} (accelerate config or launch flag); "
+                f"ignored — precision is [train] dtype")
+    return None
+
+
+def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
+          skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None) -> TrainResult:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="no", cpu=cpu,
+                              gradient_accumulation_steps=cfg.train.gradient_accumulation_steps)
+    progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
+    try:
+        return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save, skip_unreadable=skip_unreadable,
+                      stop_file=stop_file)
+    except BaseException as exc:
+        progress.event("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+    finally:
+        progress.close()
+
+
+def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
+           skip_unreadable: bool, stop_file: str | None = None) -> TrainResult:
+    from torch.utils.data import DataLoader
+
+    from anima_train.adapters import build_param_groups, inject_adapters
+    from anima_train.dataset import build_training_data, collate, encode_latents, steps_per_epoch
+    from anima_train.flow import active_phase, flow_loss, noisy_latents, ot_pair_noise, sample_timesteps
+    from anima_train.models import load_components
+    from anima_train.optimizers import build_optimizer
+    from anima_train.schedules import build_scheduler
+    from anima_train.text import encode_prompts
+
+    t_start = time.perf_counter()
+    say = progress.message
+    device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
+    dtype = DTYPES[cfg.train.dtype]
+    run_dir = Path(cfg.train.output_dir) / cfg.run_stem
+    if note := _precision_note():
+        say(note)
+    progress.event("status", message="loading model")
+
+    # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
+    torch.manual_seed(cfg.train.seed + rank)
+    gens = {"noise": torch.Generator(device=device).manual_seed(cfg.train.seed + rank),  # ε, on the device
+            "timestep": torch.Generator().manual_seed(cfg.train.seed + rank)}  # t, on the CPU (tiny draws)
+
+    # -- model, data, adapters --------------------------------------------------------------------------------
+    parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
+    transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
+    progress.event("status", message="scanning dataset")
+    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable)
+    for line in data.report:
+        say(line)
+
+    inject_adapters(transformer, conditioner, text_encoder, cfg)
+    groups, table = build_param_groups({"transformer": transformer, "text_conditioner": conditioner,
+                                        "text_encoder": text_encoder}, cfg)
+    for line in table.splitlines():
+        say(line)
+    train_conditioner = any(p.requires_grad for p in conditioner.parameters())
+    train_text_encoder = any(p.requires_grad for p in text_encoder.parameters())
+    if cfg.train.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+        if train_conditioner and hasattr(conditioner, "enable_gradient_checkpointing"):
+            conditioner.enable_gradient_checkpointing()
+    transformer.train()
+    conditioner.train(train_conditioner)
+    text_encoder.train(train_text_encoder)
+
+    optimizer = build_optimizer(groups, cfg.optimizer)
+    loader = DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=collate,
+                        num_workers=cfg.train.num_workers, persistent_workers=False)
+    accum = cfg.train.gradient_accumulation_steps
+    per_epoch = steps_per_epoch(len(data.sampler), world, accum)
+    total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    if dry_run:
+        total = 1
+    scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
+
+    trainable = [m for m, on in ((transformer, True), (conditioner, train_conditioner),
+                                 (text_encoder, train_text_encoder)) if on]
+    prepared = accelerator.prepare(*trainable, optimizer, loader, scheduler)
+    trainable, (optimizer, loader, scheduler) = list(prepared[: len(trainable)]), prepared[len(trainable):]
+    transformer_ddp = trainable[0]
+    conditioner_run = trainable[1] if train_conditioner else conditioner
+    text_encoder_run = trainable[-1] if train_text_encoder else text_encoder
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    say(f"steps    {per_epoch}/epoch x {cfg.train.epochs} epoch(s) = {per_epoch * cfg.train.epochs}"
+        + (f", capped at max_steps {cfg.train.max_steps}" if cfg.train.max_steps else "")
+        + f"  (batches {len(data.sampler)}, processes {world}, accumulation {accum})")
+    if world > 1:
+        say(f"note: {world} processes share each epoch's batches, so an epoch has {world}x fewer optimizer steps "
+            f"than on one process")
+
+    # -- resume ---------------------------------------------------------------------------------------------
+    global_step, start_epoch, skip_batches = 0, 0, 0
+    if cfg.train.resume_from:
+        state_dir = ckpt.resolve_resume(cfg.train.resume_from)
+        global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
+                                                              accelerator)
+        say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
+
+    progress.total = total
+    progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
+                   run_dir=str(run_dir), resumed_step=global_step)
+    if accelerator.is_main_process and not no_save:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
+
+    result = TrainResult(run_dir=run_dir, final=None, global_step=global_step,
+                         tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
+    vae = parts.vae if cfg.dataset.source == "encode" else None
+
+    def micro_step(batch, phase) -> tuple[torch.Tensor, dict]:
+        if vae is not None:  # source = "encode": the VAE runs here, without autograd
+            with torch.no_grad():
+                x0 = encode_latents(vae, batch["pixels"]).to(device, dtype)
+        else:
+            x0 = batch["latents"].to(device, dtype)
+        b, _, _, h, w = x0.shape
+        noise = torch.randn(x0.shape, generator=gens["noise"], device=device, dtype=torch.float32).to(dtype)
+        moved = None
+        if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
+            noise, moved = ot_pair_noise(x0, noise)
+        t = sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase).to(device)
+        x_t = noisy_latents(x0, noise, t)
+        context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
+                                 text_encoder=text_encoder_run, conditioner=conditioner_run, device=device,
+                                 train_text_encoder=train_text_encoder)
+        pred = transformer_ddp(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
+                               padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
+        loss, loss_parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=cfg.flow.hf_scale,
+                                     hf_exponent=cfg.flow.hf_exponent)
+        if moved is not None:
+            loss_parts["ot"] = moved
+        return loss, loss_parts
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    done = global_step >= total
+    loss_sum, mse_sum, hf_sum, ot_sum, micro = 0.0, 0.0, 0.0, 0.0, 0
+    epoch = start_epoch
+    while not done and epoch < cfg.train.epochs:
+        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+        # Accelerate's loader re-applies its own iteration counter to the sampler/dataset when iterated, so it
+        # must be told the epoch too (a resumed run's first full pass is the loader's iteration 0, not epoch N).
+        batches.set_epoch(epoch)
+        data.sampler.set_epoch(epoch)
+        data.dataset.set_epoch(epoch)
+        batch_index = skip_batches
+        skip_batches = 0
+        for batch in batches:
+            batch_index += 1
+            result.batches_seen.append([int(i) for i in batch["index"]])
+            # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
+            phase = active_phase(cfg.curriculum, global_step / total) if cfg.curriculum else None
+            with accelerator.accumulate(*trainable):
+                loss, loss_parts = micro_step(batch, phase)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
+                if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
+                    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                        group["lr"] = lr * phase.lr_mul
+                used_lrs = [group["lr"] for group in optimizer.param_groups]  # what this step really used
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach().float().item()
+            mse_sum += float(loss_parts.get("mse", loss.detach()))
+            hf_sum += float(loss_parts.get("hf", 0.0))
+            ot_sum += float(loss_parts.get("ot", 0.0))
+            micro += 1
+            if not accelerator.sync_gradients:
+                continue
+            # -- one optimizer step done ---------------------------------------------------------------------
+            global_step += 1
+            stats = torch.tensor([loss_sum, mse_sum, hf_sum, ot_sum], device=device) / micro
+            stats = accelerator.reduce(stats, reduction="mean")
+            loss_sum, mse_sum, hf_sum, ot_sum, micro = 0.0, 0.0, 0.0, 0.0, 0
+            result.losses.append(float(stats[0]))
+            result.global_step = global_step
+            progress.step(StepStats(step=global_step, epoch=epoch + 1, loss=float(stats[0]),
+                                    mse=float(stats[1]) if cfg.flow.hf_scale > 0 else None,
+                                    hf=float(stats[2]) if cfg.flow.hf_scale > 0 else None,
+                                    ot=float(stats[3]) if cfg.flow.use_ot else None,
+                                    lrs=used_lrs, peak_gb=_peak_gb(accelerator)),
+                          report=global_step % cfg.train.log_every == 0 or global_step == total)
+            if global_step >= total:
+                done = True
+                break
+            if stop_file and _stop_requested(stop_file, accelerator):
+                say(f"stop requested ({stop_file}): saving step {global_step} and exiting")
+                result.stopped = True
+                if not no_save:
+                    _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
+                          trainable, optimizer, scheduler, gens, step=global_step)
+                done = True
+                break
+            every = cfg.train.save_every_steps
+            if every and global_step % every == 0 and not no_save:
+                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
+                      trainable, optimizer, scheduler, gens, step=global_step)
+        else:
+            epoch += 1
+            every = cfg.train.save_every_epochs
+            if every and epoch % every == 0 and epoch < cfg.train.epochs and not no_save and not done:
+                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 0,
+                      trainable, optimizer, scheduler, gens, epoch_tag=epoch)
+            continue
+        break
+
+    if not no_save and not cfg.train.skip_final_save and not result.stopped:
+        epoch_for_state = epoch + (1 if batch_index >= len(loader) else 0)
+        result.final = _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch_for_state,
+                             0 if batch_index >= len(loader) else batch_index, trainable, optimizer, scheduler,
+                             gens, final=True)
+    accelerator.wait_for_everyone()
+    result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
+    result.components = parts
+    say(f"done: {global_step} step(s) in {time.perf_counter() - t_start:.1f} s"
+        + (f"; final checkpoint {result.final}" if result.final else ""))
+    progress.event("done", step=global_step, total=total, final=str(result.final) if result.final else None,
+                   stopped=result.stopped, saved=[str(p) for p in result.saved],
+                   seconds=time.perf_counter() - t_start)
+    accelerator.end_training()
+    return result
+
+
+def _stop_requested(stop_file: str, accelerator) -> bool:
+    """Every rank must agree to stop at the same step (a lone rank leaving would hang the others' all-reduce)."""
+    flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def _peak_gb(accelerator) -> list[float]:
+    if not torch.cuda.is_available() or accelerator.device.type != "cuda":
+        return []
+    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / 2**30], device=accelerator.device)
+    return [round(float(x), 2) for x in accelerator.gather(peak)]
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+
+def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index, trainable, optimizer,
+          scheduler, gens, *, step=None, epoch_tag=None, final=False) -> Path:
+    stem = ckpt.checkpoint_stem(cfg.run_stem, step=None if final else step,
+                                epoch=None if final else epoch_tag)
+    accelerator.wait_for_everyone()
+    path = None
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        models = {"transformer": accelerator.unwrap_model(trainable[0]), "text_conditioner": parts.text_conditioner,
+                  "text_encoder": parts.text_encoder}
+        path = write_checkpoint(run_dir, stem, models, cfg, step=result.global_step, epoch=epoch,
+                                tag_frequency=result.tag_frequency)
+        result.saved.append(path)
+        progress.event("checkpoint", path=str(path), step=result.global_step)
+        progress.message(f"saved {path}")
+    if cfg.train.save_optimizer_state:
+        _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, trainable, optimizer, scheduler, gens,
+                    dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
+                         steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
+    if accelerator.is_main_process and not final:
+        for p in ckpt.prune_checkpoints(run_dir, cfg.run_stem, cfg.train.keep_last_n, per_epoch):
+            progress.message(f"pruned {p.name}")
+    accelerator.wait_for_everyone()
+    return Path(path) if path else run_dir / f"{stem}.safetensors"
+
+
+def _digest(models) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(_trainable_state(models).items()):
+        h.update(name.encode())
+        h.update(tensor.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, step: int, epoch: int,
+                     tag_frequency: dict | None = None) -> Path:
+    """One checkpoint in the layout ComfyUI loads directly: LoRA/LoKr file (+ `_te` sibling for a Qwen3 LoRA), or
+    a full finetune as a native single file (or diffusers folders with save_native = false). Replaces a file of the
+    same name (a re-run of the same step)."""
+    from anima_train import lora_export as ex
+    kind = cfg.adapter.kind
+    dtype = DTYPES[cfg.train.dtype]
+    meta = ex.training_metadata(
+        kind="full" if kind == "none" else kind, title=cfg.run_stem,
+        rank=None if kind == "none" else cfg.adapter.rank, alpha=None if kind == "none" else cfg.adapter.alpha,
+        resolution=cfg.dataset.tiers, steps=step, epoch=epoch, num_epochs=cfg.train.epochs,
+        max_steps=cfg.train.max_steps, tag_frequency=tag_frequency,
+        training_config=config_json(cfg),
+        network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
+        extra={"step": step, "run": cfg.run_stem})
+    transformer, conditioner = models["transformer"], models["text_conditioner"]
+    adapted_conditioner = conditioner if cfg.adapter.train_llm_adapter else None
+    path = run_dir / f"{stem}.safetensors"
+    if kind == "lora":
+        ex.save_lora(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+    elif kind == "lokr":
+        ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+    elif cfg.train.save_native:
+        ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+    else:
+        path = ex.save_full_diffusers(run_dir / stem, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+    if cfg.adapter.train_text_encoder:
+        te_meta = dict(meta, **{"modelspec.architecture": meta["modelspec.architecture"]})
+        ex.save_text_encoder_lora(ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors"),
+                                  models["text_encoder"], te_meta, dtype=dtype, overwrite=True)
+    return path
+
+
+def config_json(cfg: Config) -> dict:
+    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts)."""
+    import dataclasses
+
+    data = dataclasses.asdict(cfg)
+    for private in ("source_path", "source_text"):
+        data.pop(private, None)
+    return data
+
+
+def tag_frequency(sources) -> dict[str, dict[str, int]]:
+    """sd-scripts' `ss_tag_frequency`: {dataset folder: {tag: count}} over the raw `.txt` captions."""
+    from anima_train.captions import split_tags
+
+    freq: dict[str, dict[str, int]] = {}
+    for src in sources:
+        txt = Path(f"{src.stem}.txt")
+        if not txt.is_file():
+            continue
+        counts = freq.setdefault(txt.parent.name, {})
+        for tag in split_tags(txt.read_text(encoding="utf-8", errors="replace"), ","):
+            counts[tag] = counts.get(tag, 0) + 1
+    return freq
+
+
+def _trainable_state(models) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                out[f"{i}/{name}"] = p.detach().to("cpu").contiguous()
+    return out
+
+
+def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, gens, info: dict) -> None:
+    """`<stem>-state/`: state.json + accelerator/ {trainable weights, optimizer, scheduler, per-rank RNG}.
+
+    Only the trainable tensors are stored (a LoRA run's state is megabytes, not the 4 GB base). Every file is
+    safetensors or a `torch.save` of plain tensors/numbers that `torch.load(weights_only=True)` reads back."""
+    from safetensors.torch import save_file
+
+    tmp = state_dir.with_name(f".{state_dir.name}.tmp")
+    inner = tmp / ckpt.ACCELERATOR_DIR
+    if accelerator.is_main_process:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        inner.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    save_file({name: g.get_state() for name, g in gens.items()},
+              str(inner / f"rng_rank{accelerator.process_index}.safetensors"))
+    if accelerator.is_main_process:
+        unwrapped = [accelerator.unwrap_model(m) for m in trainable]
+        save_file(_trainable_state(unwrapped), str(inner / "trainable.safetensors"))
+        torch.save(optimizer.state_dict(), inner / "optimizer.pt")
+        torch.save(scheduler.state_dict(), inner / "scheduler.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        ckpt.write_json_atomic(tmp / ckpt.STATE_FILE, {**info, "processes": accelerator.num_processes})
+        ckpt.replace_dir_atomic(tmp, state_dir)
+    accelerator.wait_for_everyone()
+
+
+def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelerator) -> tuple[int, int, int]:
+    from safetensors.torch import load_file
+
+    info = ckpt.read_state(state_dir)
+    if info.get("processes", 1) != accelerator.num_processes:
+        raise ckpt.ResumeError(
+            f"{state_dir} was saved by {info.get('processes')} process(es), this run has {accelerator.num_processes}: "
+            f"resume with the same number of processes")
+    inner = state_dir / ckpt.ACCELERATOR_DIR
+    weights = load_file(str(inner / "trainable.safetensors"))
+    for i, model in enumerate(accelerator.unwrap_model(m) for m in trainable):
+        own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        expected = {f"{i}/{n}" for n in own}
+        have = {k for k in weights if k.startswith(f"{i}/")}
+        if expected != have:
+            raise ckpt.ResumeError(f"{state_dir}: its trainable tensors do not match this run's "
+                                   f"({len(have)} saved vs {len(expected)} here); was the adapter config changed?")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(weights[f"{i}/{n}"])
+    optimizer.load_state_dict(torch.load(inner / "optimizer.pt", weights_only=True, map_location="cpu"))
+    scheduler.load_state_dict(torch.load(inner / "scheduler.pt", weights_only=True))
+    rng = inner / f"rng_rank{accelerator.process_index}.safetensors"
+    for name, state in load_file(str(rng)).items():
+        gens[name].set_state(state)
+    return int(info["global_step"]), int(info["epoch"]), int(info.get("batch_in_epoch", 0))

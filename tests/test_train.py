@@ -1,0 +1,147 @@
+"""The training loop on the tiny model: it learns, resumes exactly, stops on request, writes the documented outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from anima_train.config import load_config
+from anima_train.evaluate import evaluate
+from anima_train.models import load_components
+from anima_train.tiny import make_synthetic_latents
+from anima_train.train import train
+
+
+@pytest.fixture(scope="module")
+def latents_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("latents")
+    make_synthetic_latents(out, n=12, seed=0)
+    return out
+
+
+def make_cfg(model: Path, data: Path, out: Path, extra: str = "", **train_keys):
+    keys = dict(epochs=1000, batch_size=4, dtype='"float32"', num_workers=0, progress='"off"',
+                gradient_checkpointing="false", save_every_epochs=0, run_name='"tiny"')
+    keys.update({k: v for k, v in train_keys.items()})
+    train_lines = "\n".join(f"{k} = {v}" for k, v in keys.items())
+    text = f"""# tiny run
+[train]
+model_path = "{model}"
+output_dir = "{out}"
+{train_lines}
+
+[dataset]
+path = "{data}"
+resolution = 128
+
+[adapter]
+rank = 8
+alpha = 8.0
+{extra}"""
+    return load_config(text)
+
+
+def _eval_set(data: Path):
+    caches = sorted(data.glob("*_anima.safetensors"))
+    latents = [load_file(str(c))["latents"] for c in caches]
+    captions = [c.with_name(c.name.rsplit("_", 2)[0] + ".txt").read_text().strip() for c in caches]
+    return latents, captions
+
+
+@pytest.mark.slow
+def test_it_learns_from_its_captions(tiny_anima, latents_dir, tmp_path):
+    latents, captions = _eval_set(latents_dir)
+    before = evaluate(load_components(tiny_anima.diffusers_dir, dtype="float32"), latents, captions)
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, "[optimizer]\nlr = 1e-2\n", max_steps=100)
+    result = train(cfg, cpu=True, no_save=True)
+    after = evaluate(result.components, latents, captions)
+    # fixed-quantile eval loss (same noise, same timesteps) drops by at least a quarter...
+    assert after.true_captions < 0.75 * before.true_captions, (before, after)
+    # ...and the prediction depends on the caption: shuffling captions costs more than before training
+    assert before.margin < 0.005
+    assert after.margin > before.margin + 0.01, (before, after)
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_anima, latents_dir, tmp_path):
+    extra = "[optimizer]\nlr = 1e-3\n[flow]\nuse_ot = true\nhf_scale = 0.25\n"
+    # 3 batches per epoch; the step-2 state is mid-epoch, so the resumed run must skip exactly the used batches
+    full = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "a", extra, max_steps=7,
+                          save_every_steps=2, save_optimizer_state="true"), cpu=True)
+    state = tmp_path / "a" / "tiny" / "tiny-step000002-state"
+    info = json.loads((state / "state.json").read_text())
+    assert info["global_step"] == 2 and info["batch_in_epoch"] == 2
+    resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", extra, max_steps=7,
+                             save_every_steps=2, save_optimizer_state="true",
+                             resume_from=f'"{tmp_path / "a" / "tiny" / "tiny-step000002.safetensors"}"'), cpu=True)
+    assert len(full.losses) == 7 and len(resumed.losses) == 5
+    assert resumed.batches_seen == full.batches_seen[2:]
+    assert resumed.losses == full.losses[2:]  # bit-identical: same batches, noise, timesteps, optimizer moments
+    assert resumed.trainable_digest == full.trainable_digest
+    a = load_file(str(tmp_path / "a" / "tiny" / "tiny.safetensors"))
+    b = load_file(str(tmp_path / "b" / "tiny" / "tiny.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path):
+    events = tmp_path / "events.jsonl"
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, "[schedule]\nkind = \"cosine\"\n",
+                   max_steps=7, save_every_steps=2, keep_last_n=2, save_optimizer_state="true",
+                   run_name='"my run"')
+    result = train(cfg, cpu=True, events=str(events))
+    run = tmp_path / "my-run"
+    names = sorted(p.name for p in run.iterdir())
+    # steps 2, 4, 6 were saved; keep_last_n = 2 pruned step 2 (file and state together); final + TOML untouched
+    assert names == ["my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors", "my-run-step000006-state",
+                     "my-run-step000006.safetensors", "my-run.safetensors", "my-run.toml"]
+    assert (run / "my-run.toml").read_text() == cfg.source_text  # verbatim, comments kept
+    assert result.final == run / "my-run.safetensors"
+    with safe_open(str(result.final), "pt") as f:
+        meta, keys = f.metadata(), list(f.keys())
+    assert meta["step"] == "7" and meta["run"] == "my-run" and meta["ss_network_dim"] == "8"
+    assert json.loads(meta["ss_training_config"])["train"]["max_steps"] == 7
+    assert keys and all(k.startswith("diffusion_model.") and (".lora_A." in k or ".lora_B." in k) for k in keys)
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    kinds = [r["event"] for r in records]
+    assert kinds[0] == "status" and "start" in kinds and kinds[-1] == "done"
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 8)) and all(r["total"] == 7 for r in steps)
+    assert [r["step"] for r in records if r["event"] == "checkpoint"] == [2, 4, 6, 7]
+    lrs = [r["lr"][0] for r in steps]
+    assert lrs[0] > lrs[-1]  # cosine decays
+
+
+def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path):
+    stop = tmp_path / "STOP"
+    stop.write_text("")
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=50, save_optimizer_state="true")
+    result = train(cfg, cpu=True, stop_file=str(stop))
+    assert result.stopped and result.global_step == 1
+    assert (tmp_path / "tiny" / "tiny-step000001.safetensors").is_file()
+    assert (tmp_path / "tiny" / "tiny-step000001-state" / "state.json").is_file()
+    assert not (tmp_path / "tiny" / "tiny.safetensors").exists()
+
+
+def test_dry_run_takes_one_step_and_writes_nothing(tiny_anima, latents_dir, tmp_path):
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=50)
+    result = train(cfg, cpu=True, dry_run=True, no_save=True)
+    assert result.global_step == 1 and len(result.losses) == 1
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_curriculum_lr_mul_and_full_finetune(tiny_anima, latents_dir, tmp_path):
+    extra = ('kind = "none"\n[component_lr]\nadaln = 0.0\nbase = 0.0\n[optimizer]\nlr = 1e-4\n'
+             '[[curriculum]]\nat = 0.0\nt_range = [0.0, 1.0]\n[[curriculum]]\nat = 0.5\nt_range = [0.0, 0.6]\n'
+             'lr_mul = 0.5\n')
+    events = tmp_path / "ev.jsonl"
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, extra, max_steps=4)
+    result = train(cfg, cpu=True, events=str(events))
+    lrs = [json.loads(line)["lr"] for line in events.read_text().splitlines() if '"step"' in line and
+           json.loads(line)["event"] == "step"]
+    assert lrs[0][0] == pytest.approx(1e-4) and lrs[-1][0] == pytest.approx(5e-5)  # phase 2 halves the LR
+    sd = load_file(str(result.final))
+    assert any(k.startswith("net.llm_adapter.") for k in sd) and any(k.startswith("net.blocks.") for k in sd)
