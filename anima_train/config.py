@@ -55,14 +55,6 @@ NOT_IMPLEMENTED: dict[str, str] = {
     "train.allow_multi_gpu_texture": "texture-mode curriculum",
     "dataset.texture": "texture-mode curriculum",
     "curriculum.texture": "texture-mode curriculum phases",  # any [[curriculum]] phase with mode = "texture"
-    "quant": "SDNQ quantization",
-    "optimizer.kind": "SDNQ optimizers",
-    "optimizer.quantize_state": "SDNQ optimizers",
-    "optimizer.offload_state": "SDNQ optimizers",
-    "optimizer.use_kahan": "SDNQ optimizers",
-    "adapter.train_text_encoder": "Qwen3 text-encoder LoRA",
-    "adapter.text_encoder_rank": "Qwen3 text-encoder LoRA",
-    "component_lr.text_encoder": "Qwen3 text-encoder LoRA",
 }
 
 

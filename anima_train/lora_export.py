@@ -133,7 +133,10 @@ def _module_path(name: str) -> str:
 
 
 def _plain_state_dict(model) -> dict:
-    return {_module_path(k): v for k, v in model.state_dict().items()}
+    """Plain tensors under clean names; SDNQ-quantized weights (quant.mode = "training") are dequantized."""
+    from anima_train.quant import dequantized_state_dict
+
+    return {_module_path(k): v for k, v in dequantized_state_dict(model).items()}
 
 
 def _native_module(part: str, name: str) -> str:

@@ -123,6 +123,14 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     for line in data.report:
         say(line)
 
+    if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
+        from anima_train.quant import dit_tokens, quantize_models
+
+        tokens = [dit_tokens(*e.plan.bucket) for e in data.entries]
+        report = quantize_models({"transformer": transformer, "text_conditioner": conditioner,
+                                  "text_encoder": text_encoder}, cfg, token_counts=tokens)
+        for line in report.summary().splitlines():
+            say(line)
     inject_adapters(transformer, conditioner, text_encoder, cfg)
     groups, table = build_param_groups({"transformer": transformer, "text_conditioner": conditioner,
                                         "text_encoder": text_encoder}, cfg)
@@ -413,7 +421,10 @@ def _trainable_state(models) -> dict[str, torch.Tensor]:
     for i, model in enumerate(models):
         for name, p in model.named_parameters():
             if p.requires_grad:
-                out[f"{i}/{name}"] = p.detach().to("cpu").contiguous()
+                t = p.detach()
+                if type(t).__name__ == "SDNQTensor":  # quantized master weights (quant.mode = "training")
+                    t = t.dequantize()
+                out[f"{i}/{name}"] = t.to("cpu").contiguous()
     return out
 
 

@@ -1,8 +1,16 @@
 // Anima Trainer pack: front-end extension.
-// ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
+// 1. ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
+// 2. The "Anima: Train" node gets a live loss chart fed by the `anima_train.progress` websocket events that the
+//    node relays from the trainer (one per trainer event: start/status/step/message/checkpoint/done/error).
 import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
 
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
+const TRAIN_NODE = "AnimaTrainTrain";
+const PROGRESS_EVENT = "anima_train.progress";
+const CHART_WIDGET = "anima_loss_chart";
+const MAX_RUNS = 32; // runs remembered per page (one per Train node id); old ones are dropped
 
 function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
@@ -17,14 +25,145 @@ function showText(node, text) {
       "margin:0;padding:4px 6px;font:11px/1.35 monospace;white-space:pre-wrap;overflow:auto;" +
       "max-height:320px;background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border-radius:4px;";
     widget = node.addDOMWidget("anima_text", "anima_text", el, { serialize: false });
+    widget.serialize = false; // options.serialize keeps it out of the prompt, this out of the saved workflow
     widget.element = el;
   }
   widget.element.textContent = text;
   node.setDirtyCanvas(true, true);
 }
 
+// ---- live loss chart -------------------------------------------------------------------------------------
+
+// Run state lives here, keyed by the node id string the server sent, not on the node: events for a node that is
+// not (or not yet) on the canvas are kept, and a chart widget created later draws them.
+const runs = new Map();
+
+function rememberRun(id, run) {
+  runs.delete(id);
+  runs.set(id, run);
+  if (runs.size > MAX_RUNS) runs.delete(runs.keys().next().value);
+}
+
+// The server sends the executing node's unique id: "12" for a node of the root graph, "5:12" for a node inside
+// subgraph node 5. Walks the path; returns null when the node is not on the canvas (another tab's workflow).
+function findNode(id) {
+  const graph = app.rootGraph ?? app.graph;
+  if (!graph) return null;
+  const parts = String(id).split(":");
+  let current = graph, node = null;
+  for (const part of parts) {
+    if (!current?.getNodeById) return null;
+    node = current.getNodeById(/^\d+$/.test(part) ? Number(part) : part);
+    if (!node) return null;
+    current = node.subgraph;
+  }
+  return node;
+}
+
+function chartWidget(node) {
+  return node.widgets?.find((w) => w.name === CHART_WIDGET);
+}
+
+function addChartWidget(node) {
+  if (chartWidget(node)) return chartWidget(node);
+  const root = document.createElement("div");
+  root.className = "anima-train-chart";
+  root.style.cssText =
+    "display:flex;flex-direction:column;gap:3px;width:100%;height:100%;box-sizing:border-box;padding:2px;" +
+    "font:11px/1.35 sans-serif;color:var(--input-text,#ddd);";
+  const canvas = document.createElement("canvas");
+  canvas.className = "anima-train-chart-canvas";
+  // basis 0: the box, never the backing store's pixel size (2x on HiDPI), decides the height — no resize loop
+  canvas.style.cssText = "flex:1 1 0;min-height:90px;width:100%;border-radius:4px;display:block;";
+  const status = document.createElement("div");
+  status.className = "anima-train-chart-status";
+  // room for three lines from the start, so the canvas does not shrink when the first step arrives
+  status.style.cssText = "flex:0 0 auto;min-height:4.1em;white-space:pre-wrap;overflow-wrap:anywhere;";
+  root.append(canvas, status);
+
+  const widget = node.addDOMWidget(CHART_WIDGET, "anima_loss_chart", root, {
+    serialize: false,
+    hideOnZoom: false,
+    getMinHeight: () => 210,
+  });
+  widget.serialize = false; // not part of the saved workflow's widgets_values (options.serialize: not in the prompt)
+  // key: the id the server uses for this node, set by the first event — "5:12" inside subgraph node 5; until then
+  // the node's own id (not known yet here: onNodeCreated runs before graph.add assigns it)
+  widget.chart = { root, canvas, status, frame: 0, key: null };
+  // redraw on any size change (node resized, first layout); the 2D canvas needs its pixel size set explicitly
+  if (typeof ResizeObserver !== "undefined") {
+    const observer = new ResizeObserver(() => scheduleDraw(node));
+    observer.observe(canvas);
+    const previousRemove = widget.onRemove;
+    widget.onRemove = function () {
+      observer.disconnect();
+      return previousRemove?.apply(this, arguments);
+    };
+  }
+  scheduleDraw(node);
+  return widget;
+}
+
+function scheduleDraw(node) {
+  const widget = chartWidget(node);
+  if (!widget?.chart || widget.chart.frame) return;
+  // coalesce bursts of events (a fast tiny run, a page catching up) into one draw per animation frame
+  widget.chart.frame = requestAnimationFrame(() => {
+    widget.chart.frame = 0;
+    try {
+      renderChart(node, widget.chart);
+    } catch (err) {
+      console.warn("[anima_train] loss chart draw failed", err);
+    }
+  });
+}
+
+function renderChart(node, chart) {
+  const run = runs.get(chart.key ?? String(node.id)) ?? newRun();
+  const dpr = window.devicePixelRatio || 1;
+  const cssWidth = Math.max(1, chart.canvas.clientWidth), cssHeight = Math.max(1, chart.canvas.clientHeight);
+  const pixelWidth = Math.round(cssWidth * dpr), pixelHeight = Math.round(cssHeight * dpr);
+  if (chart.canvas.width !== pixelWidth) chart.canvas.width = pixelWidth;
+  if (chart.canvas.height !== pixelHeight) chart.canvas.height = pixelHeight;
+  drawChart(chart.canvas, run, cssWidth, cssHeight, dpr);
+
+  const colours = { main: "", info: "opacity:0.75;", done: "color:#7fd88f;", error: "color:#ff7b72;" };
+  const lines = statusLines(run).map(({ text, kind }) => {
+    const line = document.createElement("div");
+    line.className = `anima-train-status-${kind}`;
+    line.style.cssText = colours[kind] ?? "";
+    line.textContent = text;
+    return line;
+  });
+  chart.status.replaceChildren(...lines);
+  chart.status.title = run.phase === "error" ? String(run.error?.traceback ?? "") : "";
+  chart.root.dataset.phase = run.phase;
+  chart.root.dataset.step = run.last?.step ?? "";
+  node.setDirtyCanvas(true, false);
+}
+
+function onProgress(detail) {
+  if (!detail || detail.node === undefined || detail.node === null) return;
+  const id = String(detail.node);
+  rememberRun(id, applyEvent(runs.get(id), detail));
+  const node = findNode(id);
+  if (!node || node.comfyClass !== TRAIN_NODE) return; // not on this canvas: the state waits in `runs`
+  const widget = chartWidget(node) ?? addChartWidget(node);
+  widget.chart.key = id;
+  scheduleDraw(node);
+}
+
 app.registerExtension({
   name: "anima_train.ui",
+  setup() {
+    api.addEventListener(PROGRESS_EVENT, ({ detail }) => {
+      try {
+        onProgress(detail);
+      } catch (err) {
+        console.warn("[anima_train] progress event ignored", err, detail);
+      }
+    });
+  },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!isOurs(nodeData)) return;
     const previous = nodeType.prototype.onExecuted;
@@ -33,5 +172,13 @@ app.registerExtension({
       const text = message?.text;
       if (text && text.length) showText(this, Array.isArray(text) ? text.join("\n") : String(text));
     };
+    if (nodeData.name === TRAIN_NODE) {
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = created?.apply(this, arguments);
+        addChartWidget(this);
+        return result;
+      };
+    }
   },
 });

@@ -145,3 +145,47 @@ def test_curriculum_lr_mul_and_full_finetune(tiny_anima, latents_dir, tmp_path):
     assert lrs[0][0] == pytest.approx(1e-4) and lrs[-1][0] == pytest.approx(5e-5)  # phase 2 halves the LR
     sd = load_file(str(result.final))
     assert any(k.startswith("net.llm_adapter.") for k in sd) and any(k.startswith("net.blocks.") for k in sd)
+
+
+def _eval_drop(tiny_anima, latents_dir, cfg, **kw):
+    latents, captions = _eval_set(latents_dir)
+    before = evaluate(load_components(tiny_anima.diffusers_dir, dtype="float32"), latents, captions)
+    result = train(cfg, cpu=True, **kw)
+    after = evaluate(result.components, latents, captions)
+    return before.true_captions, after.true_captions, result
+
+
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "came", "lion"])
+def test_sdnq_frozen_int8_base_lora_learns(tiny_anima, latents_dir, tmp_path, optimizer, capsys):
+    betas = "[0.9, 0.999, 0.9999]" if optimizer == "came" else "[0.9, 0.99]"
+    lr = "3e-3" if optimizer == "lion" else "1e-2"
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path,
+                   f'[quant]\nmode = "frozen"\n[optimizer]\nkind = "{optimizer}"\nlr = {lr}\nbetas = {betas}\n'
+                   'quantize_state = true\n', max_steps=12)
+    before, after, _ = _eval_drop(tiny_anima, latents_dir, cfg)
+    out = capsys.readouterr().out
+    assert "quant: mode=frozen" in out and "Linears quantized (int8)" in out
+    assert after < 0.97 * before, (before, after)
+
+
+def test_sdnq_training_mode_full_finetune_exports_plain_weights(tiny_anima, latents_dir, tmp_path):
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path,
+                   'kind = "none"\n[quant]\nmode = "training"\n[optimizer]\nkind = "adamw8bit"\nlr = 1e-3\n',
+                   max_steps=12)
+    before, after, result = _eval_drop(tiny_anima, latents_dir, cfg)
+    assert after < before, (before, after)
+    exported = load_file(str(result.final))
+    native = load_file(str(tiny_anima.anima_file))
+    assert exported.keys() == native.keys()  # same names and count as the input checkpoint, dequantized
+    assert all(exported[k].dtype == torch.float32 and exported[k].shape == native[k].shape for k in native)
+
+
+def test_text_encoder_lora_goes_to_a_te_sibling(tiny_anima, latents_dir, tmp_path):
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path,
+                   "train_text_encoder = true\ntext_encoder_rank = 4\n[component_lr]\ntext_encoder = 1e-4\n",
+                   max_steps=2)
+    result = train(cfg, cpu=True)
+    te = load_file(str(tmp_path / "tiny" / "tiny_te.safetensors"))
+    assert te and all(k.startswith("lora_te_") for k in te)
+    assert any(k.endswith(".lora_up.weight") and v.abs().sum() > 0 for k, v in te.items())  # it trained
+    assert not any(k.startswith("lora_te") for k in load_file(str(result.final)))

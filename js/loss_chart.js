@@ -1,0 +1,274 @@
+// Anima Trainer pack: the live loss chart of the "Anima: Train" node — state and drawing, no ComfyUI imports.
+//
+// The Train node relays every trainer event (anima_train/progress.py) as the websocket message
+// `anima_train.progress` = {node, event, ...}; js/anima_train.js feeds them to applyEvent() and draws the result
+// with drawChart() and statusLines(). Plain <canvas> 2D, no libraries. Every string that comes from the server
+// (paths, messages) is only ever put into textContent or fillText, never into markup.
+//
+// ComfyUI loads every .js in js/ as an extension module; this one only exports, so loading it does nothing.
+
+export const EMA_BETA = 0.95; // ~20-step memory: smooths the per-bucket noise, still follows LR-schedule changes
+const MAX_POINTS = 200000; // beyond this, every second point is dropped (the chart is a few hundred px wide)
+
+const COLOURS = {
+  background: "#161a1f",
+  grid: "rgba(255,255,255,0.08)",
+  axis: "rgba(255,255,255,0.45)",
+  loss: "rgba(120,170,255,0.85)",
+  ema: "#ffa63d",
+  mse: "rgba(90,205,130,0.6)",
+  hf: "rgba(215,110,225,0.85)",
+};
+
+export function newRun() {
+  return {
+    phase: "idle", // idle | preparing | running | done | error
+    steps: [], loss: [], ema: [], mse: [], hf: [],
+    emaAcc: 0, emaCount: 0,
+    total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0,
+    last: null, // the latest step event
+    note: "", // latest status / message / checkpoint line
+    done: null, error: null,
+  };
+}
+
+const finite = (v) => typeof v === "number" && Number.isFinite(v);
+
+// One trainer event in, the run state out. A new run (a "start", or a "status" after a finished run) starts
+// from a fresh state so the chart resets; anything unknown is ignored, so a newer trainer cannot break the page.
+export function applyEvent(run, ev) {
+  if (!ev || typeof ev !== "object") return run;
+  run = run || newRun();
+  const finished = run.phase === "done" || run.phase === "error";
+  switch (ev.event) {
+    case "status":
+      if (finished) run = newRun();
+      if (run.phase === "idle") run.phase = "preparing";
+      run.note = String(ev.message ?? "");
+      break;
+    case "start": {
+      run = newRun();
+      run.phase = "running";
+      run.total = finite(ev.total) ? ev.total : null;
+      run.epochs = finite(ev.epochs) ? ev.epochs : null;
+      run.stepsPerEpoch = finite(ev.steps_per_epoch) ? ev.steps_per_epoch : null;
+      run.processes = finite(ev.processes) ? ev.processes : null;
+      run.resumedStep = finite(ev.resumed_step) ? ev.resumed_step : 0;
+      run.note = run.resumedStep ? `resumed at step ${run.resumedStep}` : "started";
+      break;
+    }
+    case "step": {
+      if (finished) run = newRun();
+      run.phase = "running";
+      if (finite(ev.total)) run.total = ev.total;
+      if (!finite(ev.step) || !finite(ev.loss)) { run.last = ev; break; }
+      // a page opened mid-run gets its first point here; a step that goes back means a restarted run
+      const lastStep = run.steps.length ? run.steps[run.steps.length - 1] : -Infinity;
+      if (ev.step <= lastStep) {
+        const keep = { total: run.total, epochs: run.epochs, processes: run.processes };
+        run = Object.assign(newRun(), keep, { phase: "running", resumedStep: ev.step - 1 });
+      }
+      run.emaAcc = EMA_BETA * run.emaAcc + (1 - EMA_BETA) * ev.loss;
+      run.emaCount += 1;
+      const ema = run.emaAcc / (1 - Math.pow(EMA_BETA, run.emaCount)); // bias-corrected: no ramp up from 0
+      run.steps.push(ev.step);
+      run.loss.push(ev.loss);
+      run.ema.push(ema);
+      run.mse.push(finite(ev.mse) ? ev.mse : NaN);
+      run.hf.push(finite(ev.hf) ? ev.hf : NaN);
+      if (run.steps.length > MAX_POINTS) {
+        for (const k of ["steps", "loss", "ema", "mse", "hf"]) run[k] = run[k].filter((_, i) => i % 2 === 1);
+      }
+      run.last = ev;
+      break;
+    }
+    case "message":
+      run.note = String(ev.text ?? "");
+      break;
+    case "checkpoint":
+      run.note = `saved step ${ev.step}: ${ev.path}`;
+      break;
+    case "done":
+      if (ev.reused) run = newRun(); // the node re-used a finished run: nothing was trained, no curve to show
+      run.phase = "done";
+      run.done = ev;
+      break;
+    case "error":
+      run.phase = "error";
+      run.error = ev;
+      break;
+    default:
+      break;
+  }
+  return run;
+}
+
+export function formatDuration(seconds) {
+  if (!finite(seconds)) return "?";
+  let s = Math.round(seconds);
+  const h = Math.floor(s / 3600);
+  s -= h * 3600;
+  const m = Math.floor(s / 60);
+  s -= m * 60;
+  const pad = (n) => String(n).padStart(2, "0");
+  if (h) return `${h}h${pad(m)}m${pad(s)}s`;
+  if (m) return `${m}m${pad(s)}s`;
+  return `${s}s`;
+}
+
+const fmtLoss = (v) => (finite(v) ? v.toFixed(4) : "?");
+const fmtLr = (v) => (finite(v) ? v.toExponential(2) : "?");
+
+// The text under the chart: [{text, kind}] with kind "main" | "info" | "done" | "error", one entry per line.
+export function statusLines(run) {
+  const lines = [];
+  const ev = run?.last;
+  if (!run || run.phase === "idle") return [{ text: "no run yet — queue the prompt to train", kind: "info" }];
+  if (ev) {
+    const total = finite(ev.total) ? ev.total : run.total;
+    const pct = finite(total) && total > 0 ? ` (${Math.floor((100 * ev.step) / total)}%)` : "";
+    const parts = [`step ${ev.step}/${finite(total) ? total : "?"}${pct}`];
+    if (finite(ev.epoch)) parts.push(`epoch ${ev.epoch}${finite(run.epochs) ? "/" + run.epochs : ""}`);
+    let loss = `loss ${fmtLoss(ev.loss)}`;
+    if (finite(ev.hf)) loss += ` (mse ${fmtLoss(ev.mse)} + hf ${fmtLoss(ev.hf)})`;
+    parts.push(loss);
+    if (run.ema.length) parts.push(`EMA ${fmtLoss(run.ema[run.ema.length - 1])}`);
+    if (finite(ev.ot)) parts.push(`ot ${ev.ot.toFixed(2)}`);
+    lines.push({ text: parts.join(" · "), kind: "main" });
+
+    const rate = [];
+    const lrs = Array.isArray(ev.lr) ? ev.lr : finite(ev.lr) ? [ev.lr] : [];
+    const distinct = [...new Set(lrs.map(fmtLr))];
+    if (distinct.length) rate.push(`LR ${distinct.join("/")}`);
+    if (finite(ev.s_per_step)) rate.push(`${ev.s_per_step.toFixed(2)} s/it`);
+    rate.push(`ETA ${finite(ev.eta_s) ? formatDuration(ev.eta_s) : "?"}`);
+    const peaks = Array.isArray(ev.peak_gb) ? ev.peak_gb.filter(finite) : [];
+    if (peaks.length) rate.push(`peak VRAM ${peaks.map((g) => g.toFixed(1)).join("/")} GB`);
+    lines.push({ text: rate.join(" · "), kind: "info" });
+  }
+  if (run.phase === "done") {
+    const d = run.done || {};
+    const took = finite(d.seconds) ? ` in ${formatDuration(d.seconds)}` : "";
+    const what = d.reused ? "re-used the finished run" : "done";
+    lines.push({ text: `${what}: ${d.step ?? "?"}/${d.total ?? "?"} steps${took}` + (d.final ? ` → ${d.final}` : ""),
+                 kind: "done" });
+  } else if (run.phase === "error") {
+    lines.push({ text: `error: ${run.error?.message ?? "unknown"}`, kind: "error" });
+  } else if (run.note) {
+    lines.push({ text: run.note, kind: "info" });
+  }
+  return lines;
+}
+
+function niceTicks(lo, hi, count) {
+  const span = hi - lo;
+  if (!(span > 0)) return [lo];
+  const raw = span / count;
+  const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 2.5, 5, 10].map((f) => f * mag).find((s) => s >= raw) || 10 * mag;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + 1e-12 * span; t += step) ticks.push(t);
+  return ticks;
+}
+
+function quantile(values, q) {
+  const v = values.filter(finite).sort((a, b) => a - b);
+  if (!v.length) return NaN;
+  return v[Math.min(v.length - 1, Math.max(0, Math.round(q * (v.length - 1))))];
+}
+
+// One series as a polyline; when there are more points than pixels, each pixel column is drawn as its min..max
+// range (the noise envelope), so zooming out never hides a spike or aliases the curve.
+function drawSeries(ctx, xs, ys, toX, toY, colour, width) {
+  ctx.strokeStyle = colour;
+  ctx.lineWidth = width;
+  ctx.beginPath();
+  let column = null, lo = 0, hi = 0, started = false;
+  const flush = () => {
+    if (column === null) return;
+    const yLo = toY(lo), yHi = toY(hi);
+    if (!started) { ctx.moveTo(column, yLo); started = true; } else ctx.lineTo(column, yLo);
+    if (yHi !== yLo) ctx.lineTo(column, yHi);
+  };
+  for (let i = 0; i < xs.length; i++) {
+    const y = ys[i];
+    if (!finite(y)) continue;
+    const px = Math.round(toX(xs[i]));
+    if (px !== column) { flush(); column = px; lo = hi = y; } else { lo = Math.min(lo, y); hi = Math.max(hi, y); }
+  }
+  flush();
+  ctx.stroke();
+}
+
+// Draws the run into a canvas of cssWidth x cssHeight CSS pixels (the caller sizes canvas.width/height by dpr).
+export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+  ctx.fillStyle = COLOURS.background;
+  ctx.fillRect(0, 0, cssWidth, cssHeight);
+  ctx.font = "10px sans-serif";
+  const pad = { left: 46, right: 8, top: 16, bottom: 16 };
+  const w = cssWidth - pad.left - pad.right, h = cssHeight - pad.top - pad.bottom;
+  if (w < 20 || h < 20) return;
+  if (!run || !run.steps.length) {
+    ctx.fillStyle = COLOURS.axis;
+    ctx.textAlign = "center";
+    ctx.fillText(run && run.phase === "preparing" ? "waiting for the first step…" : "loss chart",
+                 pad.left + w / 2, pad.top + h / 2);
+    return;
+  }
+  const x0 = Math.max(0, run.resumedStep || 0, run.steps[0] - 1);
+  const x1 = Math.max(finite(run.total) ? run.total : 0, run.steps[run.steps.length - 1], x0 + 1);
+  const hasParts = run.hf.some(finite);
+  // y range: the bulk of the raw loss plus the whole EMA; rare spikes are clipped at the top edge
+  const pool = run.loss.concat(run.ema, hasParts ? run.mse.concat(run.hf) : []).filter(finite);
+  let lo = pool.reduce((a, b) => Math.min(a, b), Infinity);
+  let hi = Math.max(quantile(run.loss, 0.99), run.ema.reduce((a, b) => Math.max(a, b), -Infinity));
+  if (!(hi > lo)) { hi = lo + Math.max(Math.abs(lo) * 0.1, 1e-3); lo -= Math.max(Math.abs(lo) * 0.1, 1e-3); }
+  const margin = (hi - lo) * 0.06;
+  lo = lo >= 0 ? Math.max(0, lo - margin) : lo - margin; // a loss is >= 0: never show negative space
+  hi += margin;
+  const toX = (s) => pad.left + ((s - x0) / (x1 - x0)) * w;
+  const toY = (v) => pad.top + (1 - (Math.min(Math.max(v, lo), hi) - lo) / (hi - lo)) * h;
+
+  ctx.lineWidth = 1;
+  ctx.textAlign = "right";
+  ctx.textBaseline = "middle";
+  for (const t of niceTicks(lo, hi, 4)) {
+    const y = Math.round(toY(t)) + 0.5;
+    ctx.strokeStyle = COLOURS.grid;
+    ctx.beginPath(); ctx.moveTo(pad.left, y); ctx.lineTo(pad.left + w, y); ctx.stroke();
+    ctx.fillStyle = COLOURS.axis;
+    ctx.fillText(Number(t.toPrecision(3)).toString(), pad.left - 4, y);
+  }
+  ctx.textBaseline = "top";
+  ctx.textAlign = "left";
+  ctx.fillText(String(Math.round(x0)), pad.left, pad.top + h + 3);
+  ctx.textAlign = "right";
+  ctx.fillText(`${Math.round(x1)} steps`, pad.left + w, pad.top + h + 3);
+
+  ctx.save();
+  ctx.beginPath(); ctx.rect(pad.left, pad.top - 1, w, h + 2); ctx.clip();
+  ctx.lineJoin = "round";
+  if (hasParts) { // the parts under the total they add up to
+    drawSeries(ctx, run.steps, run.mse, toX, toY, COLOURS.mse, 1);
+    drawSeries(ctx, run.steps, run.hf, toX, toY, COLOURS.hf, 1);
+  }
+  drawSeries(ctx, run.steps, run.loss, toX, toY, COLOURS.loss, 1);
+  drawSeries(ctx, run.steps, run.ema, toX, toY, COLOURS.ema, 2);
+  ctx.restore();
+
+  // legend along the top edge
+  const legend = [["loss", COLOURS.loss], ["EMA", COLOURS.ema]];
+  if (hasParts) legend.push(["mse", COLOURS.mse], ["hf", COLOURS.hf]);
+  ctx.textAlign = "left";
+  ctx.textBaseline = "middle";
+  let lx = pad.left + 2;
+  for (const [label, colour] of legend) {
+    ctx.fillStyle = colour;
+    ctx.fillRect(lx, 6, 10, 3);
+    ctx.fillStyle = COLOURS.axis;
+    ctx.fillText(label, lx + 13, 8);
+    lx += 20 + ctx.measureText(label).width;
+  }
+}

@@ -1,0 +1,221 @@
+"""The Train node's live loss chart in a real browser: headless ComfyUI on CPU + the system Chromium.
+
+ComfyUI runs from COMFYUI_PATH with `--base-directory` pointing at a temp folder whose custom_nodes/ holds a
+symlink to this pack, so the checkout is never written to. tests/browser/train_chart.cjs (playwright-core driving
+/usr/bin/chromium; nothing downloads a browser) adds an "Anima: Train" node, replays a synthetic run as
+`anima_train.progress` events through the frontend's api object, and reports pixels and status text; the
+assertions are here. Both node renderers are covered: the LiteGraph canvas (default) and "Nodes 2.0" (Vue).
+
+Set ANIMA_TRAIN_SCREENSHOT=docs/train_node.png to (re)write the README screenshot from the LiteGraph run (2x).
+Setup once: `apt-get install chromium` and `npm install --prefix tests/browser` (playwright-core, pinned).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from anima_train.progress import format_duration
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+BROWSER_DIR = ROOT / "tests" / "browser"
+DRIVER = BROWSER_DIR / "train_chart.cjs"
+TRAIN_NODE = "AnimaTrainTrain"
+# Test-only route, installed in the temp custom_nodes (never in the pack): relays a posted event exactly as the Train
+# node does, PromptServer.send_sync("anima_train.progress", ...), so the real websocket path is exercised too.
+RELAY = """
+from aiohttp import web
+from server import PromptServer
+
+@PromptServer.instance.routes.post("/anima_train_test/relay")
+async def relay(request):
+    for event in await request.json():
+        PromptServer.instance.send_sync("anima_train.progress", event)  # sid None: to every client
+    return web.json_response({"sent": True})
+
+NODE_CLASS_MAPPINGS = {}
+"""
+SERVER_START_TIMEOUT = 180  # s; the first start compiles .pyc files and imports torch on 2 cores
+
+
+def _chromium() -> str | None:
+    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
+                      shutil.which("chromium-browser")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _playwright_ok(node: str) -> bool:
+    probe = subprocess.run([node, "-e", "require.resolve('playwright-core')"], cwd=BROWSER_DIR,
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+@pytest.fixture(scope="module")
+def browser_tools():
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("needs Chromium: apt-get install chromium (or set CHROMIUM to its binary)")
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs Node.js (node) to run tests/browser/train_chart.cjs")
+    if not _playwright_ok(node):
+        pytest.skip("needs playwright-core: npm install --prefix tests/browser")
+    return {"chromium": chromium, "node": node}
+
+
+@pytest.fixture(scope="module")
+def comfy_server(browser_tools, tmp_path_factory):
+    comfy_root = Path(os.environ["COMFYUI_PATH"])
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "comfyui-anima-train").symlink_to(ROOT, target_is_directory=True)
+    relay = base / "custom_nodes" / "zz_anima_train_test_relay"
+    relay.mkdir()
+    (relay / "__init__.py").write_text(RELAY)
+    settings = base / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True)
+    port = _free_port()
+    log = open(base / "server.log", "w")
+    server = subprocess.Popen(
+        [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--disable-api-nodes"],
+        cwd=comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {server.returncode}:\n{(base / 'server.log').read_text()[-3000:]}")
+            try:
+                info = json.loads(_get(f"{url}/object_info/{TRAIN_NODE}"))
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"ComfyUI did not answer in {SERVER_START_TIMEOUT}s:\n"
+                                f"{(base / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+        assert TRAIN_NODE in info, (f"/object_info has no {TRAIN_NODE}: the pack did not register it; server log:\n"
+                                    f"{(base / 'server.log').read_text()[-3000:]}")
+        yield {"url": url, "base": base, "settings": settings, "info": info[TRAIN_NODE], **browser_tools}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.mark.parametrize("renderer, dpr", [("litegraph", 2), ("vue", 1)])
+def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path):
+    # a fresh user: no first-run templates dialog over the canvas; the renderer is a user setting
+    comfy_server["settings"].write_text(json.dumps(
+        {"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": renderer == "vue"}))
+    screenshot = os.environ.get("ANIMA_TRAIN_SCREENSHOT") if renderer == "litegraph" else None
+    shot_path = tmp_path / "train_node.png"
+    cfg = {"url": comfy_server["url"] + "/", "chromium": comfy_server["chromium"], "userDataDir": str(tmp_path / "chrome"),
+           "outDir": str(tmp_path), "screenshot": str(shot_path), "relay": "/anima_train_test/relay",
+           "deviceScaleFactor": dpr}
+    t0 = time.perf_counter()
+    run = subprocess.run([comfy_server["node"], str(DRIVER), json.dumps(cfg)], cwd=BROWSER_DIR, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, f"browser driver failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
+    r = json.loads((tmp_path / "result.json").read_text())
+    print(f"\n[{renderer}] browser session {time.perf_counter() - t0:.1f}s; mid-run chart {r['midRun']}")
+
+    # the pack's scripts were served and both of its extensions registered side by side
+    assert {"/extensions/comfyui-anima-train/anima_train.js", "/extensions/comfyui-anima-train/loss_chart.js",
+            "/extensions/comfyui-anima-train/anchor_card.js"} <= set(r["extensionUrls"])
+    assert {"anima_train.ui", "anima_train.anchor_card"} <= set(r["extensionNames"])
+    assert r["pageErrors"] == [], r["pageErrors"]
+    ours = [line for line in r["console"] if "anima_train" in line]
+    assert ours == [], ours
+
+    # the chart is display only: not a value in the saved workflow, not an input of the queued prompt
+    saved = r["saved"]
+    assert saved["widgets"][-1] == "anima_loss_chart", saved
+    assert len(saved["widgetsValues"]) == len(saved["widgets"]) - 1, saved
+    assert "anima_loss_chart" not in saved["promptInputs"] and saved["promptInputs"], saved
+    empty = r["empty"]
+    assert empty["visible"] and empty["cssWidth"] > 200 and empty["cssHeight"] > 80, empty
+    assert (empty["width"], empty["height"]) == (round(empty["cssWidth"] * dpr), round(empty["cssHeight"] * dpr)), \
+        "canvas backing store not sized to its box x devicePixelRatio (ResizeObserver path)"
+    assert empty["phase"] == "idle" and "no run yet" in empty["status"] and empty["orange"] == 0
+
+    # events for a node id that is not on the canvas change nothing and raise nothing
+    foreign = r["foreign"]
+    assert (foreign["phase"], foreign["status"], foreign["differs"]) == ("idle", empty["status"], empty["differs"])
+
+    # the first events came through the server's websocket (send_sync, as the Train node relays them)
+    assert r["preparing"]["phase"] == "preparing" and "loading model" in r["preparing"]["status"]
+    relayed = r["relayed"]
+    assert "step 60/300" in relayed["status"] and relayed["orange"] > 50 and relayed["blue"] > 50, relayed
+
+    mid, last = r["midRun"], r["lastStep"]
+    assert mid["phase"] == "running" and mid["step"] == str(last["step"])
+    assert (mid["cssWidth"], mid["cssHeight"]) == (empty["cssWidth"], empty["cssHeight"]), "the chart box changed size"
+    # drawn: raw loss (blue), its EMA (orange, 2 px), and the mse / hf parts (green / magenta)
+    assert mid["differs"] > 10 * empty["differs"], mid
+    assert mid["orange"] > 150 and mid["blue"] > 150 and mid["green"] > 150 and mid["magenta"] > 50, mid
+    status = mid["status"]
+    for part in (f"step {last['step']}/{last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
+                 f"mse {last['mse']:.4f} + hf {last['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
+                 f"{last['s_per_step']:.2f} s/it", f"ETA {format_duration(last['eta_s'])}",
+                 "peak VRAM 11.6/11.4 GB", "saved step 100: /runs/x/anima-step00100.safetensors"):
+        assert part in status, f"{part!r} not in status {status!r}"
+
+    done = r["done"]
+    assert done["phase"] == "done" and "done: 300/300 steps in 9m12s → /runs/x/anima.safetensors" in done["status"]
+    assert done["orange"] == mid["orange"]  # the finished chart stays up
+
+    reset = r["reset"]  # a new "start" clears the chart
+    assert reset["phase"] == "running" and reset["orange"] == 0 and reset["blue"] == 0 and "step " not in reset["status"]
+
+    no_hf = r["noHf"]  # hf null: loss + EMA only
+    assert no_hf["orange"] > 150 and no_hf["blue"] > 100 and no_hf["green"] == 0 and no_hf["magenta"] == 0, no_hf
+    assert "step 30/50" in no_hf["status"] and "(mse" not in no_hf["status"]
+
+    error = r["error"]
+    assert error["phase"] == "error" and "error: RuntimeError: CUDA out of memory" in error["status"]
+
+    reused = r["reused"]  # the node re-used a finished run: no curve, just the result
+    assert reused["phase"] == "done" and reused["orange"] == 0 and reused["blue"] == 0
+    assert "re-used the finished run: 50/50 steps → /runs/y/anima.safetensors" in reused["status"], reused
+
+    sub = r["subgraph"]  # a Train node inside a subgraph, addressed by its execution id path
+    assert sub["promptIds"] == [f"{sub['outerId']}:{sub['innerId']}"], sub
+    assert sub["step"] == "3" and "step 3/10" in sub["status"], sub
+
+    assert shot_path.stat().st_size > 10_000
+    if screenshot:
+        target = Path(screenshot) if Path(screenshot).is_absolute() else ROOT / screenshot
+        tmp = target.with_suffix(".tmp.png")
+        shutil.copyfile(shot_path, tmp)
+        os.replace(tmp, target)
