@@ -151,7 +151,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                         num_workers=cfg.train.num_workers, persistent_workers=False)
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    # max_steps is the horizon and a hard stop, but the epochs still bound the loop (CONFIG.md §1)
+    total = min(cfg.train.max_steps, per_epoch * cfg.train.epochs) if cfg.train.max_steps else per_epoch * cfg.train.epochs
     if dry_run:
         total = 1
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)

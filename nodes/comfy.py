@@ -2,8 +2,87 @@
 
 Unit tests replace this module in `sys.modules` with a double (tests/comfy_double.py) to exercise node logic
 without a ComfyUI checkout. `comfy_api.latest` is ComfyUI's current V3 API.
+
+The helpers below import ComfyUI's own modules (folder_paths, comfy.*, server) inside the function: those exist only
+in a running ComfyUI, and importing them at start-up would make the pack's import order matter. Tests monkeypatch
+the helpers on this module.
 """
+
+import importlib
 
 from comfy_api.latest import ComfyExtension, io  # noqa: F401  (re-exported)
 
 CATEGORY = "Anima Trainer"
+PROGRESS_EVENT = "anima_train.progress"  # the websocket event js/anima_train.js listens to
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+# -- model folders ---------------------------------------------------------------------------------------------
+
+
+def model_files(folder: str) -> list[str]:
+    """File names ComfyUI lists for a model folder ("diffusion_models", "loras", ...); [] outside ComfyUI."""
+    try:
+        return list(_module("folder_paths").get_filename_list(folder))
+    except (ImportError, KeyError):
+        return []
+
+
+def model_path(folder: str, name: str) -> str:
+    """Full path of a listed model file; FileNotFoundError naming the folder when it is not there."""
+    return _module("folder_paths").get_full_path_or_raise(folder, name)
+
+
+def model_folder(folder: str) -> str:
+    """The first (default) directory of a model folder: where the pack writes files for the stock loaders."""
+    return _module("folder_paths").get_folder_paths(folder)[0]
+
+
+def models_directory() -> str:
+    return _module("folder_paths").models_dir
+
+
+def output_directory() -> str:
+    return _module("folder_paths").get_output_directory()
+
+
+# -- memory, interrupts, progress, events ------------------------------------------------------------------------
+
+
+def free_vram() -> None:
+    """Unload every model ComfyUI holds and return the cached VRAM, so the worker process can use it."""
+    mm = _module("comfy.model_management")
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+
+
+def throw_if_interrupted() -> None:
+    """Raise ComfyUI's InterruptProcessingException (a BaseException) if Cancel was pressed."""
+    _module("comfy.model_management").throw_exception_if_processing_interrupted()
+
+
+def progress_bar(total: int, node_id: str | None = None):
+    return _module("comfy.utils").ProgressBar(total, node_id=node_id)
+
+
+def client_id() -> str | None:
+    """The websocket client of the prompt now executing (capture it in execute; threads send later)."""
+    return getattr(_module("server").PromptServer.instance, "client_id", None)
+
+
+def send_event(data: dict, sid: str | None = None, event: str = PROGRESS_EVENT) -> None:
+    """Thread-safe custom websocket message (send_sync schedules it on the server's loop)."""
+    _module("server").PromptServer.instance.send_sync(event, data, sid)
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+
+
+def load_lora(model, clip, path: str, strength_model: float, strength_clip: float):
+    """ComfyUI's own LoRA path (what LoraLoader does): (patched MODEL clone, patched CLIP clone or None)."""
+    utils, sd = _module("comfy.utils"), _module("comfy.sd")
+    lora = utils.load_torch_file(path, safe_load=True)
+    return sd.load_lora_for_models(model, clip, lora, strength_model, strength_clip)

@@ -63,9 +63,10 @@ class ComfyExtension:
 
 def _make_io() -> types.SimpleNamespace:
     kinds = ["String", "Int", "Float", "Boolean", "Combo", "Model", "Clip", "Vae", "Latent", "Image", "Conditioning",
-             "AnyType"]
+             "AnyType", "LoraModel"]
     ns = types.SimpleNamespace(**{k: _Type(k.upper()) for k in kinds})
     ns.Schema, ns.NodeOutput, ns.ComfyNode = Schema, NodeOutput, ComfyNode
+    ns.Custom = _Type  # io.Custom("MY_TYPE") -> a type with Input/Output, like the real one
     ns.Hidden = types.SimpleNamespace(unique_id="UNIQUE_ID", prompt="PROMPT")
     return ns
 

@@ -1,0 +1,569 @@
+"""Training nodes: Training config -> Train -> Load trained LoRA, plus a prompt encoder for sampling.
+
+* Anima: Training config — the common knobs of `anima_train.config` as widgets (type, default, help, choices and
+  bounds read from the dataclass field metadata: the config module stays the single source of truth) plus a TOML
+  text box for every other key. The result is validated by the same `load_config` as the CLI in `validate_inputs`,
+  so a bad value is shown on the node before anything runs. Output: ANIMA_TRAIN_CONFIG {toml, digest}.
+* Anima: Train — runs `python -m anima_train train` (or accelerate's launcher for 2+ GPUs) in a worker process
+  (nodes/worker.py), relays its events to the progress bar and to the `anima_train.progress` websocket event,
+  copies the result where the stock LoraLoader lists it, and re-uses a finished run whose inputs are unchanged.
+* Anima: Load trained LoRA — ComfyUI's own LoRA loading (what LoraLoader does) from a path or the loras folder.
+* Anima: Encode prompt (trainer) — Qwen3 + both tokenizers of the diffusers repo the trainer uses, returned as the
+  CONDITIONING ComfyUI's Anima model consumes (`cross_attn` + `t5xxl_ids`/`t5xxl_weights`; ComfyUI runs the LLM
+  adapter itself). Prompts are encoded exactly as in training, and it works with any converted repo — including
+  the tiny test models, whose Qwen3 ComfyUI's fixed-size text encoder cannot load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import comfy
+from . import worker
+from .comfy import CATEGORY, io
+
+CONFIG_TYPE = "ANIMA_TRAIN_CONFIG"
+ConfigType = io.Custom(CONFIG_TYPE)
+OUTPUT_SUBDIR = "anima_train"  # <ComfyUI output>/anima_train/<run>/ when output_dir is left empty
+PUBLISH_SUBDIR = "anima_train"  # models/loras/anima_train/<run>.safetensors (full finetunes: diffusion_models)
+JOB_CONFIG_NAME = "comfyui-job.toml"
+LOSS_PLOT_NAME = "comfyui-loss.png"
+GRACE_WITH_STATE_S = 60.0  # Cancel: time for the worker to save checkpoint + optimizer state before it is killed
+GRACE_PLAIN_S = 10.0  # ... to save just the adapter file
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training config: widgets generated from anima_train.config field metadata
+
+
+@dataclass(frozen=True)
+class Knob:
+    key: str  # dotted config key, e.g. "train.epochs"
+    widget: str  # the node input name (unique across tables)
+    advanced: bool = False
+    unset_zero: bool = False  # 0 / "" in the widget means "key not written" (an optional key)
+    step: float | None = None
+
+
+KNOBS = [
+    Knob("train.model_path", "model_path"),
+    Knob("dataset.path", "dataset_path", unset_zero=True),
+    Knob("train.run_name", "run_name"),
+    Knob("train.output_dir", "output_dir", unset_zero=True),
+    Knob("adapter.kind", "adapter"),
+    Knob("adapter.rank", "rank"),
+    Knob("adapter.alpha", "alpha", step=1.0),
+    Knob("optimizer.lr", "learning_rate", step=1e-6),
+    Knob("train.epochs", "epochs"),
+    Knob("train.max_steps", "max_steps", unset_zero=True),
+    Knob("train.batch_size", "batch_size"),
+    Knob("dataset.resolution", "resolution"),
+    Knob("dataset.num_repeats", "num_repeats"),
+    Knob("train.seed", "seed"),
+    Knob("train.gradient_accumulation_steps", "gradient_accumulation_steps", advanced=True),
+    Knob("train.gradient_checkpointing", "gradient_checkpointing", advanced=True),
+    Knob("train.dtype", "dtype", advanced=True),
+    Knob("dataset.source", "source", advanced=True),
+    Knob("dataset.caption.caption_mode", "caption_mode", advanced=True),
+    Knob("dataset.caption.shuffle_tags", "shuffle_tags", advanced=True),
+    Knob("dataset.caption.tag_dropout_percent", "tag_dropout", advanced=True, step=0.01),
+    Knob("dataset.caption.caption_dropout_percent", "caption_dropout", advanced=True, step=0.01),
+    Knob("schedule.kind", "lr_schedule", advanced=True),
+    Knob("schedule.warmup_steps", "warmup_steps", advanced=True),
+    Knob("flow.timestep_sample_method", "timestep_sampling", advanced=True),
+    Knob("flow.sigmoid_scale", "sigmoid_scale", advanced=True, step=0.05),
+    Knob("flow.shift", "shift", advanced=True, unset_zero=True, step=0.1),
+    Knob("adapter.train_llm_adapter", "train_llm_adapter", advanced=True),
+    Knob("component_lr.llm_adapter", "llm_adapter_lr", advanced=True, step=1e-6),
+    Knob("train.save_every_epochs", "save_every_epochs", advanced=True),
+    Knob("train.save_every_steps", "save_every_steps", advanced=True, unset_zero=True),
+    Knob("train.save_optimizer_state", "save_optimizer_state", advanced=True),
+    Knob("train.keep_last_n", "keep_last_n", advanced=True, unset_zero=True),
+    Knob("train.num_workers", "num_workers", advanced=True),
+]
+EXTRA_TOML = "extra_toml"
+# A table in extra_toml that replaces widget keys (load_config refuses both forms at once).
+REPLACES = {"dataset.subsets": ("dataset.path", "dataset.num_repeats"), "dataset.resolutions": ("dataset.resolution",)}
+WIDGET_DEFAULTS = {"train.model_path": "", "train.output_dir": "", "train.run_name": "anima_lora", "adapter.rank": 16, "adapter.alpha": 16.0,
+                   "optimizer.lr": 1e-4}  # the trainer's defaults suit a TOML file; these suit a first LoRA
+
+
+def _field(dotted: str):
+    from anima_train.config import iter_fields
+
+    table, name = dotted.rsplit(".", 1)
+    for info in iter_fields(table):
+        if info.name == name:
+            return info
+    raise KeyError(dotted)
+
+
+def _base_type(tp) -> type:
+    import types
+    import typing
+
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return int if int in args else args[0]  # batch_size: int | dict -> int
+    return tp
+
+
+def _tooltip(info) -> str:
+    hint = info.metadata.get("hint")
+    return f"{info.name}: {info.help}" + (f" ({hint})" if hint else "")
+
+
+def knob_input(knob: Knob):
+    """The widget of one config key, from its field metadata."""
+    info = _field(knob.key)
+    default = WIDGET_DEFAULTS.get(knob.key, info.default)
+    kind = _base_type(info.type)
+    tip = _tooltip(info) + (" [0 or empty = unset]" if knob.unset_zero else "")
+    common = dict(tooltip=tip, advanced=knob.advanced or None)
+    if info.choices:
+        return io.Combo.Input(knob.widget, options=list(info.choices), default=default, **common)
+    if kind is bool:
+        return io.Boolean.Input(knob.widget, default=bool(default), **common)
+    lo = info.metadata.get("ge") if info.metadata.get("ge") is not None else info.metadata.get("gt")
+    hi = info.metadata.get("le") if info.metadata.get("le") is not None else info.metadata.get("lt")
+    if knob.unset_zero:
+        lo = 0
+    if kind is int:
+        return io.Int.Input(knob.widget, default=int(default or 0), min=int(lo) if lo is not None else 0,
+                            max=int(hi) if hi is not None else 2**31 - 1, **common)
+    if kind is float:
+        step = knob.step or 0.01
+        return io.Float.Input(knob.widget, default=float(default or 0.0), min=float(lo) if lo is not None else 0.0,
+                              max=float(hi) if hi is not None else 1e6, step=step, round=step / 10, **common)
+    return io.String.Input(knob.widget, default="" if default is None else str(default), **common)
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *tables, key = dotted.split(".")
+    for t in tables:
+        tree = tree.setdefault(t, {})
+    tree[key] = value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def _has(tree: dict, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def default_output_dir() -> str:
+    try:
+        return os.path.join(comfy.output_directory(), OUTPUT_SUBDIR)
+    except ImportError:  # outside ComfyUI (CLI-style use of the node code)
+        return os.path.abspath(OUTPUT_SUBDIR)
+
+
+def config_toml(values: dict) -> str:
+    """TOML text from the widget values (input name -> value) and the extra_toml text, which wins on conflicts.
+
+    A value of None is a linked input not known yet (validation before the graph runs): a placeholder is used."""
+    import tomlkit
+
+    from anima_train.config import ConfigError
+
+    extra_text = values.get(EXTRA_TOML) or ""
+    try:
+        import tomllib
+
+        extra = tomllib.loads(extra_text)
+    except ValueError as exc:
+        raise ConfigError(f"{EXTRA_TOML}: not valid TOML: {exc}") from None
+    tree: dict = {}
+    for knob in KNOBS:
+        if knob.widget not in values:
+            continue
+        value = values[knob.widget]
+        if value is None:  # linked, not known before the graph runs: a placeholder the path checks skip
+            if _base_type(_field(knob.key).type) is not str:
+                continue
+            value = f"<linked {knob.widget}>"
+        if knob.unset_zero and value in (0, 0.0, ""):
+            continue
+        if any(_has(extra, table) and knob.key in replaced for table, replaced in REPLACES.items()):
+            continue
+        _set(tree, knob.key, value)
+    if not _has(tree, "train.output_dir") and not _has(extra, "train.output_dir"):
+        _set(tree, "train.output_dir", default_output_dir())
+    return tomlkit.dumps(_merge(tree, extra))
+
+
+def check_paths(cfg) -> list[str]:
+    """Problems load_config cannot see: the model repo and the dataset folders must exist here."""
+    from anima_train.models import ModelRepoError, check_repo
+
+    problems = []
+    model = cfg.train.model_path
+    if model.startswith("<linked"):
+        pass
+    elif not model:
+        problems.append("model_path is empty: set it to a converted Anima diffusers repo (the Convert node's output)")
+    else:
+        try:
+            check_repo(model)
+        except ModelRepoError as exc:
+            problems.append(str(exc))
+    for sub in cfg.dataset.resolved_subsets():
+        if not sub.path.startswith("<linked") and not os.path.isdir(os.path.expanduser(sub.path)):
+            problems.append(f"dataset folder {sub.path!r} does not exist")
+    return problems
+
+
+def build_config(values: dict):
+    """(Config, TOML text) from the node's values; ConfigError listing every problem."""
+    import warnings
+
+    from anima_train.config import ConfigError, load_config
+
+    text = config_toml(values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warnings are shown by the Train node's log, not as node errors
+        cfg = load_config(text)
+    problems = check_paths(cfg)
+    if problems:
+        raise ConfigError("the training config refers to missing files:\n" + "\n".join(f"  - {p}" for p in problems),
+                          problems)
+    return cfg, text
+
+
+def _model_and_data_digest(cfg) -> dict:
+    model = cfg.train.model_path
+    return {"dataset": worker.dataset_digest([s.path for s in cfg.dataset.resolved_subsets()]),
+            "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
+
+
+class AnimaTrainConfig(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="AnimaTrainConfig",
+            display_name="Anima: Training config",
+            category=CATEGORY,
+            description="The training settings, checked by the same rules as `anima-train train`. The common keys "
+                        "are widgets; any other key of the config (see the trainer's README) goes into extra_toml, "
+                        "which overrides the widgets. Empty output_dir = ComfyUI's output/anima_train.",
+            inputs=[knob_input(k) for k in KNOBS] + [
+                io.String.Input(EXTRA_TOML, multiline=True, default="",
+                                tooltip="more config keys as TOML, e.g.\n[dataset]\nresolutions = [768, 1024]\n"
+                                        "[component_lr]\nadaln = 1e-5\nThey override the widgets.")],
+            outputs=[ConfigType.Output(display_name="config")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, **values):
+        from anima_train.config import ConfigError
+
+        try:
+            build_config(values)
+        except ConfigError as exc:
+            return str(exc)
+        return True
+
+    @classmethod
+    def fingerprint_inputs(cls, **values):
+        # The widgets decide the output, but so do the files: a changed dataset or model must reach Train.
+        try:
+            cfg, text = build_config(values)
+            return worker.result_key(toml=text, **_model_and_data_digest(cfg))
+        except Exception:  # noqa: BLE001 (execute reports the problem)
+            return worker.result_key(values=values)
+
+    @classmethod
+    def execute(cls, **values):
+        cfg, text = build_config(values)
+        return io.NodeOutput({"toml": text, "digest": hashlib.sha256(text.encode()).hexdigest(),
+                              "run_dir": str(Path(cfg.train.output_dir) / cfg.run_stem)})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Train
+
+
+class Relay:
+    """Worker events -> ComfyUI progress bar + `anima_train.progress` websocket events; keeps the loss history."""
+
+    def __init__(self, node_id: str | None, sid: str | None):
+        self.node_id, self.sid = node_id, sid
+        self.bar = None
+        self.total = None
+        self.losses: list[float] = []
+        self.steps_seen = 0
+
+    def send(self, event: dict) -> None:
+        comfy.send_event({"node": self.node_id, **event}, self.sid)
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self.total = int(event.get("total") or 1)
+            self.bar = comfy.progress_bar(self.total, node_id=self.node_id)
+            self.bar.update_absolute(int(event.get("resumed_step") or 0), self.total)
+        elif kind == "step":
+            self.steps_seen += 1
+            if event.get("loss") is not None:
+                self.losses.append(float(event["loss"]))
+            if self.bar is not None:
+                # the progress hook also checks ComfyUI's interrupt flag: a cancel point
+                self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
+        self.send(event)
+
+    def after_stop(self, event: dict) -> None:
+        """Events printed while the worker stops after Cancel: forwarded, never raising."""
+        try:
+            self.send(event)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def loss_image(losses: list[float], path: Path):
+    """The loss chart (anima_train.plot) as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from anima_train.plot import plot_losses
+
+    if losses:
+        plot_losses(losses, path, title=f"training loss: {path.parent.name}")
+        img = Image.open(path).convert("RGB")
+    else:
+        img = Image.new("RGB", (64, 64), "white")
+    return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
+
+
+def publish(final: Path, kind: str, run_stem: str) -> Path | None:
+    """Copy the trained file where the stock loaders list it: loras/anima_train/ (LoRA/LoKr) or
+    diffusion_models/anima_train/ (full finetune, native single file). Never replaces a user's file."""
+    if not final.is_file():
+        return None  # a full finetune saved as diffusers folders: nothing a stock loader reads
+    folder = "diffusion_models" if kind == "none" else "loras"
+    dest = worker.publish_copy(final, Path(comfy.model_folder(folder)) / PUBLISH_SUBDIR, f"{run_stem}.safetensors")
+    te = final.with_name(final.name.replace(".safetensors", "_te.safetensors"))
+    if te.is_file():  # the Qwen3 LoRA sibling, named after the copy
+        worker.publish_copy(te, dest.parent, dest.name.replace(".safetensors", "_te.safetensors"))
+    return dest
+
+
+def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
+    return worker.anima_train_command(["train", str(job_config), "--events", "-", "--stop-file", str(stop_file)],
+                                      processes=gpus)
+
+
+def _summary(cfg, final, published, steps, seconds, reused) -> str:
+    lines = [f"{'re-used the finished run' if reused else 'trained'} {cfg.run_stem}: {steps} step(s)"
+             + ("" if reused else f" in {seconds:.0f} s"),
+             f"file     {final}"]
+    if published:
+        lines.append(f"copy     {published} (listed by the stock loaders)")
+    return "\n".join(lines)
+
+
+class AnimaTrainTrain(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="AnimaTrainTrain",
+            display_name="Anima: Train",
+            category=CATEGORY,
+            description="Train in a separate worker process (ComfyUI's models are unloaded first; a crash or an "
+                        "out-of-memory error ends only the worker). Progress and loss stream to the node; Cancel "
+                        "asks the worker to save a checkpoint and stop, then ends its whole process tree. A run "
+                        "whose config, dataset and model are unchanged is re-used, not trained again.",
+            inputs=[
+                ConfigType.Input("config"),
+                io.Int.Input("gpus", default=1, min=1, max=64,
+                             tooltip="processes (one per GPU); 2 or more run accelerate launch (DDP)"),
+                io.Boolean.Input("copy_to_loras", default=True,
+                                 tooltip="copy the result into models/loras/anima_train/ (full finetunes: "
+                                         "models/diffusion_models/anima_train/) so the stock loaders list it; "
+                                         "an existing file of another content is never replaced"),
+            ],
+            outputs=[io.String.Output(display_name="path"), io.Image.Output(display_name="loss_plot")],
+            hidden=[io.Hidden.unique_id],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, config, gpus=1, copy_to_loras=True):
+        from anima_train.config import load_config
+
+        hidden = getattr(cls, "hidden", None)
+        node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
+        toml = config["toml"] if isinstance(config, dict) else str(config)
+        cfg = load_config(toml)
+        run_dir = Path(cfg.train.output_dir) / cfg.run_stem
+        run_dir.mkdir(parents=True, exist_ok=True)
+        key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
+        relay = Relay(node_id, comfy.client_id())
+
+        manifest = worker.reusable_result(run_dir, key)
+        if manifest is not None:
+            final = Path(manifest["final"]["path"])
+            losses = [float(x) for x in manifest.get("losses", [])]
+            published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
+            relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
+                        "final": str(final), "reused": True})
+            image = loss_image(losses, run_dir / LOSS_PLOT_NAME)
+            text = _summary(cfg, final, published, manifest.get("steps"), 0, True)
+            return io.NodeOutput(str(final), image, ui={"text": [text]})
+
+        comfy.free_vram()
+        job_config = run_dir / JOB_CONFIG_NAME
+        worker.write_text_atomic(job_config, toml)
+        grace = GRACE_WITH_STATE_S if cfg.train.save_optimizer_state else GRACE_PLAIN_S
+        # The trainer reads the stop file after each optimizer step: before the first one (model loading) there is
+        # nothing to save, so a Cancel then ends the worker at once instead of waiting out the grace period.
+        grace_now = lambda: grace if relay.steps_seen else 0.0  # noqa: E731
+        result = worker.run_job(train_command(job_config, run_dir / worker.STOP_NAME, gpus),
+                                log_path=run_dir / worker.LOG_NAME, on_event=relay,
+                                check_interrupt=comfy.throw_if_interrupted, env=worker.worker_env(),
+                                cwd=str(run_dir), stop_file=run_dir / worker.STOP_NAME, grace_s=grace_now,
+                                on_stop_event=relay.after_stop)
+        worker.raise_for_failure(result, f"training {cfg.run_stem}")
+        done = result.last("done") or {}
+        if not done.get("final"):
+            raise worker.WorkerError(f"training {cfg.run_stem} ended without a final checkpoint (skip_final_save "
+                                     f"= true, or the worker stopped early); log: {result.log_path}")
+        final = Path(done["final"])
+        published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
+        worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
+                              published=str(published) if published else None)
+        image = loss_image(relay.losses, run_dir / LOSS_PLOT_NAME)
+        text = _summary(cfg, final, published, done.get("step"), result.seconds, False)
+        return io.NodeOutput(str(final), image, ui={"text": [text]})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Load trained LoRA
+
+NO_FILE = "(use lora_path)"
+
+
+def resolve_lora(lora_path: str, lora_name: str) -> str:
+    if lora_path and lora_path.strip():
+        path = os.path.expanduser(lora_path.strip())
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"lora_path {path!r}: no such file (connect Anima: Train's path output, or pick "
+                                    f"a file in lora_name)")
+        return path
+    if not lora_name or lora_name == NO_FILE:
+        raise ValueError("no LoRA given: connect a path to lora_path or choose a file in lora_name")
+    return comfy.model_path("loras", lora_name)
+
+
+class AnimaLoadTrainedLora(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="AnimaLoadTrainedLora",
+            display_name="Anima: Load trained LoRA",
+            category=CATEGORY,
+            description="Apply a trained LoRA/LoKr file to MODEL (and CLIP, when the file has a Qwen3 part) the "
+                        "way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
+            inputs=[
+                io.Model.Input("model"),
+                io.String.Input("lora_path", default="", tooltip="a .safetensors path; empty = use lora_name"),
+                io.Combo.Input("lora_name", options=[NO_FILE] + comfy.model_files("loras"), default=NO_FILE,
+                               tooltip="a file from models/loras"),
+                io.Float.Input("strength_model", default=1.0, min=-100.0, max=100.0, step=0.01),
+                io.Float.Input("strength_clip", default=1.0, min=-100.0, max=100.0, step=0.01),
+                io.Clip.Input("clip", optional=True),
+            ],
+            outputs=[io.Model.Output(display_name="MODEL"), io.Clip.Output(display_name="CLIP")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, lora_path="", lora_name=NO_FILE, strength_model=1.0, strength_clip=1.0, **_):
+        try:  # re-run when the file under the same name changes
+            path = resolve_lora(lora_path or "", lora_name)
+            st = os.stat(path)
+            return f"{path}|{st.st_size}|{st.st_mtime_ns}|{strength_model}|{strength_clip}"
+        except Exception:  # noqa: BLE001 (a linked path is unknown here; execute reports real problems)
+            return f"{lora_path}|{lora_name}|{strength_model}|{strength_clip}"
+
+    @classmethod
+    def execute(cls, model, lora_path="", lora_name=NO_FILE, strength_model=1.0, strength_clip=1.0, clip=None):
+        path = resolve_lora(lora_path, lora_name)
+        if strength_model == 0 and strength_clip == 0:
+            return io.NodeOutput(model, clip)
+        new_model, new_clip = comfy.load_lora(model, clip, path, strength_model, strength_clip if clip else 0.0)
+        return io.NodeOutput(new_model, new_clip if clip is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompt encoding with the trainer's own text path
+
+_TEXT_CACHE: dict = {}  # (repo, stat digest) -> (tokenizer, t5_tokenizer, text_encoder); one entry
+
+
+def _text_parts(model_path: str):
+    from anima_train.models import check_repo
+
+    root = check_repo(model_path)
+    key = (str(root), worker.files_digest([root / "text_encoder", root / "tokenizer", root / "t5_tokenizer"]))
+    if key not in _TEXT_CACHE:
+        import torch
+        from transformers import AutoTokenizer, Qwen3Model
+
+        _TEXT_CACHE.clear()
+        _TEXT_CACHE[key] = (AutoTokenizer.from_pretrained(root, subfolder="tokenizer"),
+                            AutoTokenizer.from_pretrained(root, subfolder="t5_tokenizer"),
+                            Qwen3Model.from_pretrained(root, subfolder="text_encoder", dtype=torch.float32).eval())
+    return _TEXT_CACHE[key]
+
+
+def encode_conditioning(model_path: str, text: str):
+    """CONDITIONING [[cross_attn [1, L, 1024], {"t5xxl_ids": int32 [L_t5], "t5xxl_weights": [L_t5]}]], the layout
+    ComfyUI's Anima TE produces (COMFYUI.md §5.2): Qwen3's masked last hidden state, and the T5 ids that feed the
+    LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
+    import torch
+
+    from anima_train.text import encode_qwen, tokenize
+
+    tokenizer, t5_tokenizer, text_encoder = _text_parts(model_path)
+    tok = tokenize([text], tokenizer, t5_tokenizer)
+    with torch.inference_mode():
+        cross_attn = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"]).float()
+    t5_ids = tok["t5_ids"][0].to(torch.int32)
+    return [[cross_attn, {"t5xxl_ids": t5_ids, "t5xxl_weights": torch.ones(t5_ids.shape[0])}]]
+
+
+class AnimaTrainTextEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="AnimaTrainTextEncode",
+            display_name="Anima: Encode prompt (trainer)",
+            category=CATEGORY,
+            description="Encode a prompt with the Qwen3 text encoder and tokenizers of a converted Anima diffusers "
+                        "repo, exactly as the trainer encodes captions; feeds KSampler like CLIPTextEncode.",
+            inputs=[io.String.Input("model_path", default="", tooltip="the converted diffusers repo (as in the "
+                                                                      "training config)"),
+                    io.String.Input("text", multiline=True, default="")],
+            outputs=[io.Conditioning.Output(display_name="CONDITIONING")],
+        )
+
+    @classmethod
+    def execute(cls, model_path, text):
+        return io.NodeOutput(encode_conditioning(model_path, text))
+
+
+NODES = [AnimaTrainConfig, AnimaTrainTrain, AnimaLoadTrainedLora, AnimaTrainTextEncode]

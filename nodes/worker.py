@@ -1,0 +1,486 @@
+"""The training worker seen from ComfyUI: spawn `python -m anima_train ...`, relay its events, stop it, reuse results.
+
+No ComfyUI import here: everything ComfyUI-specific (interrupt check, progress bar, websocket send) is passed in as
+a callable, so this file is unit-tested with plain Python stand-ins and a fake worker script.
+
+    result = run_job(cmd, log_path=run_dir / LOG_NAME, on_event=relay, check_interrupt=comfy.throw_if_interrupted,
+                     stop_file=run_dir / STOP_NAME, grace_s=30)
+    raise_for_failure(result, "training")
+
+Why a process and not a thread (COMFYUI.md §4, PEERS.md §3): an OOM or a crash in training must not take ComfyUI
+down, Cancel must end the job for real, and the job must not hold ComfyUI's VRAM. The worker's stdout is the JSON
+event stream (one object per line, anima_train/progress.py); its stderr goes to a log file (a PIPE nobody reads
+deadlocks at ~64 KB) whose tail becomes the error message when the worker fails — a silent failure is the most
+common complaint about training packs.
+
+Cancel: ComfyUI's interrupt is an exception raised by `check_interrupt`, called at least every `poll_s` (a reader
+thread feeds a queue read with a timeout, so a silent worker — model loading, a hang — cannot delay it). On the way
+out the worker is asked to stop gracefully (the stop file: it saves a checkpoint, plus the optimizer state when the
+config keeps it, and exits), then its whole process group (DataLoader workers, accelerate ranks) gets SIGTERM and,
+after `term_wait_s`, SIGKILL. The worker runs in its own session (POSIX) / process group (Windows) for that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
+STOP_NAME = "comfyui-stop"  # created to ask the trainer to save and exit (anima-train train --stop-file)
+MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for which inputs
+POLL_S = 0.25  # interrupt-check cadence; COMFYUI.md §3 asks for at least every 0.5 s
+TERM_WAIT_S = 5.0  # SIGTERM -> SIGKILL
+IS_WINDOWS = os.name == "nt"
+
+# Files that make up a dataset for the digest: images, captions, latent caches.
+DATASET_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".txt", ".caption",
+                    ".safetensors", ".json", ".npz"}
+
+
+class WorkerError(RuntimeError):
+    """The worker failed; the message carries its own error text and the tail of its log."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command and environment
+
+
+def pack_dir() -> Path:
+    """The folder holding anima_train/ (this file is nodes/worker.py in it)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
+    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output."""
+    env = dict(os.environ if base is None else base)
+    here = str(extra_path or pack_dir())
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in parts if p != here])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONIOENCODING", "utf-8")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def anima_train_command(args: list[str], processes: int = 1, python: str | None = None) -> list[str]:
+    """`python -u -m anima_train ARGS`, or accelerate's launcher with one process per GPU for processes >= 2.
+
+    ComfyUI's own python runs it (sys.executable), so the worker sees ComfyUI's torch. `python -m
+    accelerate.commands.launch` is `accelerate launch` without relying on the script being on PATH.
+    """
+    python = python or sys.executable
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    if processes == 1:
+        return [python, "-u", "-m", "anima_train", *args]
+    return [python, "-u", "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), "-m", "anima_train", *args]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Process group handling
+
+
+def spawn(cmd: list[str], *, log_path: str | os.PathLike, env: dict | None = None,
+          cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+    """Start `cmd` in its own process group; stdout is a text pipe, stderr appends to `log_path`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(map(str, cmd))}\n".encode())
+    log.flush()
+    kw = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if IS_WINDOWS else {"start_new_session": True}
+    try:
+        proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, env=env, cwd=cwd, text=True, encoding="utf-8", errors="replace",
+                                bufsize=1, **kw)
+    finally:
+        log.close()  # the child holds its own copy of the descriptor
+    return proc
+
+
+def group_alive(pgid: int) -> bool:
+    """Is any process of the group still running (POSIX)?"""
+    if IS_WINDOWS:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _group_has_live_member(pgid)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    # killpg(0) also succeeds while a member is a zombie; /proc tells them apart where it exists.
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def kill_group(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> None:
+    """SIGTERM the worker's whole process group, wait, then SIGKILL it (POSIX); the process tree on Windows.
+
+    Also run after a normal exit: DataLoader workers or ranks left behind by a crashed leader are orphans."""
+    if IS_WINDOWS:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.CTRL_BREAK_EVENT)  # the group's console Ctrl+Break
+                proc.wait(term_wait_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if proc.poll() is None:
+            subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True)
+            proc.wait()
+        return
+    pgid = proc.pid  # start_new_session: the worker leads its own group
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + (term_wait_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_alive(pgid):
+                break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    try:
+        proc.wait(5.0)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the worker
+
+
+def parse_event(line: str) -> dict | None:
+    """A worker event, or None for a plain text line."""
+    line = line.strip()
+    if not (line.startswith("{") and line.endswith("}")):
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("event"), str) else None
+
+
+def _reader(stream, q: queue.Queue) -> None:
+    try:
+        for line in stream:  # text mode: "\r" (tqdm) also ends a line
+            q.put(line.rstrip("\n"))
+    except (OSError, ValueError):
+        pass
+    finally:
+        q.put(None)
+
+
+def log_tail(path: str | os.PathLike, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
+    """The last `lines` lines of the worker log (the part of it written by the last run)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    text = text.rsplit("\n==== ", 1)[-1]  # only this run (spawn writes a ==== header per run)
+    text = text.replace("\r", "\n")
+    kept = [ln for ln in text.splitlines() if ln.strip()][1:]  # drop the header line itself
+    return "\n".join(kept[-lines:])
+
+
+@dataclass
+class JobResult:
+    returncode: int | None
+    log_path: Path
+    events: list[dict] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # stdout lines that were not events (bounded)
+    seconds: float = 0.0
+    pid: int | None = None
+
+    def last(self, kind: str) -> dict | None:
+        return next((e for e in reversed(self.events) if e.get("event") == kind), None)
+
+
+def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[dict], None] | None = None,
+            on_line: Callable[[str], None] | None = None, check_interrupt: Callable[[], None] = lambda: None,
+            env: dict | None = None, cwd: str | os.PathLike | None = None,
+            stop_file: str | os.PathLike | None = None, grace_s: float | Callable[[], float] = 10.0,
+            on_stop_event: Callable[[dict], None] | None = None, poll_s: float = POLL_S,
+            term_wait_s: float = TERM_WAIT_S, keep_lines: int = 4000,
+            on_spawn: Callable[[subprocess.Popen], None] | None = None) -> JobResult:
+    """Run `cmd` to the end, feeding each stdout event to `on_event` and other lines to `on_line`.
+
+    `check_interrupt` runs every `poll_s` and between events; whatever it raises (ComfyUI's interrupt is a
+    BaseException) propagates after the worker was stopped: stop file, up to `grace_s` for the worker to save and
+    exit (its events still go to `on_stop_event`, which must not raise), then the process group is killed.
+    `grace_s` may be a callable, asked at that moment (e.g. 0 before training started: nothing to save yet).
+    """
+    if stop_file is not None:
+        Path(stop_file).unlink(missing_ok=True)  # a stale one would stop the new run at its first step
+    t0 = time.perf_counter()
+    proc = spawn(cmd, log_path=log_path, env=env, cwd=cwd)
+    result = JobResult(None, Path(log_path), pid=proc.pid)
+    lines: deque[str] = deque(maxlen=keep_lines)
+    q: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True, name="anima-train-reader")
+    reader.start()
+    eof = False
+
+    def take(item: str, callbacks: bool) -> None:
+        event = parse_event(item)
+        if event is not None:
+            result.events.append(event)
+            handler = on_event if callbacks else on_stop_event
+            if handler is not None:
+                handler(event)
+        elif item.strip():
+            lines.append(item)
+            if callbacks and on_line is not None:
+                on_line(item)
+
+    try:
+        if on_spawn is not None:
+            on_spawn(proc)
+        while not eof:
+            try:
+                item = q.get(timeout=poll_s)
+            except queue.Empty:
+                item = ""
+            check_interrupt()
+            if item is None:
+                eof = True
+            elif item:
+                take(item, callbacks=True)
+        proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted (or a callback raised): stop gracefully, then for good
+            grace = grace_s() if callable(grace_s) else grace_s
+            if stop_file is not None and grace > 0:
+                try:
+                    Path(stop_file).parent.mkdir(parents=True, exist_ok=True)
+                    Path(stop_file).write_text("stop requested by ComfyUI\n")
+                except OSError:
+                    pass
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and proc.poll() is None:
+                    try:
+                        item = q.get(timeout=0.1)
+                    except queue.Empty:
+                        continue
+                    if item:
+                        try:
+                            take(item, callbacks=False)
+                        except Exception:  # noqa: BLE001 (cleanup must go on)
+                            pass
+        kill_group(proc, term_wait_s)
+        reader.join(timeout=2.0)
+        while True:  # whatever the worker printed last (its final events)
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                break
+            if item:
+                try:
+                    take(item, callbacks=False)
+                except Exception:  # noqa: BLE001
+                    pass
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if stop_file is not None:
+            Path(stop_file).unlink(missing_ok=True)
+        result.returncode = proc.returncode
+        result.lines = list(lines)
+        result.seconds = time.perf_counter() - t0
+    return result
+
+
+def failure_message(result: JobResult, what: str) -> str:
+    """The worker's own error (its `error` event), then the tail of its log, then where the full log is."""
+    parts = [f"{what} failed (worker exit status {result.returncode})"]
+    error = result.last("error")
+    if error and error.get("message"):
+        parts.append(str(error["message"]))
+    tail = log_tail(result.log_path)
+    if tail:
+        parts.append("last lines of the worker log:\n" + tail)
+    elif result.lines:
+        parts.append("last output:\n" + "\n".join(result.lines[-20:]))
+    parts.append(f"full log: {result.log_path}")
+    return "\n".join(parts)
+
+
+def raise_for_failure(result: JobResult, what: str, ok_codes: tuple[int, ...] = (0,)) -> None:
+    if result.returncode not in ok_codes:
+        raise WorkerError(failure_message(result, what))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Re-use of finished results
+
+
+def _stat_rows(root: Path, suffixes: set[str] | None) -> list[str]:
+    rows = []
+    if root.is_file():
+        st = root.stat()
+        return [f"{root}|{st.st_size}|{st.st_mtime_ns}"]
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or (suffixes is not None and Path(name).suffix.lower() not in suffixes):
+                continue
+            p = Path(dirpath) / name
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            rows.append(f"{p.relative_to(root)}|{st.st_size}|{st.st_mtime_ns}")
+    return rows
+
+
+def files_digest(paths, suffixes: set[str] | None = None) -> str:
+    """A cheap digest of folders/files: relative path, size and mtime of every file (no content is read).
+
+    Changing, adding or removing an image, caption or cache changes it; so does touching a file."""
+    h = hashlib.sha256()
+    for p in paths:
+        p = Path(p).expanduser()
+        h.update(f"## {p.resolve() if p.exists() else p}\n".encode())
+        if p.exists():
+            h.update("\n".join(_stat_rows(p, suffixes)).encode())
+        else:
+            h.update(b"<missing>")
+    return h.hexdigest()
+
+
+def dataset_digest(folders) -> str:
+    return files_digest(folders, DATASET_SUFFIXES)
+
+
+def result_key(**parts) -> str:
+    """sha256 over the JSON of everything a training result depends on."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Temp file in the same folder, then os.replace: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=1, default=str))
+
+
+def _file_record(path: Path) -> dict:
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_manifest(run_dir: str | os.PathLike, key: str, final: str | os.PathLike, **extra) -> Path:
+    """Record a finished run: the key of its inputs and the file it produced (size + mtime, to notice edits)."""
+    return write_json_atomic(Path(run_dir) / MANIFEST_NAME,
+                             {"key": key, "final": _file_record(Path(final)), "finished": time.time(), **extra})
+
+
+def reusable_result(run_dir: str | os.PathLike, key: str) -> dict | None:
+    """The manifest of a finished run with this exact key whose final file is still as it was written, else None."""
+    path = Path(run_dir) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        final = manifest["final"]
+        if manifest.get("key") != key:
+            return None
+        if _file_record(Path(final["path"])) != final:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest
+
+
+def _same_content(a: Path, b: Path) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    def digest(p: Path) -> bytes:
+        with open(p, "rb") as f:
+            return hashlib.file_digest(f, "sha256").digest()
+    return digest(a) == digest(b)
+
+
+def publish_copy(src: str | os.PathLike, dest_dir: str | os.PathLike, name: str | None = None) -> Path:
+    """Copy `src` into `dest_dir` (e.g. ComfyUI's loras folder) without ever replacing someone else's file.
+
+    A file of the same name with the same bytes is reused; a different one is left alone and the copy gets the
+    next free name (`x-2.safetensors`, `x-3...`). The copy is written to a temp name and renamed into place."""
+    src, dest_dir = Path(src), Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    name = name or src.name
+    stem, suffix = (name[: -len(".safetensors")], ".safetensors") if name.endswith(".safetensors") else \
+        (Path(name).stem, Path(name).suffix)
+    n = 1
+    while True:
+        dest = dest_dir / (name if n == 1 else f"{stem}-{n}{suffix}")
+        if not dest.exists():
+            break
+        if dest.is_file() and _same_content(src, dest):
+            return dest
+        n += 1
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(src, tmp)
+        # os.link fails if the name appeared meanwhile, where os.replace would overwrite it
+        try:
+            os.link(tmp, dest)
+        except FileExistsError:
+            return publish_copy(src, dest_dir, name)
+        except OSError:  # a filesystem without hard links
+            if dest.exists():
+                return publish_copy(src, dest_dir, name)
+            os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest

@@ -1,0 +1,349 @@
+"""Training nodes without ComfyUI: tests/comfy_double.py stands in for comfy_api, and the ComfyUI calls of
+nodes/comfy.py (progress bar, websocket events, VRAM, interrupts, model folders) are replaced by recorders.
+
+The Train node runs a fake trainer script that speaks the real protocol (reads the job TOML, prints JSON events,
+writes the final file, honours --stop-file), so spawn, relay, publish, manifest and re-use run for real in ~1 s.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from anima_train.config import AdapterConfig, ConfigError, TrainConfig, load_config
+
+FAKE_TRAINER = textwrap.dedent(r'''
+    import json, os, sys, time, tomllib
+    job, stop_file, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    cfg = tomllib.loads(open(job).read())
+    run_dir = os.path.join(cfg["train"]["output_dir"], cfg["train"]["run_name"])
+    def ev(kind, **kw):
+        print(json.dumps({"event": kind, **kw}), flush=True)
+    ev("status", message="loading model")
+    if mode == "loading":  # a model that takes long to load: no step, nothing to save yet
+        time.sleep(60)
+    ev("start", total=3, steps_per_epoch=3, epochs=1, processes=1, run_dir=run_dir, resumed_step=0)
+    for step in (1, 2, 3):
+        if os.path.exists(stop_file):
+            ev("checkpoint", path=os.path.join(run_dir, "stopped.safetensors"), step=step - 1)
+            sys.exit(0)
+        if mode == "fail" and step == 2:
+            print("RuntimeError: CUDA out of memory (fake)", file=sys.stderr, flush=True)
+            ev("error", message="RuntimeError: CUDA out of memory (fake)", traceback="")
+            sys.exit(1)
+        ev("step", step=step, total=3, epoch=1, loss=1.0 / step, lr=[1e-4])
+        time.sleep(0.3 if mode == "slow" else 0.01)
+    final = os.path.join(run_dir, cfg["train"]["run_name"] + ".safetensors")
+    open(final, "wb").write(b"lora weights " + json.dumps(cfg).encode())
+    ev("checkpoint", path=final, step=3)
+    ev("done", step=3, total=3, final=final, seconds=0.1)
+''')
+
+
+class Interrupted(BaseException):
+    pass
+
+
+class Bar:
+    def __init__(self, log, total, node_id):
+        self.log, self.total = log, total
+        log.append(("bar", total, node_id))
+
+    def update_absolute(self, value, total=None):
+        self.log.append(("update", value, total))
+
+
+@pytest.fixture
+def comfy_env(monkeypatch, tmp_path):
+    """The pack's node modules on the test double, with every nodes/comfy.py helper recorded."""
+    from tests import comfy_double
+
+    comfy_double.install(monkeypatch)
+    import nodes.comfy as comfy
+    import nodes.nodes_train as nt
+
+    log = []
+    folders = {"loras": tmp_path / "models" / "loras", "diffusion_models": tmp_path / "models" / "diffusion_models"}
+    monkeypatch.setattr(comfy, "output_directory", lambda: str(tmp_path / "output"))
+    monkeypatch.setattr(comfy, "model_folder", lambda kind: str(folders[kind]))
+    monkeypatch.setattr(comfy, "model_path", lambda kind, name: str(folders[kind] / name))
+    monkeypatch.setattr(comfy, "model_files", lambda kind: [])
+    monkeypatch.setattr(comfy, "free_vram", lambda: log.append(("free_vram",)))
+    monkeypatch.setattr(comfy, "throw_if_interrupted", lambda: None)
+    monkeypatch.setattr(comfy, "progress_bar", lambda total, node_id=None: Bar(log, total, node_id))
+    monkeypatch.setattr(comfy, "client_id", lambda: "client-1")
+    monkeypatch.setattr(comfy, "send_event", lambda data, sid=None: log.append(("ws", data, sid)))
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    mode = {"value": "ok"}
+    spawned = []
+
+    def command(job, stop, gpus):
+        spawned.append((job, stop, gpus))
+        return [sys.executable, "-u", str(script), str(job), str(stop), mode["value"]]
+
+    monkeypatch.setattr(nt, "train_command", command)
+    return type("Env", (), dict(nt=nt, comfy=comfy, log=log, folders=folders, mode=mode, spawned=spawned,
+                                tmp=tmp_path))
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(3):
+        (d / f"img_{i}.png").write_bytes(b"png")
+        (d / f"img_{i}.txt").write_text("red circle, white background")
+    return d
+
+
+def widgets(nt, model_path, dataset_dir, **over):
+    """Every widget at its schema default, like a freshly added node, then `over`."""
+    schema = nt.AnimaTrainConfig.define_schema()
+    values = {p.id: p.options.get("default") for p in schema.inputs}
+    values.update(model_path=str(model_path), dataset_path=str(dataset_dir))
+    values.update(over)
+    return values
+
+
+# -- Training config ---------------------------------------------------------------------------------------------
+
+
+def test_config_widgets_come_from_the_config_metadata(comfy_env):
+    nt = comfy_env.nt
+    ports = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}
+    assert ports["epochs"].kind == "INT" and ports["epochs"].options["default"] == TrainConfig().epochs
+    assert ports["epochs"].options["min"] == 1  # ge=1 in TrainConfig
+    assert "passes over the dataset" in ports["epochs"].options["tooltip"]
+    assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == ["lora", "lokr", "none"]
+    assert ports["dtype"].options["advanced"] is True and ports["epochs"].options["advanced"] is None
+    assert ports["gradient_checkpointing"].kind == "BOOLEAN"
+    assert ports["tag_dropout"].options["max"] == 1.0  # le=1.0
+    assert ports["extra_toml"].options["multiline"] is True
+    # every knob maps to a real key, and the widget names are unique
+    assert len({k.widget for k in nt.KNOBS}) == len(nt.KNOBS)
+    assert AdapterConfig().kind == ports["adapter"].options["default"]
+
+
+def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima, dataset):
+    nt = comfy_env.nt
+    good = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="my run", epochs=2)
+    assert nt.AnimaTrainConfig.validate_inputs(**good) is True
+    out = nt.AnimaTrainConfig.execute(**good).values[0]
+    cfg = load_config(out["toml"])
+    assert cfg.train.epochs == 2 and cfg.run_stem == "my-run" and cfg.adapter.rank == 16
+    assert cfg.train.output_dir == str(comfy_env.tmp / "output" / "anima_train")  # empty widget -> ComfyUI output
+    assert out["run_dir"] == str(comfy_env.tmp / "output" / "anima_train" / "my-run")
+    assert cfg.train.max_steps is None and cfg.flow.shift is None  # 0 = unset
+
+    # the CLI's own rule messages reach the node
+    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[flow]\nshift = 0.0\n"))
+    assert isinstance(bad, str) and "[flow] shift" in bad
+    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train]\nepochz = 3\n"))
+    assert "epochz" in bad
+    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train\n"))
+    assert "extra_toml: not valid TOML" in bad
+    missing = nt.AnimaTrainConfig.validate_inputs(**dict(good, dataset_path=str(dataset / "nope")))
+    assert "dataset folder" in missing and "nope" in missing
+    no_repo = nt.AnimaTrainConfig.validate_inputs(**dict(good, model_path=str(dataset)))
+    assert "not a complete Anima diffusers repo" in no_repo
+    with pytest.raises(ConfigError):
+        nt.AnimaTrainConfig.execute(**dict(good, model_path=""))
+
+
+def test_extra_toml_overrides_widgets_and_replaces_their_forms(comfy_env, tiny_anima, dataset, tmp_path):
+    nt = comfy_env.nt
+    other = tmp_path / "other"
+    other.mkdir()
+    extra = (f'[train]\nepochs = 7\n[dataset]\nresolutions = [512, 768]\n[[dataset.subsets]]\npath = "{other}"\n'
+             f"num_repeats = 3\n")
+    text = nt.AnimaTrainConfig.execute(**widgets(nt, tiny_anima.diffusers_dir, dataset, epochs=2,
+                                                 extra_toml=extra)).values[0]["toml"]
+    cfg = load_config(text)
+    assert cfg.train.epochs == 7 and cfg.dataset.tiers == [512, 768]
+    assert cfg.dataset.path is None and [s.path for s in cfg.dataset.subsets] == [str(other)]
+
+
+def test_linked_inputs_are_not_known_at_validation_and_pass(comfy_env, dataset):
+    nt = comfy_env.nt
+    values = widgets(nt, "x", dataset)
+    values["model_path"] = None  # e.g. linked from the Convert node
+    assert nt.AnimaTrainConfig.validate_inputs(**values) is True
+
+
+def test_config_fingerprint_follows_the_dataset_files(comfy_env, tiny_anima, dataset):
+    nt = comfy_env.nt
+    values = widgets(nt, tiny_anima.diffusers_dir, dataset)
+    f0 = nt.AnimaTrainConfig.fingerprint_inputs(**values)
+    assert nt.AnimaTrainConfig.fingerprint_inputs(**values) == f0
+    (dataset / "img_9.png").write_bytes(b"new image")
+    assert nt.AnimaTrainConfig.fingerprint_inputs(**values) != f0
+    assert nt.AnimaTrainConfig.fingerprint_inputs(**dict(values, epochs=5)) != f0
+
+
+# -- Train ---------------------------------------------------------------------------------------------------
+
+
+def _config(env, tiny_anima, dataset, **over):
+    return env.nt.AnimaTrainConfig.execute(**widgets(env.nt, tiny_anima.diffusers_dir, dataset, **over)).values[0]
+
+
+def _train(env, config, **kw):
+    env.nt.AnimaTrainTrain.hidden = type("H", (), {"unique_id": "12:5"})()  # a subgraph node id
+    try:
+        return env.nt.AnimaTrainTrain.execute(config=config, **kw)
+    finally:
+        del env.nt.AnimaTrainTrain.hidden
+
+
+def test_train_relays_events_publishes_and_records(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    config = _config(env, tiny_anima, dataset, run_name="cat")
+    out = _train(env, config)
+    path, image = out.values
+    run_dir = Path(config["run_dir"])
+    assert path == str(run_dir / "cat.safetensors") and Path(path).is_file()
+    assert tuple(image.shape[:1]) == (1,) and image.shape[-1] == 3 and 0 <= float(image.min()) <= float(image.max()) <= 1
+    # VRAM freed before the worker started; progress bar and websocket events carry the node id and client
+    assert env.log[0] == ("free_vram",)
+    assert ("bar", 3, "12:5") in env.log and ("update", 3, 3) in env.log
+    ws = [e for e in env.log if e[0] == "ws"]
+    kinds = [d["event"] for _, d, _ in ws]
+    assert kinds == ["status", "start", "step", "step", "step", "checkpoint", "done"]
+    assert all(d["node"] == "12:5" and sid == "client-1" for _, d, sid in ws)
+    assert [d["loss"] for _, d, _ in ws if d["event"] == "step"] == [1.0, 0.5, pytest.approx(1 / 3)]
+    # the trained file where LoraLoader lists it, the job files in the run dir
+    copy = env.folders["loras"] / "anima_train" / "cat.safetensors"
+    assert copy.read_bytes() == Path(path).read_bytes()
+    assert "copy" in out.ui["text"][0] and str(copy) in out.ui["text"][0]
+    assert (run_dir / "comfyui-job.toml").read_text() == config["toml"]
+    assert (run_dir / "comfyui-result.json").is_file() and (run_dir / "comfyui-loss.png").is_file()
+    assert env.spawned[0][2] == 1
+
+
+def test_an_unchanged_rerun_reuses_the_result_without_a_worker(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    config = _config(env, tiny_anima, dataset, run_name="cat")
+    first = _train(env, config)
+    env.log.clear()
+    again = _train(env, config)
+    assert len(env.spawned) == 1 and ("free_vram",) not in env.log
+    assert again.values[0] == first.values[0] and again.ui["text"][0].startswith("re-used the finished run")
+    assert [e[1] for e in env.log if e[0] == "ws"][-1]["reused"] is True
+    # a new caption changes the dataset digest: trains again
+    (dataset / "img_0.txt").write_text("blue square, black background")
+    _train(env, config)
+    assert len(env.spawned) == 2
+    # so does editing the result file
+    Path(first.values[0]).write_bytes(b"edited by hand")
+    _train(env, config)
+    assert len(env.spawned) == 3
+
+
+def test_a_user_file_in_loras_is_never_replaced(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    mine = env.folders["loras"] / "anima_train" / "cat.safetensors"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"a LoRA the user made")
+    out = _train(env, _config(env, tiny_anima, dataset, run_name="cat"))
+    assert mine.read_bytes() == b"a LoRA the user made"
+    assert (mine.parent / "cat-2.safetensors").read_bytes() == Path(out.values[0]).read_bytes()
+
+
+def test_train_failure_shows_the_worker_error_on_the_node(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    env.mode["value"] = "fail"
+    config = _config(env, tiny_anima, dataset, run_name="oom")
+    with pytest.raises(RuntimeError) as exc:
+        _train(env, config)
+    msg = str(exc.value)
+    assert "training oom failed" in msg and "CUDA out of memory (fake)" in msg
+    assert "comfyui-worker.log" in msg
+    assert not (Path(config["run_dir"]) / "comfyui-result.json").exists()
+
+
+def test_cancel_asks_the_worker_to_stop_and_relays_what_it_saved(comfy_env, tiny_anima, dataset, monkeypatch):
+    env = comfy_env
+    env.mode["value"] = "slow"
+    steps = []
+
+    def interrupted():
+        if any(e[0] == "ws" and e[1]["event"] == "step" for e in env.log):
+            steps.append(1)
+            raise Interrupted()
+
+    monkeypatch.setattr(env.comfy, "throw_if_interrupted", interrupted)
+    config = _config(env, tiny_anima, dataset, run_name="stopme", save_optimizer_state=True)
+    with pytest.raises(Interrupted):
+        _train(env, config)
+    after = [e[1] for e in env.log if e[0] == "ws"]
+    assert after[-1]["event"] == "checkpoint" and after[-1]["path"].endswith("stopped.safetensors")
+    assert not (Path(config["run_dir"]) / "comfyui-stop").exists()
+
+
+def test_cancel_while_the_model_loads_ends_the_worker_at_once(comfy_env, tiny_anima, dataset, monkeypatch):
+    import time
+
+    env = comfy_env
+    env.mode["value"] = "loading"
+
+    def interrupted():
+        if any(e[0] == "ws" and e[1]["event"] == "status" for e in env.log):
+            raise Interrupted()
+
+    monkeypatch.setattr(env.comfy, "throw_if_interrupted", interrupted)
+    config = _config(env, tiny_anima, dataset, run_name="early", save_optimizer_state=True)
+    t0 = time.perf_counter()
+    with pytest.raises(Interrupted):
+        _train(env, config)
+    assert time.perf_counter() - t0 < 5.0  # not the 60 s grace meant for saving optimizer state
+
+
+# -- Load trained LoRA, prompt encoding -------------------------------------------------------------------------
+
+
+def test_load_trained_lora_prefers_the_path_and_uses_comfys_loader(comfy_env, tmp_path, monkeypatch):
+    env = comfy_env
+    calls = []
+    monkeypatch.setattr(env.comfy, "load_lora", lambda m, c, p, sm, sc: (calls.append((m, c, p, sm, sc)) or
+                                                                         ("patched model", "patched clip")))
+    lora = tmp_path / "x.safetensors"
+    lora.write_bytes(b"w")
+    node = env.nt.AnimaLoadTrainedLora
+    out = node.execute(model="model", lora_path=str(lora), lora_name="ignored.safetensors", strength_model=0.8,
+                       strength_clip=0.5, clip=None)
+    assert out.values == ("patched model", None) and calls == [("model", None, str(lora), 0.8, 0.0)]
+    out = node.execute(model="model", lora_path="", lora_name="from_folder.safetensors", clip="clip")
+    assert calls[-1][2] == str(env.folders["loras"] / "from_folder.safetensors") and out.values[1] == "patched clip"
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        node.execute(model="model", lora_path=str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="no LoRA given"):
+        node.execute(model="model", lora_path="", lora_name=env.nt.NO_FILE)
+    assert node.execute(model="model", lora_path=str(lora), strength_model=0, strength_clip=0).values == ("model", None)
+    f0 = node.fingerprint_inputs(lora_path=str(lora))
+    lora.write_bytes(b"retrained")
+    assert node.fingerprint_inputs(lora_path=str(lora)) != f0
+
+
+def test_encode_prompt_gives_the_conditioning_layout_comfy_anima_consumes(comfy_env, tiny_anima):
+    import torch
+
+    cond = comfy_env.nt.AnimaTrainTextEncode.execute(model_path=str(tiny_anima.diffusers_dir),
+                                                     text="red circle, white background").values[0]
+    (cross_attn, extras), = cond
+    hidden = tiny_anima.configs["text_encoder"]["hidden_size"]
+    assert cross_attn.ndim == 3 and cross_attn.shape[0] == 1 and cross_attn.shape[2] == hidden
+    assert torch.isfinite(cross_attn).all() and cross_attn.abs().sum() > 0
+    ids, weights = extras["t5xxl_ids"], extras["t5xxl_weights"]
+    assert ids.dtype == torch.int32 and ids.ndim == 1 and int(ids[-1]) == 1  # T5 appends </s> (id 1)
+    assert torch.equal(weights, torch.ones(ids.shape[0]))
+    encode = comfy_env.nt.AnimaTrainTextEncode.execute
+    other = encode(model_path=str(tiny_anima.diffusers_dir), text="red square, white background").values[0][0][0]
+    assert other.shape == cross_attn.shape and not torch.allclose(other, cross_attn)
+    # an empty prompt: one masked (zeroed) Qwen token, as in training's caption dropout; T5 still gives </s>
+    (empty, empty_extras), = encode(model_path=str(tiny_anima.diffusers_dir), text="").values[0]
+    assert empty.shape == (1, 1, hidden) and float(empty.abs().sum()) == 0.0
+    assert empty_extras["t5xxl_ids"].tolist() == [1]
