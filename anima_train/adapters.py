@@ -162,12 +162,14 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
     trainable (build_param_groups then freezes the components whose LR is 0). In both modes Qwen3 is frozen and
     gets a LoRA on its q/k/v/o/gate/up/down projections if train_text_encoder.
 
-    adapter_dtype: "auto" = fp32 for optimizer.kind "adamw", else the model's dtype; None = the model's dtype;
+    adapter_dtype: "auto" = the model's (training) dtype; None = the model's dtype;
     or an explicit torch dtype.
     """
     a = cfg.adapter
     if adapter_dtype == "auto":
-        adapter_dtype = torch.float32 if cfg.optimizer.kind == "adamw" else None
+        # The training dtype, as peft's own injection does: fp32 adapters on a bf16 trunk make peft cast every
+        # adapted layer's input to fp32 (measured on an H200, LoRA r32 b8 1024²: +42% step time, +3.7 GiB peak).
+        adapter_dtype = None
     for m in (transformer, conditioner, text_encoder):
         if m is not None:
             m.requires_grad_(False)

@@ -49,9 +49,6 @@ ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond 
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
 # whole table / every phase.
 NOT_IMPLEMENTED: dict[str, str] = {
-    "train.compile": "torch.compile",
-    "train.compile_dynamic": "torch.compile",
-    "train.compile_regional": "torch.compile",
     "train.allow_multi_gpu_texture": "texture-mode curriculum",
     "dataset.texture": "texture-mode curriculum",
     "curriculum.texture": "texture-mode curriculum phases",  # any [[curriculum]] phase with mode = "texture"

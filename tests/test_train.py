@@ -189,3 +189,22 @@ def test_text_encoder_lora_goes_to_a_te_sibling(tiny_anima, latents_dir, tmp_pat
     assert te and all(k.startswith("lora_te_") for k in te)
     assert any(k.endswith(".lora_up.weight") and v.abs().sum() > 0 for k, v in te.items())  # it trained
     assert not any(k.startswith("lora_te") for k in load_file(str(result.final)))
+
+
+def test_parked_weights_round_trip(tiny_anima):
+    from anima_train.text import encode_prompts
+    from anima_train.train import ParkedWeights
+
+    parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
+    kw = dict(tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer, text_encoder=parts.text_encoder,
+              conditioner=parts.text_conditioner, device="cpu")
+    with torch.no_grad():
+        ref = encode_prompts(["red circle, white background"], **kw)
+        parked = ParkedWeights(parts.text_encoder, torch.device("cpu"))
+        host = [p.data_ptr() for p in parts.text_encoder.parameters()]
+        with parked.on_device():
+            inside = encode_prompts(["red circle, white background"], **kw)
+        assert [p.data_ptr() for p in parts.text_encoder.parameters()] == host  # parked again after use
+        parked.restore()
+        after = encode_prompts(["red circle, white background"], **kw)
+    assert torch.equal(ref, inside) and torch.equal(ref, after)
