@@ -30,27 +30,28 @@ from typing import IO, Any
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 
 
-def format_duration(seconds: float) -> str:
+def _hms(seconds: float | None) -> tuple[int, int, int] | None:
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    h, rem = divmod(int(round(seconds)), 3600)
+    return (h, *divmod(rem, 60))
+
+
+def format_duration(seconds: float | None) -> str:
     """47m34s, 1h02m03s, 9s — compact, as in the plain progress line."""
-    if seconds is None or not math.isfinite(seconds):
+    hms = _hms(seconds)
+    if hms is None:
         return "?"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    if h:
-        return f"{h}h{m:02d}m{s:02d}s"
-    if m:
-        return f"{m}m{s:02d}s"
-    return f"{s}s"
+    h, m, s = hms
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def format_clock(seconds: float) -> str:
+def format_clock(seconds: float | None) -> str:
     """tqdm-style 42:11 / 1:02:03."""
-    if seconds is None or not math.isfinite(seconds):
+    hms = _hms(seconds)
+    if hms is None:
         return "?"
-    s = int(round(seconds))
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
+    h, m, s = hms
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
