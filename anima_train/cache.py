@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+from anima_train.atomic import atomic_path
 from anima_train.buckets import tier_counts, tier_report
 from anima_train.dataset import (
     BucketSettings,
@@ -151,13 +151,8 @@ def save_cache(path: Path, latents, metadata: dict[str, str]) -> None:
     """Atomic write (temp file in the same folder, then os.replace)."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file({"latents": latents.detach().float().cpu().contiguous()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def run(args) -> int:

@@ -21,6 +21,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from anima_train.atomic import write_text
+
 STATE_SUFFIX = "-state"
 STATE_FILE = "state.json"
 ACCELERATOR_DIR = "accelerator"
@@ -159,9 +161,7 @@ def read_state(state_dir: Path) -> dict:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def replace_dir_atomic(tmp_dir: Path, final_dir: Path) -> None:

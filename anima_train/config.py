@@ -24,7 +24,6 @@ import importlib.util
 import math
 import os
 import re
-import tempfile
 import tomllib
 import types
 import typing
@@ -1047,15 +1046,9 @@ def load_config(source: str | os.PathLike) -> Config:
 
 
 def _atomic_write_text(dest: Path, text: str) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:  # newline="": keep the text's line endings
-            fh.write(text)
-        os.replace(tmp, dest)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from anima_train.atomic import write_text
+
+    write_text(dest, text)
 
 
 def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from anima_train import __version__, keymaps
+from anima_train.atomic import atomic_path
 
 DIFFUSION_PREFIX = "diffusion_model."  # ComfyUI's model key prefix; diffusers' Anima LoRA loader expects it too
 KOHYA_UNET_PREFIX = "lora_unet_"
@@ -284,12 +285,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
 
     path = _claim_path(path, overwrite)
     md = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=md)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -62,8 +62,8 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
     for x, y in raw:
         d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(120, 120, 120))
 
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
-    return path
+    from anima_train.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        img.save(tmp, format="PNG")
+    return Path(path)

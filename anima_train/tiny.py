@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_train import keymaps
+from anima_train.atomic import atomic_path
 
 # ----------------------------------------------------------------------------------------------------------
 # Configurations (MODEL.md §3 real, §10 tiny)
@@ -198,9 +199,8 @@ def build_models(size: str = "tiny", seed: int = 0, dtype: torch.dtype | None = 
 
 
 def _save_safetensors(sd: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "pt"})
 
 
 def _claim(final: Path, overwrite: bool) -> None:

@@ -12,7 +12,6 @@ shuffling and dropout change them per epoch. Accelerate runs it on one or many p
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 import traceback

@@ -187,3 +187,21 @@ def test_install_script_second_run_changes_nothing():
 
 def _pip_freeze(python: Path) -> str:
     return subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+
+
+def test_atomic_writes_get_normal_file_modes(tmp_path):
+    # safetensors and mkstemp create 0600 files; outputs must be readable like any file the user writes
+    import torch
+
+    from anima_train.atomic import write_text
+    from anima_train.lora_export import write_safetensors
+
+    old = os.umask(0o022)
+    try:
+        a = write_text(tmp_path / "a.toml", "x = 1\r\n")
+        b = write_safetensors(tmp_path / "b.safetensors", {"w": torch.zeros(2)})
+    finally:
+        os.umask(old)
+    assert a.read_bytes() == b"x = 1\r\n"
+    assert (a.stat().st_mode & 0o777) == 0o644 and (b.stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toml", "b.safetensors"]  # no temp files left
