@@ -114,6 +114,14 @@ class Progress:
             self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{postfix}]")
 
+    def set_total(self, total: int, start_step: int = 0) -> None:
+        """The step count is known only after the data is planned (the bar starts before, at 1)."""
+        self.total, self._start_step = total, start_step
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.n = start_step
+            self._bar.refresh()
+
     # -- events ------------------------------------------------------------------------------------------
     def event(self, kind: str, **data: Any) -> None:
         if self._events is None:

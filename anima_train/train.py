@@ -108,6 +108,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
     if note := _precision_note():
         say(note)
+    # a resume that cannot work must fail before minutes of model loading, not after
+    state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
     progress.event("status", message="loading model")
 
     # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
@@ -183,13 +185,12 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
     # -- resume ---------------------------------------------------------------------------------------------
     global_step, start_epoch, skip_batches = 0, 0, 0
-    if cfg.train.resume_from:
-        state_dir = ckpt.resolve_resume(cfg.train.resume_from)
+    if state_dir is not None:
         global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
                                                               accelerator)
         say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
 
-    progress.total = total
+    progress.set_total(total, start_step=global_step)
     progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
                    run_dir=str(run_dir), resumed_step=global_step)
     if accelerator.is_main_process and not no_save:
@@ -202,8 +203,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
     def micro_step(batch, phase) -> tuple[torch.Tensor, dict]:
         if vae is not None:  # source = "encode": the VAE runs here, without autograd
-            with torch.no_grad():
-                x0 = encode_latents(vae, batch["pixels"]).to(device, dtype)
+            chunk = cfg.train.vae_encode_chunk  # images per VAE forward: bounds the encode's share of the peak
+            x0 = torch.cat([encode_latents(vae, px) for px in batch["pixels"].split(chunk)]).to(device, dtype)
         else:
             x0 = batch["latents"].to(device, dtype)
         b, _, _, h, w = x0.shape

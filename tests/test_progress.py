@@ -99,3 +99,12 @@ def test_format_duration():
     assert P.format_duration(2854) == "47m34s"
     assert P.format_duration(3723) == "1h02m03s"
     assert P.format_duration(9.4) == "9s"
+
+
+def test_bar_total_can_be_set_after_start():
+    out = io.StringIO()
+    prog = P.Progress("bar", 1, stream=out)
+    prog.set_total(10, start_step=4)
+    prog.step(_stats(5))
+    prog.close()
+    assert "5/10" in out.getvalue()

@@ -220,3 +220,15 @@ def test_regional_compile_matches_eager(tiny_anima, latents_dir, tmp_path):
     assert compiled.losses == pytest.approx(eager.losses, abs=1e-4)
     blocks = compiled.components.transformer.transformer_blocks
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+
+
+def test_encode_mode_runs_the_vae_in_the_loop(tiny_anima, tmp_path):
+    from anima_train.tiny import make_synthetic_dataset
+
+    data = tmp_path / "images"
+    make_synthetic_dataset(data, n=6, sizes=[(128, 128), (192, 64)])
+    cfg = make_cfg(tiny_anima.diffusers_dir, data, tmp_path, max_steps=2, vae_encode_chunk=1)
+    cfg.dataset.source = "encode"
+    result = train(cfg, cpu=True, no_save=True)
+    assert result.global_step == 2 and all(l == l for l in result.losses)  # finite, no caches needed
+    assert not list(data.glob("*_anima.safetensors"))
