@@ -400,6 +400,9 @@ def _atomic_write(path, write, overwrite):
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a published file gets the mode open() would give
         if overwrite:
             os.replace(tmp, path)
         else:
