@@ -34,6 +34,18 @@ def dit_loss(models: dict, b: dict) -> torch.Tensor:
     return torch.nn.functional.mse_loss(v.float(), b["target"])
 
 
+def train_steps(models: dict, opt, b: dict, steps: int) -> list[float]:
+    """`steps` optimizer steps on one fixed batch; the loss before each step."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = dit_loss(models, b)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def frozen_cfg(kind: str = "lora", **quant_options) -> Config:
     cfg = make_cfg(kind=kind, rank=4, alpha=4.0, components=["self_attn", "cross_attn", "mlp", "adaln"],
                    train_llm_adapter=True)
@@ -164,13 +176,7 @@ def test_frozen_int8_base_gives_exact_adapter_gradients(kind):
     # and it trains
     groups, _ = adapters.build_param_groups(models, cfg)
     opt = build_optimizer(groups, cfg.optimizer)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        step_loss = dit_loss(models, b)
-        step_loss.backward()
-        opt.step()
-        losses.append(step_loss.item())
+    losses = train_steps(models, opt, b, 3)
     assert losses[-1] < losses[0]
     assert all(is_sdnq(models["transformer"].get_submodule(n).base_layer.weight)
                for n in report.quantized["transformer"] if adapters.component_of(n) in cfg.adapter.components)
@@ -270,13 +276,7 @@ def test_training_mode_full_finetune_with_stochastic_rounding_and_export(tmp_pat
     codes_before = to_q.weight.clone()
     adaln_before = adaln.dequantize().clone()
     b = dit_batch(dtype=dtype)
-    losses = []
-    for _ in range(5):
-        opt.zero_grad()
-        loss = dit_loss(models, b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(models, opt, b, 5)
     assert losses[-1] < losses[0], losses
     assert is_sdnq(to_q) and to_q.weight.dtype == torch.int8  # still int8 codes after the updates
     assert (to_q.weight != codes_before).float().mean() > 0.05
@@ -332,13 +332,7 @@ def test_gpu_frozen_lora_on_int8_base_with_quantized_matmul():
     assert max(errors) < 0.15, errors
     groups, _ = adapters.build_param_groups(models, cfg)
     opt = build_optimizer(groups, cfg.optimizer)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = dit_loss(models, b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(models, opt, b, 4)
     assert losses[-1] < losses[0], losses
 
 
@@ -356,13 +350,7 @@ def test_gpu_training_mode_full_finetune():
     groups, _ = adapters.build_param_groups(models, cfg)
     opt = build_optimizer(groups, cfg.optimizer)
     b = {k: v.to(dev) for k, v in dit_batch(dtype=dtype).items()}
-    losses = []
-    for _ in range(5):
-        opt.zero_grad()
-        loss = dit_loss(models, b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(models, opt, b, 5)
     assert losses[-1] < losses[0], losses
     assert is_sdnq(models["transformer"].get_submodule("transformer_blocks.1.ff.net.2").weight)
 
