@@ -70,20 +70,11 @@ def _cache(config: Path, device: str) -> None:
         raise SystemExit(f"demo: caching failed (exit {code})")
 
 
-def _eval_set(dataset: Path):
-    from safetensors.torch import load_file
-
-    caches = sorted(dataset.glob("*_anima.safetensors"))
-    latents = [load_file(str(c))["latents"] for c in caches]
-    captions = [c.with_name(c.name.rsplit("_", 2)[0] + ".txt").read_text(encoding="utf-8").strip() for c in caches]
-    return latents, captions
-
-
 def run(args) -> int:
     import torch
 
     from anima_train.config import load_config
-    from anima_train.evaluate import evaluate
+    from anima_train.evaluate import cached_eval_set, evaluate
     from anima_train.models import load_components
     from anima_train.plot import plot_losses
     from anima_train.tiny import build_tiny_anima, make_synthetic_dataset
@@ -111,7 +102,7 @@ def run(args) -> int:
     cfg = load_config(toml)
     print(f"demo: caching latents (anima-train cache --config {toml})")
     _cache(toml, device)
-    latents, captions = _eval_set(out / "dataset")
+    latents, captions = cached_eval_set(out / "dataset")
     before = evaluate(load_components(tiny.diffusers_dir, dtype="float32", device=device), latents, captions)
 
     print(f"demo: training a rank-8 LoRA for {args.steps} steps on the {device} (anima-train train {toml})")

@@ -10,6 +10,7 @@ it should widen when a run learns from its captions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,21 @@ class EvalResult:
     @property
     def margin(self) -> float:
         return self.shuffled_captions - self.true_captions
+
+
+def cached_eval_set(folder: str | Path) -> tuple[list[torch.Tensor], list[str]]:
+    """Every latent cache in `folder` (sorted by name) with the tag caption of its source (`<stem>.txt`)."""
+    from anima_train.captions import read_caption_files
+    from anima_train.dataset import CACHE_NAME, CACHE_TAIL, load_latents
+
+    latents, captions = [], []
+    for path in sorted(Path(folder).glob("*" + CACHE_TAIL)):
+        match = CACHE_NAME.match(path.name)
+        if match is None:
+            continue
+        latents.append(load_latents(path))
+        captions.append(read_caption_files(path.with_name(match["stem"]))[0].strip())
+    return latents, captions
 
 
 def derangement(n: int, seed: int = 0) -> list[int]:

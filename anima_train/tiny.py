@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_train import keymaps
-from anima_train.atomic import atomic_path
+from anima_train.atomic import atomic_path, write_text
 
 # ----------------------------------------------------------------------------------------------------------
 # Configurations (MODEL.md §3 real, §10 tiny)
@@ -318,12 +318,10 @@ def make_synthetic_dataset(out_dir, n: int = 16, seed: int = 0, sizes=None, min_
     paths = []
     for path, size, colour, shape, background, draw_seed in plan:
         img = _draw(size, colour, shape, background, random.Random(draw_seed))
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        img.save(tmp, format="JPEG" if path.suffix == ".jpg" else "PNG", **({"quality": 95} if path.suffix == ".jpg" else {}))
-        os.replace(tmp, path)
-        txt_tmp = path.with_name(f".{path.stem}.txt.tmp-{os.getpid()}")
-        txt_tmp.write_text(caption_for(colour, shape, background) + "\n", encoding="utf-8")
-        os.replace(txt_tmp, path.with_suffix(".txt"))
+        with atomic_path(path) as tmp:
+            img.save(tmp, format="JPEG" if path.suffix == ".jpg" else "PNG",
+                     **({"quality": 95} if path.suffix == ".jpg" else {}))
+        write_text(path.with_suffix(".txt"), caption_for(colour, shape, background) + "\n")
         paths.append(path)
     return paths
 
@@ -349,7 +347,7 @@ def make_synthetic_latents(out_dir, n: int = 12, seed: int = 0, latent_hw: tuple
     std), so text cannot help predict it and a conditioning test learns nothing. Here each background, colour and
     shape has its own fixed 16-channel direction, so a model that reads its caption can beat one that does not.
     """
-    from safetensors.torch import save_file
+    from anima_train.dataset import cache_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -374,13 +372,12 @@ def make_synthetic_latents(out_dir, n: int = 12, seed: int = 0, latent_hw: tuple
                + vectors[colour].view(16, 1, 1, 1) * mask) * 0.7
         lat = lat + 0.05 * torch.randn(lat.shape, generator=g)
         stem = out_dir / f"lat_{i:04d}"
-        cache = stem.with_name(f"{stem.name}_{8 * w:04d}x{8 * h:04d}_anima.safetensors")
+        cache = cache_path(stem, (8 * w, 8 * h))
         txt = stem.with_suffix(".txt")
         if not overwrite and (cache.exists() or txt.exists()):
             raise FileExistsError(f"{cache} or {txt} already exists; pass overwrite=True or use an empty folder")
-        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-        save_file({"latents": lat.contiguous()}, str(tmp))
-        os.replace(tmp, cache)
-        txt.write_text(caption_for(colour, shape, background) + "\n", encoding="utf-8")
+        with atomic_path(cache) as tmp:
+            save_file({"latents": lat.contiguous()}, str(tmp))
+        write_text(txt, caption_for(colour, shape, background) + "\n")
         paths.append(cache)
     return paths

@@ -11,7 +11,7 @@ import torch
 from anima_train import adapters, quant
 from anima_train.config import Config
 from anima_train.optimizers import build_optimizer
-from tests.test_adapters import TRANSFORMER_TINY, make_cfg, tiny_models
+from tests.test_adapters import make_cfg, tiny_models
 
 SDNQ = quant.import_sdnq()  # module level: the import (env defaults) is part of what is tested
 TINY = dict(min_numel=0, min_channels=0)  # tiny Linears are below SDNQ's size floor; quantize them all
@@ -44,6 +44,14 @@ def train_steps(models: dict, opt, b: dict, steps: int) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def same_random_adapters(models: dict, reference: dict) -> None:
+    """Non-zero adapter weights (a fresh LoRA's B = 0 would hide gradient errors), identical in both models."""
+    for (_, _, p), (_, _, r) in zip(adapters.adapter_parameters(models["transformer"]),
+                                    adapters.adapter_parameters(reference["transformer"])):
+        p.data = 0.05 * torch.randn_like(p)
+        r.data = p.data.clone()
 
 
 def frozen_cfg(kind: str = "lora", **quant_options) -> Config:
@@ -198,10 +206,7 @@ def test_frozen_quantized_matmul_runs_on_cpu_with_close_gradients():
             models["transformer"].get_submodule(name).weight.dequantize(dtype=torch.float32)
     for m in (models, reference):
         adapters.inject_adapters(m["transformer"], m["text_conditioner"], m["text_encoder"], cfg)
-    for (_, _, p), (_, _, r) in zip(adapters.adapter_parameters(models["transformer"]),
-                                    adapters.adapter_parameters(reference["transformer"])):
-        p.data = 0.05 * torch.randn_like(p)
-        r.data = p.data.clone()
+    same_random_adapters(models, reference)
     b = dit_batch()
     dit_loss(models, b).backward()
     dit_loss(reference, b).backward()
@@ -314,10 +319,7 @@ def test_gpu_frozen_lora_on_int8_base_with_quantized_matmul():
         reference["transformer"].get_submodule(name).weight.data = w.dequantize(dtype=dtype)
     for m in (models, reference):
         adapters.inject_adapters(m["transformer"], m["text_conditioner"], m["text_encoder"], cfg)
-    for (_, _, p), (_, _, r) in zip(adapters.adapter_parameters(models["transformer"]),
-                                    adapters.adapter_parameters(reference["transformer"])):
-        p.data = 0.05 * torch.randn_like(p)
-        r.data = p.data.clone()
+    same_random_adapters(models, reference)
     b = {k: v.to(dev) for k, v in dit_batch(dtype=dtype).items()}
     b["x"] = b["x"].repeat(8, 1, 1, 1, 1)  # 16 x 16 tokens: enough rows for the quantized kernels
     b["sigma"], b["qwen"], b["t5"], b["target"] = (b[k].repeat(8, *[1] * (b[k].ndim - 1))

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anima_train.config import load_config
-from anima_train.evaluate import evaluate
+from anima_train.evaluate import cached_eval_set, evaluate
 from anima_train.models import load_components
 from anima_train.tiny import make_synthetic_latents
 from anima_train.train import train
@@ -46,16 +46,9 @@ alpha = 8.0
     return load_config(text)
 
 
-def _eval_set(data: Path):
-    caches = sorted(data.glob("*_anima.safetensors"))
-    latents = [load_file(str(c))["latents"] for c in caches]
-    captions = [c.with_name(c.name.rsplit("_", 2)[0] + ".txt").read_text().strip() for c in caches]
-    return latents, captions
-
-
 @pytest.mark.slow
 def test_it_learns_from_its_captions(tiny_anima, latents_dir, tmp_path):
-    latents, captions = _eval_set(latents_dir)
+    latents, captions = cached_eval_set(latents_dir)
     before = evaluate(load_components(tiny_anima.diffusers_dir, dtype="float32"), latents, captions)
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, "[optimizer]\nlr = 1e-2\n", max_steps=100)
     result = train(cfg, cpu=True, no_save=True)
@@ -148,7 +141,7 @@ def test_curriculum_lr_mul_and_full_finetune(tiny_anima, latents_dir, tmp_path):
 
 
 def _eval_drop(tiny_anima, latents_dir, cfg, **kw):
-    latents, captions = _eval_set(latents_dir)
+    latents, captions = cached_eval_set(latents_dir)
     before = evaluate(load_components(tiny_anima.diffusers_dir, dtype="float32"), latents, captions)
     result = train(cfg, cpu=True, **kw)
     after = evaluate(result.components, latents, captions)
