@@ -33,10 +33,9 @@ A component whose [component_lr] is 0.0 is frozen: requires_grad False, in no pa
 Adapters are still injected into a frozen component listed in [adapter] components (a fresh adapter is an exact
 no-op), so the component shows up in the report as frozen.
 
-Adapter dtype: with optimizer.kind = "adamw" (torch, no stochastic rounding) the adapter tensors are kept in fp32,
-so its moments are fp32 too; with an SDNQ optimizer they stay in the model's dtype (train.dtype) and SDNQ's
-stochastic rounding (and use_kahan) do the work. peft's forward casts the input to the adapter's dtype and the sum
-back to the base layer's dtype, so no autocast is needed either way.
+Adapter dtype: the training dtype (train.dtype), as peft's own injection does, so peft never up-casts a layer's
+input; the optimizer keeps fp32 masters of bf16/fp16 adapters (optimizers.FP32MasterWeights), so small updates
+are not rounded away.
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     transformer_ddp = trainable[0]
     conditioner_run = trainable[1] if train_conditioner else conditioner
     text_encoder_run = trainable[-1] if train_text_encoder else text_encoder
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters instead
+    params = [p for g in groups for p in g["params"]]
 
     say(f"steps    {per_epoch}/epoch x {cfg.train.epochs} epoch(s) = {per_epoch * cfg.train.epochs}"
         + (f", capped at max_steps {cfg.train.max_steps}" if cfg.train.max_steps else "")
