@@ -28,6 +28,7 @@ from anima_train.cache import add_dataset_arguments, flag_overrides, resolve_dat
 from anima_train.dataset import (
     BucketSettings,
     CacheUnreadable,
+    LATENTS_LAYOUT,
     DatasetError,
     Source,
     _parse_wxh,
@@ -108,7 +109,7 @@ def audit(args) -> tuple[list[str], bool]:
         except CacheUnreadable as exc:
             damaged[p] = f"cannot be read ({exc.reason})"
             continue
-        if why := latents_problem(metadata[p], cache_bucket(p)):
+        if why := latents_problem(metadata[p].get(LATENTS_LAYOUT), cache_bucket(p)):
             damaged[p] = why
     out = []
     if not tiers_given:

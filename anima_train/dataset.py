@@ -293,9 +293,10 @@ def cache_bucket(path: Path) -> tuple[int, int] | None:
     return (int(m["w"]), int(m["h"])) if m else None
 
 
-def latents_problem(meta: dict, bucket: tuple[int, int]) -> str | None:
-    """None when the header's tensor fits the bucket (see read_cache_metadata); else what is wrong."""
-    got, want = meta.get(LATENTS_LAYOUT), expected_latents_layout(bucket)
+def latents_problem(got: str | None, bucket: tuple[int, int]) -> str | None:
+    """None when a cache's tensor layout (latents_layout, or meta[LATENTS_LAYOUT] from read_cache_metadata; None
+    = no tensor `latents`) fits the bucket; else what is wrong."""
+    want = expected_latents_layout(bucket)
     if got is None:
         return "no tensor named latents"
     if got != want:
@@ -551,7 +552,7 @@ def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str |
             except CacheUnreadable as exc:
                 why = damaged[path] = f"cannot be read ({exc.reason})"
             else:
-                why = latents_problem(metadata[path], e.plan.bucket)
+                why = latents_problem(metadata[path].get(LATENTS_LAYOUT), e.plan.bucket)
                 if why is not None:
                     damaged[path] = why
                 else:
@@ -573,7 +574,7 @@ def made_with(check: CacheCheck, path: Path, settings: BucketSettings, vae_id: s
     try:
         meta = check.metadata.get(path) or read_cache_metadata(path)
     except CacheUnreadable as exc:
-        return f"nothing readable ({exc.reason})"
+        return f"settings unknown (the file cannot be read: {exc.reason})"
     return explain_settings(meta, settings, vae_id)
 
 
@@ -602,7 +603,9 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
         lines.append(f"  caches for {shown} {reason}")
     if damaged:
         lines.append(f"  {len(damaged)} cache file(s) are damaged (training on them would be wrong):")
-        lines += [f"    {d}" for d in damaged[:10]] + ([f"    ... and {len(damaged) - 10} more"] if len(damaged) > 10 else [])
+        lines += [f"    {d}" for d in damaged[:10]]
+        if len(damaged) > 10:
+            lines.append(f"    ... and {len(damaged) - 10} more")
     folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
     tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
                    for e, _ in check.missing})
@@ -665,7 +668,7 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
         raise CacheUnreadable(path, f"{type(e).__name__}: {e}") from e
     bucket = bucket or cache_bucket(path)
     if bucket is not None:
-        why = latents_problem({LATENTS_LAYOUT: latents_layout(t.dtype, t.shape)}, bucket)
+        why = latents_problem(latents_layout(t.dtype, t.shape), bucket)
         if why is not None:
             raise DatasetError(f"latent cache {path} is damaged: {why}; re-run anima-train cache (it re-encodes "
                                f"damaged caches), or delete the file when its image is gone")
@@ -847,7 +850,7 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
             raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
                                f"per source: keep one of {', '.join(p.name for p in paths)}")
         bucket = cache_bucket(paths[0])
-        if why := latents_problem(check.metadata[paths[0]], bucket):
+        if why := latents_problem(check.metadata[paths[0]].get(LATENTS_LAYOUT), bucket):
             raise DatasetError(f"latent cache {paths[0]} is damaged: {why}; delete it (its image is gone, so it "
                                f"cannot be re-encoded) or restore the image and re-run anima-train cache")
         bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))
