@@ -4,8 +4,10 @@
 
 Prints (CONFIG.md §B.3) the source-area percentiles and the suggested ladder, the collapse rate of the configured
 ladder and of the suggested one, and a verdict: SAFE to delete the images only when every readable image is cached
-at every configured tier with the current settings (and, when the model's VAE is found, by that VAE) and every
-source has its caption; otherwise NOT SAFE with the reasons and counts. Exit status 0 = SAFE, 1 = NOT SAFE,
+at every configured tier with the current settings (and, when the model's VAE is found, by that VAE), no cache
+file is damaged (unreadable, or latents of the wrong shape/dtype for its bucket) and every source has its caption;
+otherwise NOT SAFE with the reasons and counts. The dataset warnings the trainer prints (tier collapse,
+min_source_area drops, unused caches) come as "warning:" lines. Exit status 0 = SAFE, 1 = NOT SAFE,
 2 = error.
 
 Tiers and bucket settings: --resolution / flags, else --config, else the settings recorded in the caches
@@ -25,17 +27,23 @@ from anima_train.buckets import BUCKET_KEYS, audit_report, make_bucketers, sugge
 from anima_train.cache import add_dataset_arguments, flag_overrides, resolve_dataset_args
 from anima_train.dataset import (
     BucketSettings,
+    CacheUnreadable,
+    LATENTS_LAYOUT,
     DatasetError,
     Source,
     _parse_wxh,
     _record,
+    cache_bucket,
     cache_command,
+    cache_path,
     check_caches,
-    explain_settings,
     image_sources,
+    latents_problem,
+    made_with,
     missing_captions,
     plan_sources,
     plan_tiers_checked,
+    plan_warnings,
     read_cache_metadata,
     scan_folders,
     vae_identity,
@@ -93,7 +101,16 @@ def _examples(items, k: int = 4) -> str:
 def audit(args) -> tuple[list[str], bool]:
     subsets, settings, model_path, tiers_given = resolve_dataset_args(args, need_tiers=False)
     scan = scan_folders(subsets)
-    metadata = {p: read_cache_metadata(p) for f in scan.folders for ps in f.caches.values() for p in ps}
+    all_caches = [p for f in scan.folders for ps in f.caches.values() for p in ps]
+    metadata, damaged = {}, {}  # damaged: every cache file that is unreadable or mis-shaped for its bucket -> why
+    for p in all_caches:
+        try:
+            metadata[p] = read_cache_metadata(p)
+        except CacheUnreadable as exc:
+            damaged[p] = f"cannot be read ({exc.reason})"
+            continue
+        if why := latents_problem(metadata[p].get(LATENTS_LAYOUT), cache_bucket(p)):
+            damaged[p] = why
     out = []
     if not tiers_given:
         recorded = settings_from_caches(metadata)
@@ -116,7 +133,7 @@ def audit(args) -> tuple[list[str], bool]:
         for stem, paths in f.caches.items():
             if stem in f.images:
                 continue
-            sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata[p]]
+            sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata.get(p, {})]
             size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
             cache_only.append(Source(fi, f.path / stem, None, size))
     sources = image_srcs + [s for s in cache_only if s.size is not None]
@@ -143,7 +160,8 @@ def audit(args) -> tuple[list[str], bool]:
         return bool(scan.folders[src.folder].caches.get(src.stem.name))
 
     never = [e for e, _ in check.missing if not cached_stem(e)]
-    stale = [e for e, _ in check.missing if cached_stem(e)]
+    stale = [e for e, _ in check.missing
+             if cached_stem(e) and cache_path(plan.sources[e.source].stem, e.plan.bucket) not in damaged]
     if never:
         reasons.append(f"{len(never)} (image, tier) pair(s) have no cache: "
                        + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in never))
@@ -151,8 +169,13 @@ def audit(args) -> tuple[list[str], bool]:
         src = plan.sources[stale[0].source]
         newest = max(scan.folders[src.folder].caches[src.stem.name], key=lambda p: p.stat().st_mtime_ns)
         reasons.append(f"{len(stale)} (image, tier) pair(s) have only caches made with other settings (e.g. "
-                       f"{src.stem.name}: {explain_settings(metadata[newest], settings, vae_id)}): "
+                       f"{src.stem.name}: {made_with(check, newest, settings, vae_id)}): "
                        + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in stale))
+    if damaged:
+        reasons.append(f"{len(damaged)} cache file(s) are damaged and would not train (re-encode them with "
+                       f"anima-train cache while the images exist, or delete them): "
+                       + "; ".join(f"{p} ({why})" for p, why in list(damaged.items())[:4])
+                       + (f" and {len(damaged) - 4} more" if len(damaged) > 4 else ""))
     uncaptioned = missing_captions(scan, sources + unsized)
     if uncaptioned:
         reasons.append(f"{len(uncaptioned)} source(s) have no caption file: " + _examples(p.name for p in uncaptioned))
@@ -170,21 +193,17 @@ def audit(args) -> tuple[list[str], bool]:
                        f"to a tier: " + _examples(s.stem.name for s in unsized))
 
     image_bytes = sum(s.image.stat().st_size for s in image_srcs)
-    cache_bytes = sum(p.stat().st_size for p in metadata)
-    out.append(f"files    {len(image_srcs)} image(s) {image_bytes / 2**20:.1f} MiB, {len(metadata)} cache(s) "
+    cache_bytes = sum(p.stat().st_size for p in all_caches)
+    out.append(f"files    {len(image_srcs)} image(s) {image_bytes / 2**20:.1f} MiB, {len(all_caches)} cache(s) "
                f"{cache_bytes / 2**20:.1f} MiB" + (f", {len(cache_only)} cached stem(s) without image" if cache_only else ""))
-    if plan.dropped_small:
-        out.append(f"note     {len(plan.dropped_small)} source(s) below min_source_area are not trained (and need no cache)")
-    if check.unused:
-        out.append(f"note     {len(check.unused)} cache file(s) match no configured tier (other settings); training "
-                   f"ignores them")
+    out += [f"warning: {text}" for text in plan_warnings(plan, settings, check, vae_id)]
     if vae_id is None:
         out.append(f"note     VAE identity not checked (no VAE under {model_path}/vae; pass --model)")
     if reasons:
         out.append("verdict  NOT SAFE to delete the images:")
         out += [f"  - {r}" for r in reasons]
         tops = [Path(s.path) for s in subsets]
-        if never or stale:
+        if never or stale or damaged:
             out.append(f"fix: {cache_command(tops, settings)}")
         return out, False
     out.append(f"verdict  SAFE to delete the images: every image is cached at tier(s) {list(settings.tiers)} with the "

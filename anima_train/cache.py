@@ -5,8 +5,9 @@
 
 Prints the bucket plan and the cache size first, then writes `<stem>_WWWWxHHHH_anima.safetensors` beside each
 image for each tier (one file per (image, bucket): a tier that collapses onto a lower one's bucket shares its file).
-Existing caches that match the current settings are skipped; stale ones (other settings, another VAE) are
-re-encoded; --overwrite re-encodes everything. Images are grouped by bucket and encoded in batches.
+Existing caches that match the current settings are skipped; stale ones (other settings, another VAE) and damaged
+ones (unreadable, or latents of the wrong shape/dtype for their bucket) are re-encoded; --overwrite re-encodes
+everything. Images are grouped by bucket and encoded in batches.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from anima_train.dataset import (
     missing_captions,
     plan_metadata,
     plan_sources,
+    plan_warnings,
     refuse_missing_captions,
     scan_folders,
     vae_identity,
@@ -190,6 +192,10 @@ def _run(args) -> int:
 
     vae_id = None if args.dry_run else vae_identity(model_path)
     check = check_caches(scan, plan, settings, vae_id)
+    for text in plan_warnings(plan, settings, check, vae_id):
+        print(f"warning: {text}")
+    for path, why in sorted(check.damaged.items()):
+        print(f"damaged  {path}: {why} (re-encoded)")
     # one job per (source, bucket): a collapsed tier shares the lower tier's file
     jobs, seen = [], set()
     todo = check.entries if args.overwrite else [e for e, _ in check.missing]
@@ -201,7 +207,7 @@ def _run(args) -> int:
     stale = sum(1 for e in jobs if cache_path(plan.sources[e.source].stem, e.plan.bucket).exists())
     n_files = len({(e.source, e.plan.bucket) for e in plan.entries})
     print(f"todo     {len(jobs)} of {n_files} cache file(s) to write" +
-          (f" ({stale} existing re-encoded: stale or --overwrite)" if stale else "") +
+          (f" ({stale} existing re-encoded: stale, damaged or --overwrite)" if stale else "") +
           (f"; {n_files - len(jobs)} already valid, skipped" if n_files - len(jobs) else ""))
     if args.dry_run or not jobs:
         return 0

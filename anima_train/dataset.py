@@ -21,7 +21,10 @@ Caches. One safetensors file per (source, bucket) beside the image: tensor `late
 normalised per channel with the VAE's `latents_mean/std`; metadata `bucket`, `original_size`, `resized`, `trim`,
 `crop_ltrb` and `settings`, a JSON record of what it depends on (tier, resolutions, the bucket keys, the VAE's
 identity). A cache is valid when its plan (original size, resized size, trim, bucket) equals the plan the current
-settings give and its VAE is the current one; otherwise the scan refuses and says which setting changed.
+settings give and its VAE is the current one; otherwise the scan refuses and says which setting changed. A cache
+is damaged when it cannot be read or its tensor is not float32 (16, 1, H/8, W/8) for the bucket in its name; the
+scan treats it like a stale one (`anima-train cache` re-encodes it) and names the file, and the loader checks the
+layout again when it reads the tensor.
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ SOURCE_MODES = ("images", "latents", "encode", "auto")
 
 class DatasetError(ValueError):
     """A dataset problem found while scanning; the message names the files/settings and the fix."""
+
+
+class CacheUnreadable(DatasetError):
+    """A latent cache whose safetensors header cannot be read (truncated, not safetensors)."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"latent cache {path} cannot be read ({reason}): delete it and re-run anima-train cache")
+        self.path, self.reason = path, reason
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -260,14 +271,54 @@ class Source:
     size: tuple[int, int] | None  # original (w, h); None for a cache without original_size
 
 
+LATENT_CHANNELS = 16
+LATENTS_LAYOUT = "@latents"  # key added by read_cache_metadata: the tensor's layout from the header, never in a file
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def latents_layout(dtype: str, shape) -> str:
+    """"float32 [16, 1, 16, 16]": how layouts are compared and shown (dtype in torch's spelling)."""
+    dtype = str(dtype).removeprefix("torch.")
+    return f"{_SAFETENSORS_DTYPES.get(dtype, dtype.lower())} {list(shape)}"
+
+
+def expected_latents_layout(bucket: tuple[int, int]) -> str:
+    """What a cache for a W x H bucket holds: float32 (16, 1, H/8, W/8), as `anima-train cache` writes it."""
+    return latents_layout("float32", (LATENT_CHANNELS, 1, bucket[1] // 8, bucket[0] // 8))
+
+
+def cache_bucket(path: Path) -> tuple[int, int] | None:
+    """The bucket a cache's file name declares (`..._WWWWxHHHH_anima.safetensors`)."""
+    m = CACHE_NAME.match(path.name)
+    return (int(m["w"]), int(m["h"])) if m else None
+
+
+def latents_problem(got: str | None, bucket: tuple[int, int]) -> str | None:
+    """None when a cache's tensor layout (latents_layout, or meta[LATENTS_LAYOUT] from read_cache_metadata; None
+    = no tensor `latents`) fits the bucket; else what is wrong."""
+    want = expected_latents_layout(bucket)
+    if got is None:
+        return "no tensor named latents"
+    if got != want:
+        return f"latents {got}, but bucket {_wxh(bucket)} needs {want}"
+    return None
+
+
 def read_cache_metadata(path: Path) -> dict:
+    """The cache's metadata plus LATENTS_LAYOUT: the layout of its tensor `latents` (from the header, no data
+    read), absent when there is none. CacheUnreadable for a truncated or foreign file."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            return dict(f.metadata() or {})
+            meta = dict(f.metadata() or {})
+            meta.pop(LATENTS_LAYOUT, None)
+            if "latents" in f.keys():
+                tensor = f.get_slice("latents")
+                meta[LATENTS_LAYOUT] = latents_layout(tensor.get_dtype(), tensor.get_shape())
+            return meta
     except Exception as e:  # a truncated/foreign file: say which
-        raise DatasetError(f"latent cache {path} cannot be read ({e}): delete it and re-run anima-train cache") from e
+        raise CacheUnreadable(path, str(e)) from e
 
 
 def image_sources(scan: Scan, *, skip_unreadable: bool = False) -> tuple[list[Source], list[tuple[Path, str]]]:
@@ -477,27 +528,35 @@ class CacheCheck:
     """Result of matching a plan's entries against the cache files on disk."""
 
     entries: list[Entry]  # with .cache set where valid
-    missing: list[tuple[Entry, str]]  # (entry, why) for entries without a valid cache
-    unused: list[Path]  # caches of known stems that match no entry (other tiers / settings)
+    missing: list[tuple[Entry, str]]  # (entry, why) for entries without a valid cache (stale or damaged)
+    unused: list[Path]  # caches of known stems that no entry names (other tiers / settings)
     metadata: dict[Path, dict]
+    damaged: dict[Path, str] = field(default_factory=dict)  # entry caches that are unreadable or mis-shaped: why
 
 
 def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str | None,
                  metadata: dict[Path, dict] | None = None) -> CacheCheck:
-    """For each entry, the cache file its plan names, if it exists and matches (see cache_problem)."""
+    """For each entry, the cache file its plan names, if it exists, is intact (readable, latents of the bucket's
+    shape and dtype) and matches (see cache_problem). A damaged file is re-encoded like a stale one, so it is
+    checked first: its metadata may well be right."""
     metadata = {} if metadata is None else metadata
-
-    def meta(p: Path) -> dict:
-        if p not in metadata:
-            metadata[p] = read_cache_metadata(p)
-        return metadata[p]
-
-    out, missing, used = [], [], set()
+    out, missing, used, named, damaged = [], [], set(), set(), {}
     for e in plan.entries:
         src = plan.sources[e.source]
         path = cache_path(src.stem, e.plan.bucket)
+        named.add(path)
         if path in scan.folders[src.folder].caches.get(src.stem.name, ()):
-            why = cache_problem(meta(path), e.plan, vae_id)
+            try:
+                if path not in metadata:
+                    metadata[path] = read_cache_metadata(path)
+            except CacheUnreadable as exc:
+                why = damaged[path] = f"cannot be read ({exc.reason})"
+            else:
+                why = latents_problem(metadata[path].get(LATENTS_LAYOUT), e.plan.bucket)
+                if why is not None:
+                    damaged[path] = why
+                else:
+                    why = cache_problem(metadata[path], e.plan, vae_id)
             if why is None:
                 out.append(Entry(e.source, e.tier, e.plan, e.collapsed, path))
                 used.add(path)
@@ -506,34 +565,52 @@ def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str |
             why = "no cache file"
         out.append(e)
         missing.append((e, why))
-    unused = [p for s in plan.sources for p in scan.folders[s.folder].caches.get(s.stem.name, ()) if p not in used]
-    return CacheCheck(out, missing, unused, metadata)
+    unused = [p for s in plan.sources for p in scan.folders[s.folder].caches.get(s.stem.name, ()) if p not in named]
+    return CacheCheck(out, missing, unused, metadata, damaged)
+
+
+def made_with(check: CacheCheck, path: Path, settings: BucketSettings, vae_id: str | None) -> str:
+    """explain_settings for one cache file, or why it cannot be told."""
+    try:
+        meta = check.metadata.get(path) or read_cache_metadata(path)
+    except CacheUnreadable as exc:
+        return f"settings unknown (the file cannot be read: {exc.reason})"
+    return explain_settings(meta, settings, vae_id)
 
 
 def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: BucketSettings,
                       vae_id: str | None) -> DatasetError:
     """One error for every (source, tier) pair without a valid cache, grouped by the setting that changed."""
     by_reason: dict[str, list[str]] = defaultdict(list)
+    damaged = []
     for e, why in check.missing:
         src = plan.sources[e.source]
+        path = cache_path(src.stem, e.plan.bucket)
+        if path in check.damaged:
+            damaged.append(f"{path} ({check.damaged[path]})")
+            continue
         others = scan.folders[src.folder].caches.get(src.stem.name, [])
         if not others:
             reason = "are missing"
         else:
             latest = max(others, key=lambda p: p.stat().st_mtime_ns)
-            meta = check.metadata.get(latest) or read_cache_metadata(latest)
-            reason = f"were made with {explain_settings(meta, settings, vae_id)}"
+            reason = f"were made with {made_with(check, latest, settings, vae_id)}"
         by_reason[reason].append(f"{src.stem.name} (tier {e.tier}, {_wxh(e.plan.bucket)})")
     n = len(check.missing)
     lines = [f"{n} (source, tier) pair(s) have no valid latent cache for the current settings:"]
     for reason, items in by_reason.items():
         shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
         lines.append(f"  caches for {shown} {reason}")
+    if damaged:
+        lines.append(f"  {len(damaged)} cache file(s) are damaged (training on them would be wrong):")
+        lines += [f"    {d}" for d in damaged[:10]]
+        if len(damaged) > 10:
+            lines.append(f"    ... and {len(damaged) - 10} more")
     folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
     tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
                    for e, _ in check.missing})
-    lines.append(f"fix: re-run `{cache_command(tops, settings)}` (it re-encodes stale caches), or set the "
-                 f"config back to the settings the caches were made with")
+    lines.append(f"fix: re-run `{cache_command(tops, settings)}` (it re-encodes stale and damaged caches), or set "
+                 f"the config back to the settings the caches were made with")
     if any(f.mode == "latents" for f in scan.folders):
         lines.append("(the images are gone from " + ", ".join(map(str, folders[:3]))
                      + ": restore them to re-cache, or set the settings back)")
@@ -580,13 +657,21 @@ def encode_latents(vae, pixels):
     return (z - mean) / std
 
 
-def load_latents(path: Path):
+def load_latents(path: Path, bucket: tuple[int, int] | None = None):
+    """The cache's latents [16, 1, H/8, W/8], float32. The layout is checked against `bucket` (default: the bucket
+    in the file name), so a file replaced since the scan cannot feed a wrong-shaped tensor to the model."""
     from safetensors.torch import load_file
 
     try:
         t = load_file(str(path))["latents"]
     except Exception as e:
-        raise DatasetError(f"latent cache {path} cannot be read ({e}): delete it and re-run anima-train cache") from e
+        raise CacheUnreadable(path, f"{type(e).__name__}: {e}") from e
+    bucket = bucket or cache_bucket(path)
+    if bucket is not None:
+        why = latents_problem(latents_layout(t.dtype, t.shape), bucket)
+        if why is not None:
+            raise DatasetError(f"latent cache {path} is damaged: {why}; re-run anima-train cache (it re-encodes "
+                               f"damaged caches), or delete the file when its image is gone")
     return t.float()
 
 
@@ -636,7 +721,7 @@ class AnimaDataset:
         if self.mode == "encode":
             out["pixels"] = load_pixels(it.image, it.plan)
         else:
-            out["latents"] = load_latents(it.cache)
+            out["latents"] = load_latents(it.cache, it.plan.bucket)
         return out
 
 
@@ -764,8 +849,10 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
         if len(paths) > 1:
             raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
                                f"per source: keep one of {', '.join(p.name for p in paths)}")
-        m = CACHE_NAME.match(paths[0].name)
-        bucket = (int(m["w"]), int(m["h"]))
+        bucket = cache_bucket(paths[0])
+        if why := latents_problem(check.metadata[paths[0]].get(LATENTS_LAYOUT), bucket):
+            raise DatasetError(f"latent cache {paths[0]} is damaged: {why}; delete it (its image is gone, so it "
+                               f"cannot be re-encoded) or restore the image and re-run anima-train cache")
         bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))
         plan.sources.append(s)
         extra.append(Entry(len(plan.sources) - 1, settings.tiers[0], bplan, False, paths[0]))
@@ -807,16 +894,8 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) 
         if check.missing:
             raise stale_cache_error(scan, plan, check, settings, vae_id)
         entries = check.entries
-        unused = check.unused
-        if unused:
-            warn.append(f"{len(unused)} cache file(s) match no declared tier under the current settings and are "
-                        f"ignored (e.g. {unused[0].name}: made with "
-                        f"{explain_settings(check.metadata.get(unused[0]) or read_cache_metadata(unused[0]), settings, vae_id)})")
     else:
         entries = plan.entries
-    if plan.dropped_small:
-        warn.append(f"min_source_area = {settings.min_source_area}: dropped {len(plan.dropped_small)} source(s) "
-                    f"smaller than {settings.min_source_area} x {min(settings.tiers)}^2 px")
     if not entries:
         raise DatasetError("the dataset has no usable entries after scanning (all dropped or unreadable)")
 
@@ -837,10 +916,29 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) 
 
     n_sized = sum(1 for s in plan.sources if s.size is not None)
     sized_entries = [e for e in entries if plan.sources[e.source].size is not None]
-    lines, tier_warn = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)
+    lines = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)[0]
     report = startup_report(scan, plan, entries, items, sampler, mode) + lines
-    warn += tier_warn + scan.notes
+    warn += plan_warnings(plan, settings, check, vae_id) + scan.notes
     return TrainingData(mode, plan.sources, entries, dataset, sampler, report, warn, settings, scan)
+
+
+def plan_warnings(plan: Plan, settings: BucketSettings, check: CacheCheck | None = None,
+                  vae_id: str | None = None) -> list[str]:
+    """What `train`, `cache` and `audit` all warn about (each prints these lines as "warning: ..."; the trainer
+    also sends them as events): tiers that >= 1 % of the sources collapse onto a lower tier's bucket, sources
+    that min_source_area drops, and cache files no tier uses under the current settings."""
+    sized = [e for e in plan.entries if plan.sources[e.source].size is not None]
+    n_sized = sum(1 for s in plan.sources if s.size is not None)
+    warn = tier_report(tier_counts(sized, n_sized, settings.tiers), n_sized)[1]
+    if plan.dropped_small:
+        warn.append(f"min_source_area = {settings.min_source_area}: dropped {len(plan.dropped_small)} source(s) "
+                    f"smaller than {settings.min_source_area} x {min(settings.tiers)}^2 px (e.g. "
+                    f"{', '.join(s.stem.name for s in plan.dropped_small[:3])})")
+    if check is not None and check.unused:
+        warn.append(f"{len(check.unused)} cache file(s) match no declared tier under the current settings and are "
+                    f"ignored (e.g. {check.unused[0].name}: made with "
+                    f"{made_with(check, check.unused[0], settings, vae_id)})")
+    return warn
 
 
 def startup_report(scan: Scan, plan: Plan, entries: Sequence[Entry], items: Sequence[Item],

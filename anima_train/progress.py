@@ -13,7 +13,8 @@ differ in token count, so the last interval would swing the estimate several-fol
 Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the ComfyUI node and other tools:
   {"event": "start", ...} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
   "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...]} {"event": "message", "text"}
-  {"event": "checkpoint", "path", "step"} {"event": "done", ...} {"event": "error", "message", "traceback"}
+  {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}
+  {"event": "error", "message", "traceback"}
 Only the main process reports; the trainer passes `enabled=False` on other ranks.
 """
 
@@ -135,11 +136,22 @@ class Progress:
         """Start-up, checkpoint and warning lines: printed in every mode (written above the bar)."""
         if not self.enabled:
             return
-        if self._bar is not None:
-            self._bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
+        self._write(text)
         self.event("message", text=text)
+
+    def warning(self, text: str) -> None:
+        """Something the user should fix or accept (dataset warnings): "warning: ..." in every mode, and a
+        `warning` event, which the ComfyUI Train node lists under its chart and in its result text."""
+        if not self.enabled:
+            return
+        self._write(f"warning: {text}")
+        self.event("warning", text=text)
+
+    def _write(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)  # above the bar
+        else:
+            print(line, file=self.stream, flush=True)
 
     # -- per step ----------------------------------------------------------------------------------------
     def eta_seconds(self, step: int) -> float | None:

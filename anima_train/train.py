@@ -124,6 +124,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable)
     for line in data.report:
         say(line)
+    for text in data.warnings:
+        progress.warning(text)
 
     if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
         from anima_train.quant import dit_tokens, quantize_models

@@ -1,7 +1,7 @@
 // Anima Trainer pack: front-end extension.
 // 1. ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
 // 2. The "Anima: Train" node gets a live loss chart fed by the `anima_train.progress` websocket events that the
-//    node relays from the trainer (one per trainer event: start/status/step/message/checkpoint/done/error).
+//    node relays from the trainer (one per trainer event: start/status/step/message/warning/checkpoint/done/error).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
@@ -127,7 +127,8 @@ function renderChart(node, chart) {
   if (chart.canvas.height !== pixelHeight) chart.canvas.height = pixelHeight;
   drawChart(chart.canvas, run, cssWidth, cssHeight, dpr);
 
-  const colours = { main: "", info: "opacity:0.75;", done: "color:#7fd88f;", error: "color:#ff7b72;" };
+  const colours = { main: "", info: "opacity:0.75;", done: "color:#7fd88f;", error: "color:#ff7b72;",
+                    warning: "color:#e3b341;" };
   const lines = statusLines(run).map(({ text, kind }) => {
     const line = document.createElement("div");
     line.className = `anima-train-status-${kind}`;

@@ -28,9 +28,12 @@ export function newRun() {
     total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0,
     last: null, // the latest step event
     note: "", // latest status / message / checkpoint line
+    warnings: [], // the trainer's dataset warnings ("warning" events), shown until the next run
     done: null, error: null,
   };
 }
+
+const SHOWN_WARNINGS = 5; // more are summarised in one line (the node's result text and the log list them all)
 
 const finite = (v) => typeof v === "number" && Number.isFinite(v);
 
@@ -47,7 +50,9 @@ export function applyEvent(run, ev) {
       run.note = String(ev.message ?? "");
       break;
     case "start": {
+      const warnings = finished ? [] : run.warnings; // sent while the data was scanned, before "start"
       run = newRun();
+      run.warnings = warnings;
       run.phase = "running";
       run.total = finite(ev.total) ? ev.total : null;
       run.epochs = finite(ev.epochs) ? ev.epochs : null;
@@ -85,6 +90,11 @@ export function applyEvent(run, ev) {
     case "message":
       run.note = String(ev.text ?? "");
       break;
+    case "warning":
+      if (finished) run = newRun();
+      if (run.phase === "idle") run.phase = "preparing";
+      run.warnings.push(String(ev.text ?? ""));
+      break;
     case "checkpoint":
       run.note = `saved step ${ev.step}: ${ev.path}`;
       break;
@@ -119,8 +129,19 @@ export function formatDuration(seconds) {
 const fmtLoss = (v) => (finite(v) ? v.toFixed(4) : "?");
 const fmtLr = (v) => (finite(v) ? v.toExponential(2) : "?");
 
-// The text under the chart: [{text, kind}] with kind "main" | "info" | "done" | "error", one entry per line.
+// The text under the chart: [{text, kind}] with kind "main" | "info" | "done" | "error" | "warning", one entry per
+// line; the warnings come last and stay through the whole run.
 export function statusLines(run) {
+  const lines = mainStatusLines(run);
+  const warnings = run?.warnings ?? [];
+  for (const text of warnings.slice(0, SHOWN_WARNINGS)) lines.push({ text: `warning: ${text}`, kind: "warning" });
+  if (warnings.length > SHOWN_WARNINGS) {
+    lines.push({ text: `… and ${warnings.length - SHOWN_WARNINGS} more warning(s) in the log`, kind: "warning" });
+  }
+  return lines;
+}
+
+function mainStatusLines(run) {
   const lines = [];
   const ev = run?.last;
   if (!run || run.phase === "idle") return [{ text: "no run yet — queue the prompt to train", kind: "info" }];

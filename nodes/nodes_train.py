@@ -305,6 +305,7 @@ class Relay:
         self.bar = None
         self.total = None
         self.losses: list[float] = []
+        self.warnings: list[str] = []  # the trainer's `warning` events (dataset warnings), for the result text
         self.steps_seen = 0
 
     def send(self, event: dict) -> None:
@@ -323,6 +324,8 @@ class Relay:
             if self.bar is not None:
                 # the progress hook also checks ComfyUI's interrupt flag: a cancel point
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
+        elif kind == "warning":
+            self.warnings.append(str(event.get("text", "")))
         self.send(event)
 
     def after_stop(self, event: dict) -> None:
@@ -367,12 +370,13 @@ def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
                                       processes=gpus)
 
 
-def _summary(cfg, final, published, steps, seconds, reused) -> str:
+def _summary(cfg, final, published, steps, seconds, reused, warnings=()) -> str:
     lines = [f"{'re-used the finished run' if reused else 'trained'} {cfg.run_stem}: {steps} step(s)"
              + ("" if reused else f" in {seconds:.0f} s"),
              f"file     {final}"]
     if published:
         lines.append(f"copy     {published} (listed by the stock loaders)")
+    lines += [f"warning: {w}" for w in warnings]
     return "\n".join(lines)
 
 
@@ -422,7 +426,7 @@ class AnimaTrainTrain(io.ComfyNode):
             relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
                         "final": str(final), "reused": True})
             image = loss_image(losses, run_dir / LOSS_PLOT_NAME)
-            text = _summary(cfg, final, published, manifest.get("steps"), 0, True)
+            text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []))
             return io.NodeOutput(str(final), image, ui={"text": [text]})
 
         comfy.free_vram()
@@ -445,9 +449,9 @@ class AnimaTrainTrain(io.ComfyNode):
         final = Path(done["final"])
         published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
         worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
-                              published=str(published) if published else None)
+                              published=str(published) if published else None, warnings=relay.warnings)
         image = loss_image(relay.losses, run_dir / LOSS_PLOT_NAME)
-        text = _summary(cfg, final, published, done.get("step"), result.seconds, False)
+        text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
 

@@ -104,7 +104,7 @@ def test_after_deleting_images_settings_come_from_the_caches(cached_set, capsys,
     assert audit(capsys, "--config", cfg)[0] == 0
     cfg.write_text(f'[dataset]\npath = "{cached_set}"\nresolution = 128\nbucket_reso_steps = 32\n')
     rc, out = audit(capsys, "--config", cfg)
-    assert rc == 0 and "match no configured tier" in out  # tier-96-only caches are left over, not needed
+    assert rc == 0 and "warning: 3 cache file(s) match no declared tier" in out  # tier-96-only leftovers
 
 
 def test_percentiles_ladders_and_collapse(tmp_path, capsys):
@@ -126,3 +126,47 @@ def test_percentiles_ladders_and_collapse(tmp_path, capsys):
     # 800x600 and 600x900 (4 of 20) are below 1024^2; 1280x720 (2 more) below 1280^2 too
     assert "[768, 1024, 1280]" in configured and "per tier: 768 0.0%, 1024 20.0%, 1280 40.0%" in configured
     assert f"[{', '.join(map(str, ladder))}]" in suggested
+
+
+def test_a_damaged_cache_is_not_safe_and_named(cached_set, capsys):
+    # the report: an 8x8 latent in a 128x128-bucket cache (metadata kept) and the audit said SAFE
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    flags = ("--resolution", 96, 128, "--bucket-reso-steps", 32)
+    fake_caches(cached_set, SIZES, SETTINGS)
+    bad = cached_set / "c_0128x0128_anima.safetensors"
+    with safe_open(str(bad), "pt") as f:
+        meta = f.metadata()
+    save_file({"latents": torch.zeros(16, 1, 8, 8)}, str(bad), metadata=meta)
+    rc, out = audit(capsys, cached_set, *flags)
+    assert rc == 1 and "NOT SAFE" in out and "verdict  SAFE" not in out
+    assert f"{bad} (latents float32 [16, 1, 8, 8], but bucket 128x128 needs float32 [16, 1, 16, 16])" in out
+    assert "fix: anima-train cache" in out
+    # with the images gone (settings from the caches) it is still not safe: the file cannot be re-made later
+    for p in cached_set.glob("*.png"):
+        p.unlink()
+    rc, out = audit(capsys, cached_set)
+    assert rc == 1 and "1 cache file(s) are damaged" in out and str(bad) in out
+    # a truncated cache: a NOT SAFE finding naming it, not an error
+    save_file({"latents": torch.zeros(16, 1, 16, 16)}, str(bad), metadata=meta)
+    assert audit(capsys, cached_set)[0] == 0
+    bad.write_bytes(bad.read_bytes()[:-64])
+    rc, out = audit(capsys, cached_set)
+    assert rc == 1 and f"{bad} (cannot be read" in out
+
+
+def test_audit_prints_the_dataset_warnings(cached_set, capsys, tmp_path):
+    # the warnings `train` prints: tier collapse >= 1 %, min_source_area drops, caches no tier uses
+    (cached_set / "tiny.png").write_bytes(png_header(16, 16))
+    (cached_set / "tiny.txt").write_text("x")
+    fake_caches(cached_set, SIZES, SETTINGS)  # made for [96, 128]; the config below asks for [64, 128]
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[dataset]\npath = "{cached_set}"\nresolutions = [64, 128]\nbucket_reso_steps = 32\n'
+                   f"min_source_area = 0.5\n")
+    rc, out = audit(capsys, "--config", cfg)
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert any(w.startswith("warning: tier 128: 1/4 sources (25.0%)") for w in warnings), out
+    assert "warning: min_source_area = 0.5: dropped 1 source(s) smaller than 0.5 x 64^2 px (e.g. tiny)" in warnings
+    assert any("cache file(s) match no declared tier" in w and "resolutions=[96, 128], the config says [64, 128]"
+               in w for w in warnings), out

@@ -182,3 +182,66 @@ def test_captions_unreadable_and_config(images, vae_repo, tmp_path, capsys):
     assert cache_cli("--config", cfg, "--dry-run", "--allow-missing-captions", "--resolution", 128) == 0
     out = capsys.readouterr().out
     assert "tier 128:" in out and "tier 64:" not in out
+
+
+def test_damaged_caches_are_re_encoded_and_overwrite_repairs_a_truncated_one(images, vae_repo, capsys):
+    flags = ("--resolution", 128, "--bucket-reso-steps", 32, "--model", vae_repo)
+    assert cache_cli(images, *flags) == 0
+    files = cache_files(images)
+    good = {p: load_file(str(p))["latents"] for p in files}
+    cfg = train_config(images, tiers=(128,))
+    # an 8x8 latent in a bigger bucket's cache, metadata kept: re-encoded without --overwrite, and named
+    wrong = next(p for p in files if p.name.startswith("img_0000_"))  # 64x64 source: latents [16, 1, 8, 8]
+    big = next(p for p in files if p.name.startswith("img_0003_"))  # 128x96 source: latents [16, 1, 12, 16]
+    with safe_open(str(big), "pt") as f:
+        meta = f.metadata()
+    from safetensors.torch import save_file
+
+    save_file({"latents": good[wrong]}, str(big), metadata=meta)
+    capsys.readouterr()
+    assert cache_cli(images, *flags) == 0
+    out = capsys.readouterr().out
+    assert f"damaged  {big}: latents float32 [16, 1, 8, 8], but bucket 128x96 needs float32 [16, 1, 12, 16]" in out
+    assert "todo     1 of 4" in out
+    assert torch.equal(load_file(str(big))["latents"], good[big])
+    build_training_data(cfg, vae_repo)
+    # a truncated cache: --overwrite re-encodes everything, this one included (it used to refuse)
+    big.write_bytes(big.read_bytes()[:-200])
+    with pytest.raises(DatasetError, match=f"{big.name}.*cannot be read"):
+        build_training_data(cfg, vae_repo)
+    assert cache_cli(images, *flags, "--overwrite") == 0
+    assert "todo     4 of 4" in capsys.readouterr().out
+    assert torch.equal(load_file(str(big))["latents"], good[big])
+    # ... and so does a plain run
+    big.write_bytes(big.read_bytes()[:-200])
+    assert cache_cli(images, *flags) == 0
+    out = capsys.readouterr().out
+    assert f"damaged  {big}: cannot be read" in out and "todo     1 of 4" in out
+    assert torch.equal(load_file(str(big))["latents"], good[big])
+    data = build_training_data(cfg, vae_repo)
+    assert all(torch.equal(data.dataset[i]["latents"], good[data.dataset.items[i].cache])
+               for i in range(len(data.dataset)))
+
+
+def test_cache_prints_the_dataset_warnings(images, tmp_path, capsys):
+    # what `train` warns about, shown before anything is encoded: tier collapse >= 1 %, sources min_source_area
+    # drops, and cache files that no tier uses under these settings
+    Image.new("RGB", (16, 16), "white").save(images / "tiny.png")
+    (images / "tiny.txt").write_text("white square")
+    from anima_train.cache import save_cache
+    from anima_train.dataset import BucketSettings, cache_path, plan_metadata
+
+    other = BucketSettings(tiers=(48,), bucket_reso_steps=16)
+    plan = Bucketer(48, bucket_reso_steps=16).select(64, 64)
+    leftover = cache_path(images / "img_0000", plan.bucket)
+    save_cache(leftover, torch.zeros(16, 1, plan.bucket[1] // 8, plan.bucket[0] // 8),
+               plan_metadata(plan, other, 48, None))
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[dataset]\npath = "{images}"\nresolutions = [64, 128]\nbucket_reso_steps = 32\n'
+                   f"min_source_area = 0.5\n", encoding="utf-8")
+    assert cache_cli("--config", cfg, "--dry-run") == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert any(w.startswith("warning: tier 128: ") and "repeat a lower tier's bucket" in w for w in warnings)
+    assert "warning: min_source_area = 0.5: dropped 1 source(s) smaller than 0.5 x 64^2 px (e.g. tiny)" in warnings
+    assert any(w.startswith("warning: 1 cache file(s) match no declared tier") and f"{leftover.name}: made with "
+               in w for w in warnings), warnings

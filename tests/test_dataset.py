@@ -252,6 +252,75 @@ def test_caches_without_original_size(image_set, tmp_path):
         build_training_data(cfg)
 
 
+def rewrite_latents(path: Path, latents: torch.Tensor) -> None:
+    """Replace a cache's tensor, dtype as given, and keep its metadata (what a buggy tool leaves behind)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    save_file({"latents": latents}, str(path), metadata=meta)
+
+
+def test_a_cache_of_the_wrong_shape_or_dtype_is_refused_naming_the_file(image_set):
+    # the report: an 8x8 latent in a 128x128-bucket cache, metadata kept, was trained on
+    cfg = config(image_set)
+    written = fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset))
+    bad = written[("c", 128)][0]  # c is 128x128: latents [16, 1, 16, 16]
+    assert bad.name == "c_0128x0128_anima.safetensors"
+    rewrite_latents(bad, torch.zeros(16, 1, 8, 8))
+    with pytest.raises(DatasetError) as exc:
+        build_training_data(cfg)
+    msg = str(exc.value)
+    assert str(bad) in msg and "float32 [16, 1, 8, 8], but bucket 128x128 needs float32 [16, 1, 16, 16]" in msg
+    assert "damaged" in msg and "anima-train cache" in msg
+    # the right shape in half precision is not what anima-train cache writes either
+    rewrite_latents(bad, torch.zeros(16, 1, 16, 16, dtype=torch.float16))
+    with pytest.raises(DatasetError, match=r"float16 \[16, 1, 16, 16\], but bucket 128x128 needs float32"):
+        build_training_data(cfg)
+    # latents mode (images deleted): the same refusal
+    rewrite_latents(bad, torch.zeros(16, 1, 8, 8))
+    for p in list(image_set.iterdir()):
+        if p.suffix in (".png", ".jpg", ".webp", ".bmp"):
+            p.unlink()
+    with pytest.raises(DatasetError) as exc:
+        build_training_data(cfg)
+    assert str(bad) in str(exc.value) and "needs float32 [16, 1, 16, 16]" in str(exc.value)
+    # a truncated cache names the file too
+    rewrite_latents(bad, torch.zeros(16, 1, 16, 16))
+    build_training_data(cfg)
+    bad.write_bytes(bad.read_bytes()[:-100])
+    with pytest.raises(DatasetError, match="c_0128x0128_anima.safetensors cannot be read"):
+        build_training_data(cfg)
+
+
+def test_a_cache_without_metadata_of_the_wrong_shape_is_refused(image_set):
+    # caches without original_size are used as-is at the one tier: their tensor is still checked
+    cfg = config(image_set)
+    written = fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset), keep_original_size=False)
+    for p in image_set.iterdir():
+        if not p.name.endswith((".txt", ".safetensors")):
+            p.unlink()
+    bad = written[("a", 128)][0]
+    rewrite_latents(bad, torch.zeros(16, 1, 2, 2))
+    with pytest.raises(DatasetError) as exc:
+        build_training_data(cfg)
+    assert str(bad) in str(exc.value) and "float32 [16, 1, 2, 2], but bucket" in str(exc.value)
+
+
+def test_the_loader_checks_the_latents_it_reads(image_set):
+    # a cache replaced after the scan (another process re-writing it) must not reach the model
+    cfg = config(image_set)
+    written = fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset))
+    data = build_training_data(cfg)
+    index = next(i for i, it in enumerate(data.dataset.items) if it.stem.name == "c")
+    assert data.dataset[index]["latents"].shape == (16, 1, 16, 16)
+    rewrite_latents(written[("c", 128)][0], torch.zeros(16, 1, 8, 8))
+    with pytest.raises(DatasetError) as exc:
+        data.dataset[index]
+    assert str(written[("c", 128)][0]) in str(exc.value) and "needs float32 [16, 1, 16, 16]" in str(exc.value)
+
+
 def test_subsets_must_resolve_to_one_mode(image_set, tmp_path):
     cfg_a = config(image_set)
     fake_caches(image_set, SIZES, BucketSettings.from_config(cfg_a.dataset))

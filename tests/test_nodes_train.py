@@ -25,6 +25,8 @@ FAKE_TRAINER = textwrap.dedent(r'''
     ev("status", message="loading model")
     if mode == "loading":  # a model that takes long to load: no step, nothing to save yet
         time.sleep(60)
+    if mode == "warn":  # the trainer's dataset warnings, sent while it scans the data
+        ev("warning", text="tier 1024: 3/3 sources (100.0%) are smaller than this tier")
     ev("start", total=3, steps_per_epoch=3, epochs=1, processes=1, run_dir=run_dir, resumed_step=0)
     for step in (1, 2, 3):
         if os.path.exists(stop_file):
@@ -222,6 +224,20 @@ def test_train_relays_events_publishes_and_records(comfy_env, tiny_anima, datase
     assert (run_dir / "comfyui-job.toml").read_text() == config["toml"]
     assert (run_dir / "comfyui-result.json").is_file() and (run_dir / "comfyui-loss.png").is_file()
     assert env.spawned[0][2] == 1
+
+
+def test_train_shows_the_trainers_warnings(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    env.mode["value"] = "warn"
+    config = _config(env, tiny_anima, dataset, run_name="warned")
+    out = _train(env, config)
+    warning = "tier 1024: 3/3 sources (100.0%) are smaller than this tier"
+    ws = [e[1] for e in env.log if e[0] == "ws"]
+    assert {"node": "12:5", "event": "warning", "text": warning} in ws  # to the chart widget (js/loss_chart.js)
+    assert f"warning: {warning}" in out.ui["text"][0].splitlines()  # and in the node's result text
+    env.log.clear()
+    again = _train(env, config)  # a re-used run still says what was wrong with its data
+    assert again.ui["text"][0].startswith("re-used") and f"warning: {warning}" in again.ui["text"][0]
 
 
 def test_an_unchanged_rerun_reuses_the_result_without_a_worker(comfy_env, tiny_anima, dataset):
