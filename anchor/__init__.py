@@ -18,6 +18,8 @@ ATTACHABLE_KINDS = ("relay", "multiband3")
 LOAD_ONLY_KINDS = ("mono", "bank", "cond")
 FAMILIES = ("sd15_unet", "sdxl_unet", "cosmos_dit")
 OBJECTIVES = ("eps", "v", "flow")
+# Which objective gates the bands: the file's (checked against the model: flow vs eps/v) or the model's own.
+OBJECTIVE_SOURCES = ("file", "model")
 
 # Band law of multiband3 (exp008): constants of the trained experts, not settings.
 BAND_EDGES = (0.35, 0.75)

@@ -14,7 +14,7 @@ step: att.set_noise_level(s01), or att.set_sigma(value) which applies s01_from_s
 """
 import torch
 
-from . import AnchorError, SiteMismatch
+from . import OBJECTIVE_SOURCES, AnchorError, SiteMismatch
 from .format import AnchorFile, load
 from .modules import MultibandAdapter, adapter_output, build_adapters
 from .sites import resolve_sites, unet_level
@@ -37,9 +37,42 @@ def s01_from_sigma(objective, value):
     raise AnchorError(f"objective {objective!r} is unknown; expected 'flow', 'eps' or 'v' (meta.objective.kind)")
 
 
-def default_objective(anchor):
-    """meta.objective.kind, else by family: Cosmos/Anima is a flow trunk; UNets are eps or v, which gate the same."""
-    return anchor.objective or ("flow" if anchor.family == "cosmos_dit" else "eps")
+def default_objective(anchor, family=None):
+    """meta.objective.kind, else by family (the file's, or the host's for a legacy file without one): Cosmos/Anima
+    is a flow trunk; UNets are eps or v, which gate the same."""
+    return anchor.objective or ("flow" if (anchor.family or family) == "cosmos_dit" else "eps")
+
+
+_FOLLOW_MODEL = "gate by the model's noise level (objective source 'model')"
+
+
+def gating_objective(anchor, host_objective=None, host_name="the model", source="file", fix="", family=None):
+    """The objective whose noise-level rule gates this anchor's bands: 'flow' (s01 = sigma) or 'eps'/'v'
+    (s01 = t/1000). The host decides how its sigma becomes t; the file only says which trunk it was made for.
+
+    host_objective  what the model samples as: 'flow', 'eps', 'v' or 'eps/v'; None when the caller cannot tell
+                    (then the file's objective, or its family's default, is used unchecked)
+    host_name       the model's sampling, for messages (e.g. "ModelSamplingDiscreteFlow + CONST")
+    source          'file' (default): the file's objective.kind, refused when the model samples otherwise (flow vs
+                    eps/v; eps and v gate alike). 'model': the model's, whatever the file says (a file tagged
+                    wrongly). A file without an objective takes the model's either way.
+    fix             how the caller's user picks source='model', for the refusal message"""
+    if source not in OBJECTIVE_SOURCES:
+        raise AnchorError(f"objective source must be one of {OBJECTIVE_SOURCES}, got {source!r}")
+    if host_objective is None:
+        return default_objective(anchor, family)
+    file_objective = anchor.objective
+    host_gate = "eps" if host_objective == "eps/v" else host_objective
+    if source == "model" or file_objective is None:
+        return host_gate
+    if (file_objective == "flow") != (host_gate == "flow"):
+        raise AnchorError(
+            f"{anchor.path or 'anchor'}: the file's objective is {file_objective!r} (meta.objective.kind) but the "
+            f"model samples as {host_objective} ({host_name}). The bands are gated by each step's noise level, which "
+            "a flow model gives as sigma and an eps/v model as t/1000; gating by the file's rule would put them on "
+            "the wrong steps (on a flow model every step would land in the LOW band). Load an anchor made for this "
+            f"model; if the file's objective is tagged wrongly, {fix or _FOLLOW_MODEL}.")
+    return file_objective
 
 
 def _site_width(module):
@@ -145,11 +178,51 @@ class Attachment:
         self.detach()
 
 
-def attach(model, anchor, strength=None, dtype=None, noise_level="auto"):
+def _layerwise_casting_dtype(model):
+    """The compute dtype of diffusers' layerwise casting (weights stored in e.g. fp8, computed in this), or None."""
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        hook = registry.get_hook("layerwise_casting") if hasattr(registry, "get_hook") else None
+        if hook is not None and isinstance(getattr(hook, "compute_dtype", None), torch.dtype):
+            return hook.compute_dtype
+    return None
+
+
+def declared_dtype(model, dtype=None, site_modules=()):
+    """The trunk's declared compute dtype (spec/ANCHOR.md §5.4), which the adapters are cast to:
+
+    1. `dtype`: what the caller loaded or cast the model as (e.g. AnimaComponents.dtype), the declaration itself;
+    2. what diffusers records: layerwise casting's compute dtype, or the dtype a quantized model was loaded with
+       (config._pre_quantization_dtype);
+    3. else the dtype the site blocks compute in: the one holding most of their floating-point weights.
+    Not the model's first parameter: that is an input layer (patch_embed, conv_in) which may be kept in another
+    dtype than the blocks the adapters sit on (ComfyUI's path reads the model's declared dtype the same way)."""
+    if dtype is not None:
+        return dtype
+    found = _layerwise_casting_dtype(model)
+    if found is not None:
+        return found
+    config = getattr(model, "config", None)
+    found = config.get("_pre_quantization_dtype") if hasattr(config, "get") else None
+    if isinstance(found, torch.dtype):
+        return found
+    counts = {}
+    for module in site_modules:
+        for p in module.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if counts:
+        return max(counts, key=counts.get)
+    return getattr(model, "dtype", None) or next(model.parameters()).dtype
+
+
+def attach(model, anchor, strength=None, dtype=None, noise_level="auto", objective="file"):
     """Attach a relay / multiband3 anchor (AnchorFile or path) to a diffusers trunk. Returns an Attachment.
 
-    strength None -> the card's recommended_strength. dtype: the trunk's DECLARED dtype (pass it when the model
-    was built lazily); default model.dtype. Load-only kinds (mono, bank, cond) are refused with their evidence."""
+    strength None -> the card's recommended_strength. dtype: the trunk's DECLARED compute dtype; when None it is
+    found by `declared_dtype`. objective: 'file' gates by the file's objective.kind and refuses a file made for the
+    other kind of trunk (a Cosmos/Anima trunk is flow, a UNet eps/v); 'model' gates by the trunk's, for a file
+    tagged wrongly. Load-only kinds (mono, bank, cond) are refused with their evidence."""
     if not isinstance(anchor, AnchorFile):
         anchor = load(anchor)
     where = anchor.path or "anchor"
@@ -157,14 +230,17 @@ def attach(model, anchor, strength=None, dtype=None, noise_level="auto"):
         raise AnchorError(f"{where}: {anchor.refusal()}")
     family = anchor.family
     candidates = host_sites(model, family, anchor.n_sites)
+    is_cosmos = type(candidates[0][1]).__name__ == "CosmosTransformerBlock"
     if family is None:  # legacy files: the host decides (a Cosmos half stack still takes every 2nd block)
-        family = "cosmos_dit" if type(candidates[0][1]).__name__ == "CosmosTransformerBlock" else "unet"
+        family = "cosmos_dit" if is_cosmos else "unet"
+    # The diffusers Anima pipeline passes sigma as the timestep (flow); UNets get the discrete t (eps or v).
+    gate = gating_objective(anchor, "flow" if is_cosmos else "eps/v", type(model).__name__, objective,
+                            "attach with objective='model' to gate by the trunk's own noise level")
     names = resolve_sites(family, anchor.widths, [(n, w) for n, _, w, _ in candidates],
-                          anchor.site_names, where)
+                          anchor.site_names, where, anchor.block_indices)
     by_name = {n: (m, axis) for n, m, _, axis in candidates}
     sites = [(n, *by_name[n]) for n in names]
-    dtype = dtype or getattr(model, "dtype", None) or next(model.parameters()).dtype
-    adapters = build_adapters(anchor, dtype=dtype)
+    adapters = build_adapters(anchor, dtype=declared_dtype(model, dtype, [m for _, m, _ in sites]))
     for adapter, (name, module, _) in zip(adapters, sites):
         p = next(module.parameters(), None)
         if p is not None and p.device.type == "meta":
@@ -172,4 +248,4 @@ def attach(model, anchor, strength=None, dtype=None, noise_level="auto"):
         if p is not None:
             adapter.to(p.device)
     strength = anchor.card()["recommended_strength"] if strength is None else strength
-    return Attachment(model, anchor, adapters, sites, strength, default_objective(anchor), noise_level)
+    return Attachment(model, anchor, adapters, sites, strength, gate, noise_level)

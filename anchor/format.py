@@ -92,6 +92,11 @@ class AnchorFile:
         return self.meta.get("substrate", {}).get("site_names")
 
     @property
+    def block_indices(self):
+        """The host block each site sits on, as a legacy {"relays": {idx: sd}} save recorded it (else None)."""
+        return self.meta.get("imported_indices")
+
+    @property
     def n_sites(self):
         return len({k.split(".", 1)[0] for k in self.adapters})
 
@@ -279,11 +284,12 @@ def _load_pt(path):
     # Legacy stack shapes of the research line: a list (or {idx: sd}) of per-site state dicts.
     if "relays" in blob:
         relays = blob["relays"]
-        if isinstance(relays, dict):  # diffusion-pipe fork save; indices may be sparse (half stack)
-            order = sorted(relays, key=int)
-            anchor = _from_stack(path, [relays[k] for k in order], "diffusion_pipe", rebuild_home=True)
-            if [int(k) for k in order] != list(range(len(order))):
-                anchor.meta["imported_indices"] = [int(k) for k in order]
+        if isinstance(relays, dict):  # diffusion-pipe fork save keyed by BLOCK index (a half stack: 0, 2, 4...)
+            indices = _block_indices(path, relays)
+            anchor = _from_stack(path, [relays[k] for k in sorted(relays, key=int)], "diffusion_pipe",
+                                 rebuild_home=True)
+            # Kept even when they are 0..n-1: blocks 0 and 1 of a 4-block trunk are not "every 2nd block".
+            anchor.meta["imported_indices"] = indices
             return anchor
         return _from_stack(path, list(relays), "legacy_relays")
     for key in ("mods", "banks", "monos"):
@@ -291,6 +297,19 @@ def _load_pt(path):
             return _from_stack(path, list(blob[key]), f"legacy_{key}")
     raise AnchorError(f"{path}: unrecognised torch file (top-level keys {sorted(map(str, blob))[:8]}); expected "
                       f"'format': {FORMAT!r} or a legacy stack under 'relays', 'mods', 'banks' or 'monos'")
+
+
+def _block_indices(path, relays):
+    """The sorted block indices of a {"relays": {idx: sd}} save; a key that is no block number is refused."""
+    try:
+        indices = sorted(int(k) for k in relays)
+    except (TypeError, ValueError):
+        raise AnchorError(f"{path}: 'relays' is keyed by block index, found keys {sorted(map(str, relays))[:8]}; "
+                          "every key must be a whole number") from None
+    if len(set(indices)) != len(indices) or (indices and indices[0] < 0):
+        raise AnchorError(f"{path}: 'relays' block indices must be distinct and >= 0, "
+                          f"found {sorted(map(str, relays))[:8]}")
+    return indices
 
 
 def _from_stack(path, stack, imported_from, rebuild_home=False):

@@ -185,14 +185,16 @@ def check_widths(expected, got, where="anchor"):
             expected, got, differing)
 
 
-def resolve_sites(family, widths, host, file_site_names=None, where="anchor"):
+def resolve_sites(family, widths, host, file_site_names=None, where="anchor", file_block_indices=None):
     """Match a file's sites to a host's sites. Returns the host names in the file's site order.
 
-    family           the file's substrate.family
-    widths           the file's width signature (AnchorFile.widths)
-    host             [(name, width)] of the host's candidate sites in training order, either spelling
-                     (for Cosmos: every block; a half-stack file takes every 2nd one)
-    file_site_names  meta.substrate.site_names when the file has it: then sites are mapped by name
+    family              the file's substrate.family
+    widths              the file's width signature (AnchorFile.widths)
+    host                [(name, width)] of the host's candidate sites in training order, either spelling
+                        (for Cosmos: every block; a half-stack file without names or indices takes every 2nd one)
+    file_site_names     meta.substrate.site_names when the file has it: then sites are mapped by name
+    file_block_indices  the block indices a legacy {"relays": {idx: sd}} save recorded (AnchorFile.block_indices):
+                        site i sits on host candidate number indices[i]. Names win when a file has both.
     """
     n_sites = len(widths)
     host = list(host)
@@ -205,6 +207,16 @@ def resolve_sites(family, widths, host, file_site_names=None, where="anchor"):
             raise SiteMismatch(f"{where}: {len(missing)} site names of the file are not in this {family} trunk, "
                                f"e.g. {missing[:3]}; host sites look like {[n for n, _ in host[:2]]}")
         chosen = [host[index[to_diffusers_name(n)]] for n in file_site_names]
+    elif file_block_indices is not None:
+        indices = [int(i) for i in file_block_indices]
+        if len(indices) != n_sites:
+            raise SiteMismatch(f"{where}: the file records {len(indices)} block indices for {n_sites} sites")
+        outside = [i for i in indices if not 0 <= i < len(host)]
+        if outside:
+            raise SiteMismatch(f"{where}: the file's sites sit on blocks {indices}, but this {family} trunk has "
+                               f"{len(host)} (0..{len(host) - 1}); the file was made for a different trunk",
+                               widths, [w for _, w in host])
+        chosen = [host[i] for i in indices]
     else:
         if family == "cosmos_dit" and n_sites != len(host):
             host = host[::cosmos_stride(n_sites, len(host))]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from anchor import AnchorError, SiteMismatch
-from anchor.attach import default_objective, s01_from_sigma
+from anchor.attach import gating_objective, s01_from_sigma
 from anchor.modules import MultibandAdapter, adapter_output, build_adapters
 from anchor.sites import resolve_sites, site_names, unet_level
 
@@ -129,10 +129,13 @@ class BlockPatch:
         out = self.forward(*args, **kwargs)
         if self.strength == 0:
             return out  # the block's own output object: bit-exact with the unpatched model
-        s01 = self.noise_level(_transformer_options(args, kwargs))
-        if s01 is None and self.multiband:
-            raise AnchorError(f"anchor site {self.site}: multiband3 needs the sampling step's sigma, but "
-                              "transformer_options has no 'sigmas' (the model was called outside a ComfyUI sampler)")
+        s01 = None
+        if self.multiband:  # a relay reads no noise level
+            s01 = self.noise_level(_transformer_options(args, kwargs))
+            if s01 is None:
+                raise AnchorError(f"anchor site {self.site}: multiband3 needs the sampling step's sigma, but "
+                                  "transformer_options has no 'sigmas' (the model was called outside a ComfyUI "
+                                  "sampler)")
         p = next(self.adapter.parameters())
         if p.device != out.device:  # the adapters follow the trunk to whatever device ComfyUI loaded it on
             self.adapter.to(out.device)
@@ -146,8 +149,33 @@ def resolve_strength(strength, anchor):
     return anchor.card()["recommended_strength"] if strength is None or strength < 0 else float(strength)
 
 
+OBJECTIVE_FIX = "set the Load Anchor node's objective input to 'model' to gate by the model's own sampling"
+
+
+def noise_level_objective(anchor, family, sampling=None, objective="file"):
+    """The objective gating this anchor on a ComfyUI model (anchor.attach.gating_objective, which refuses a file
+    made for the other kind of trunk: flow vs eps/v).
+
+    sampling   (objective, name) of the model's model_sampling, as nodes.comfy.model_sampling_kind reads it:
+               objective 'flow' (CONST), 'eps' or 'v' (a discrete 0..999 schedule), or None for a sampling whose
+               sigma this loader cannot turn into the band gate's s01 (EDM, continuous v, ...). sampling None: no
+               model_sampling at hand (a bare diffusion model), the file's objective or its family's default.
+    objective  the node's input: 'file' or 'model' (see gating_objective)"""
+    if sampling is None:
+        return gating_objective(anchor, None, source=objective, family=family)
+    host_objective, host_name = sampling
+    if host_objective is None:
+        if anchor.kind != "multiband3":  # a relay reads no noise level
+            return gating_objective(anchor, None, source=objective, family=family)
+        raise AnchorError(f"{anchor.path or 'anchor'}: the model samples with {host_name}, which is neither flow "
+                          "(CONST) nor eps/v on a discrete 0..999 timestep schedule, so its sigma cannot be turned "
+                          "into the noise level (s01) that gates a multiband3 anchor's bands (a relay has no bands "
+                          "and loads). Load it on a model whose sampling is flow, or eps/v on the discrete schedule.")
+    return gating_objective(anchor, host_objective, host_name, objective, OBJECTIVE_FIX, family)
+
+
 def block_patches(anchor, diffusion_model, strength, get_forward, dtype=None, timestep_fn=None,
-                  prefix="diffusion_model."):
+                  prefix="diffusion_model.", sampling=None, objective="file"):
     """{object-patch key: BlockPatch} for every site of an attachable anchor on a ComfyUI diffusion model.
 
     anchor          an AnchorFile (relay or multiband3)
@@ -156,19 +184,20 @@ def block_patches(anchor, diffusion_model, strength, get_forward, dtype=None, ti
     get_forward     key -> the block's current forward (ModelPatcher.get_model_object: chains earlier patches)
     dtype           the trunk's declared compute dtype; the adapters are cast to it
     timestep_fn     model_sampling.timestep, needed by eps/v trunks
+    sampling        (objective, name) of the model's model_sampling; objective 'file' / 'model': noise_level_objective
     Raises AnchorError / SiteMismatch (both signatures in the message) before anything is patched."""
     where = anchor.path or "anchor"
     if not anchor.attachable:
         raise AnchorError(f"{where}: {anchor.refusal()}")
     family = host_family(anchor, diffusion_model)
+    # A legacy file without a family takes the host's: its objective default follows (Cosmos is flow).
+    noise_level = NoiseLevel(noise_level_objective(anchor, family, sampling, objective), timestep_fn)
     host = comfy_host_sites(diffusion_model, family, anchor.n_sites)
-    names = resolve_sites(family, anchor.widths, [(n, w) for n, w, _ in host], anchor.site_names, where)
+    names = resolve_sites(family, anchor.widths, [(n, w) for n, w, _ in host], anchor.site_names, where,
+                          anchor.block_indices)
     axis = {n: a for n, _, a in host}
     adapters = build_adapters(anchor, dtype=dtype)
     adapters.requires_grad_(False)
-    # A legacy file without a family takes the host's: its objective default must follow (Cosmos is flow).
-    objective = anchor.objective or ("flow" if family == DIT_FAMILY else default_objective(anchor))
-    noise_level = NoiseLevel(objective, timestep_fn)
     patches = {}
     for adapter, name in zip(adapters, names):
         key = f"{prefix}{name}.forward"

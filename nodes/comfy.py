@@ -86,3 +86,26 @@ def load_lora(model, clip, path: str, strength_model: float, strength_clip: floa
     utils, sd = _module("comfy.utils"), _module("comfy.sd")
     lora = utils.load_torch_file(path, safe_load=True)
     return sd.load_lora_for_models(model, clip, lora, strength_model, strength_clip)
+
+
+def model_sampling_kind(model_sampling) -> tuple[str | None, str]:
+    """(objective, name) of a model's `model_sampling`: how its sampler's sigma becomes the anchor band gate's s01.
+
+    objective: "flow" for a CONST (flow-matching) prediction, where s01 = sigma (Anima, SD3, Flux); "eps" / "v" for
+    EPS / V_PREDICTION on ModelSamplingDiscrete, whose timestep(sigma) is the 0..999 index, so s01 = t / 1000;
+    None for anything else (EDM, whose class derives from V_PREDICTION, or an EDM / continuous schedule, whose
+    timestep is a function of log sigma). name: the classes ComfyUI combined, e.g.
+    "ModelSamplingDiscreteFlow + CONST", for messages."""
+    ms = _module("comfy.model_sampling")
+    bases = [b.__name__ for b in type(model_sampling).__bases__ if b.__name__ not in ("object", "Module")]
+    name = " + ".join(bases) if bases else type(model_sampling).__name__
+    if isinstance(model_sampling, ms.CONST):
+        return "flow", name
+    discrete = isinstance(model_sampling, ms.ModelSamplingDiscrete) and \
+        not isinstance(model_sampling, ms.ModelSamplingDiscreteEDM)
+    if discrete and not isinstance(model_sampling, ms.EDM):
+        if isinstance(model_sampling, ms.V_PREDICTION):
+            return "v", name
+        if isinstance(model_sampling, ms.EPS):
+            return "eps", name
+    return None, name

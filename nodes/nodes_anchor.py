@@ -16,13 +16,15 @@ from __future__ import annotations
 import importlib
 import os
 
-from anchor import AnchorError
+from anchor import OBJECTIVE_SOURCES, AnchorError
 
+from . import comfy
 from .comfy import CATEGORY, io
 
 ANCHOR_FOLDER = "anchors"
 LISTED_EXTENSIONS = (".safetensors", ".pt", ".pth", ".sft")  # the content decides the container, not the name
 STRENGTH_FROM_CARD = -1.0
+GATE_TEXT = {"flow": "flow, s01 = sigma", "eps": "eps/v, s01 = t/1000", "v": "eps/v, s01 = t/1000"}
 
 
 def _comfy_module(name):
@@ -58,19 +60,22 @@ def _declared_dtype(model):
     return model.model_dtype()
 
 
-def apply_anchor(model, anchor, strength):
-    """(patched clone of a ComfyUI ModelPatcher, strength used). Everything is checked before the clone exists."""
+def apply_anchor(model, anchor, strength, objective="file"):
+    """(patched clone of a ComfyUI ModelPatcher, strength used, objective gating the bands). Everything is checked
+    before the clone exists, including the file's objective against the model's sampling (flow vs eps/v)."""
     from .anchor_patch import block_patches, resolve_strength
 
     strength = resolve_strength(strength, anchor)
     model_sampling = model.get_model_object("model_sampling")
     patches = block_patches(anchor, model.get_model_object("diffusion_model"), strength,
                             get_forward=model.get_model_object, dtype=_declared_dtype(model),
-                            timestep_fn=getattr(model_sampling, "timestep", None))
+                            timestep_fn=getattr(model_sampling, "timestep", None),
+                            sampling=comfy.model_sampling_kind(model_sampling), objective=objective)
     patched = model.clone()
     for key, patch in patches.items():
         patched.add_object_patch(key, patch)
-    return patched, strength
+    gate = next(iter(patches.values())).noise_level.objective
+    return patched, strength, gate
 
 
 def card_for_ui(anchor, name, strength):
@@ -82,13 +87,17 @@ def card_for_ui(anchor, name, strength):
     return card
 
 
-def card_text(anchor, strength):
+def card_text(anchor, strength, gate=None):
     from anchor.sites import signature_text
 
     recommended = anchor.card()["recommended_strength"]
     note = "the card's recommended value" if strength == recommended else f"card recommends {recommended:g}"
-    return (anchor.card_text() + f"\n  strength used: {strength:g} ({note})"
+    text = (anchor.card_text() + f"\n  strength used: {strength:g} ({note})"
             + f"\n  width signature ({anchor.n_sites} sites): {signature_text(anchor.widths)}")
+    if gate and anchor.kind == "multiband3":
+        source = "the file's objective" if anchor.objective == gate else "the model's sampling"
+        text += f"\n  bands gated as {GATE_TEXT[gate]} ({source})"
+    return text
 
 
 class AnimaAnchorLoader(io.ComfyNode):
@@ -109,6 +118,11 @@ class AnimaAnchorLoader(io.ComfyNode):
                 io.Float.Input("strength", default=STRENGTH_FROM_CARD, min=-1.0, max=5.0, step=0.05,
                                tooltip="scale of the adapter's change to each block output. -1 (any negative "
                                        "value) = the card's recommended_strength; 0 = no effect (bit-exact)."),
+                io.Combo.Input("objective", options=list(OBJECTIVE_SOURCES), default="file", optional=True,
+                               tooltip="which noise level gates a multiband anchor's bands. file: the file's "
+                                       "objective (flow, eps or v); a model that samples the other way (flow vs "
+                                       "eps/v) is refused. model: follow the model's own sampling whatever the "
+                                       "file says; only for a file whose objective is tagged wrongly."),
             ],
             outputs=[io.Model.Output(display_name="MODEL"), io.String.Output(display_name="card")],
         )
@@ -123,7 +137,7 @@ class AnimaAnchorLoader(io.ComfyNode):
             return f"{anchor_name}|{strength}"
 
     @classmethod
-    def execute(cls, model, anchor_name, strength=STRENGTH_FROM_CARD):
+    def execute(cls, model, anchor_name, strength=STRENGTH_FROM_CARD, objective="file"):
         from anchor.format import load
 
         try:
@@ -131,9 +145,9 @@ class AnimaAnchorLoader(io.ComfyNode):
         except FileNotFoundError as e:
             raise AnchorError(f"anchor {anchor_name!r} is not in models/{ANCHOR_FOLDER} ({e})") from e
         anchor = load(path)
-        patched, used = apply_anchor(model, anchor, strength)
+        patched, used, gate = apply_anchor(model, anchor, strength, objective)
         card = card_for_ui(anchor, anchor_name, used)
-        return io.NodeOutput(patched, card_text(anchor, used), ui={"anchor_card": [card]})
+        return io.NodeOutput(patched, card_text(anchor, used, gate), ui={"anchor_card": [card]})
 
 
 NODES = [AnimaAnchorLoader]

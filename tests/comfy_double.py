@@ -83,3 +83,74 @@ def install(monkeypatch) -> types.ModuleType:
     for name in [m for m in sys.modules if m == "nodes" or m.startswith("nodes.")]:
         monkeypatch.delitem(sys.modules, name)
     return latest
+
+
+# -- comfy.model_sampling ----------------------------------------------------------------------------------------
+# The class names and inheritance of ComfyUI's prediction types and schedules (comfy/model_sampling.py), which
+# nodes/comfy.py tells apart with isinstance. ComfyUI builds a model's sampling object as
+# `class ModelSampling(<schedule>, <prediction>)`; `model_sampling()` does the same. The timestep maps are
+# stand-ins with the right ranges (flow: sigma * multiplier; discrete: an index in 0..999), not ComfyUI's curves.
+
+
+class EPS:
+    pass
+
+
+class V_PREDICTION(EPS):  # noqa: N801 (ComfyUI's spelling)
+    pass
+
+
+class EDM(V_PREDICTION):
+    pass
+
+
+class X0(EPS):
+    pass
+
+
+class CONST:
+    pass
+
+
+class ModelSamplingDiscrete:
+    def timestep(self, sigma):
+        return (sigma * 68.0).clamp(0, 999).round()
+
+
+class ModelSamplingDiscreteEDM(ModelSamplingDiscrete):
+    def timestep(self, sigma):
+        return 0.25 * sigma.log()
+
+
+class ModelSamplingContinuousEDM:
+    def timestep(self, sigma):
+        return 0.25 * sigma.log()
+
+
+class ModelSamplingDiscreteFlow:
+    multiplier = 1000.0
+
+    def timestep(self, sigma):
+        return sigma * self.multiplier
+
+
+def model_sampling(schedule, prediction, **attributes):
+    """An object like ComfyUI's model_sampling: an instance of `class ModelSampling(schedule, prediction)`."""
+    obj = type("ModelSampling", (schedule, prediction), {})()
+    obj.__dict__.update(attributes)
+    return obj
+
+
+def anima_sampling():
+    """Anima's: flow (CONST) on ModelSamplingDiscreteFlow with multiplier 1, so timestep(sigma) == sigma."""
+    return model_sampling(ModelSamplingDiscreteFlow, CONST, multiplier=1.0, shift=3.0)
+
+
+def install_model_sampling(monkeypatch) -> types.ModuleType:
+    """Make `comfy.model_sampling` importable (only that module) with the classes above."""
+    module = types.ModuleType("comfy.model_sampling")
+    for cls in (EPS, V_PREDICTION, EDM, X0, CONST, ModelSamplingDiscrete, ModelSamplingDiscreteEDM,
+                ModelSamplingContinuousEDM, ModelSamplingDiscreteFlow):
+        setattr(module, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, "comfy.model_sampling", module)
+    return module

@@ -231,3 +231,71 @@ def test_load_only_kinds_are_refused_with_their_evidence(sd15, tmp_path):
     mono.meta = {"adapter": {"kind": "mono"}, "evidence": "matched rank-48 control, 2 seeds"}
     with pytest.raises(AnchorError, match="matched rank-48 control"):
         attach(sd15, mono)
+
+
+def high_band_only(anchor, seed=0):
+    """Weights only in the HIGH band (2): the output moves only at sigma above the 0.75 edge's crossfade."""
+    g = torch.Generator().manual_seed(seed)
+    for k, v in anchor.adapters.items():
+        if ".up.2." in k:
+            anchor.adapters[k] = torch.randn(v.shape, generator=g) * 0.3
+    return anchor
+
+
+@pytest.mark.parametrize("tag", ["eps", "v"])
+def test_eps_v_file_on_a_flow_trunk_is_refused_unless_told_to_follow_the_trunk(cosmos, tag):
+    anchor = high_band_only(fresh_anchor("multiband3", [32] * 4, family="cosmos_dit", objective=tag, **SMALL))
+    with pytest.raises(AnchorError, match=f"objective is '{tag}' .*samples as flow .*LOW band.*objective='model'"):
+        attach(cosmos, anchor)
+    assert no_hooks(cosmos)
+    base = run_cosmos(cosmos, sigma=(0.9, 0.9))
+    with attach(cosmos, anchor, objective="model") as att:
+        assert not torch.equal(run_cosmos(cosmos, sigma=(0.9, 0.9)), base)  # σ 0.9 gates HIGH
+        assert att.s01.tolist() == pytest.approx([0.9, 0.9])
+
+
+def test_flow_file_on_a_unet_is_refused(sd15):
+    anchor = fresh_anchor("multiband3", widths_of(sd15, "sd15_unet", 16), family="sd15_unet", objective="flow", **SMALL)
+    with pytest.raises(AnchorError, match=r"objective is 'flow' .*samples as eps/v \(UNet2DConditionModel\)"):
+        attach(sd15, anchor)
+
+
+def test_legacy_file_on_a_dit_gates_by_sigma(cosmos):
+    # no substrate.family, no objective: the Cosmos host is a flow trunk (t/1000 would gate every step LOW)
+    legacy = high_band_only(fresh_anchor("multiband3", [32] * 4, **SMALL))
+    del legacy.meta["substrate"]
+    base = run_cosmos(cosmos, sigma=(0.9, 0.9))
+    with attach(cosmos, legacy) as att:
+        assert att.objective == "flow"
+        assert not torch.equal(run_cosmos(cosmos, sigma=(0.9, 0.9)), base)
+
+
+def test_legacy_relay_stack_on_odd_blocks(cosmos, tmp_path):
+    # {"relays": {idx: sd}} keyed by block: a stack trained on blocks 1 and 3 sits on blocks 1 and 3
+    stack = trained(fresh_anchor("relay", [32, 32], **SMALL))
+    torch.save({"relays": {"3": stack.per_site(1), "1": stack.per_site(0)}}, tmp_path / "odd.pt")
+    legacy = load(tmp_path / "odd.pt")
+    with attach(cosmos, legacy) as att:
+        assert att.site_names == ["transformer_blocks.1", "transformer_blocks.3"]
+        legacy_out = run_cosmos(cosmos)
+    stack.meta["substrate"] = {"family": "cosmos_dit", "site_names": ["blocks.1", "blocks.3"]}
+    with attach(cosmos, stack) as att:
+        assert torch.equal(run_cosmos(cosmos), legacy_out)
+
+
+def test_adapters_take_the_declared_dtype_not_the_first_parameter():
+    torch.manual_seed(0)
+    model = diffusers.CosmosTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2,
+                                               attention_head_dim=16, num_layers=2, text_embed_dim=32,
+                                               adaln_lora_dim=8, max_size=(2, 16, 16)).to(torch.bfloat16).eval()
+    model.patch_embed.float()  # an input layer kept in fp32 (the model's first parameter); the blocks run in bf16
+    assert next(model.parameters()).dtype == torch.float32 and model.dtype == torch.float32
+    anchor = trained(fresh_anchor("multiband3", [32] * 2, family="cosmos_dit", objective="flow", **SMALL))
+    with attach(model, anchor) as att:
+        assert {p.dtype for p in att.adapters.parameters()} == {torch.bfloat16}
+    with attach(model, anchor, dtype=torch.float32) as att:  # the caller's declaration wins
+        assert {p.dtype for p in att.adapters.parameters()} == {torch.float32}
+    # weights stored in fp8, computed in bf16 (diffusers layerwise casting): the compute dtype
+    model.float().enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with attach(model, anchor) as att:
+        assert {p.dtype for p in att.adapters.parameters()} == {torch.bfloat16}

@@ -156,7 +156,12 @@ def test_legacy_shapes_all_load(tmp_path):
     assert any("drift gauge" in c for c in b.card()["caveats"])
 
     c = put("relays_dict_mb.pt", {"relays": {"0": mb_sites[0], "1": mb_sites[1]}})
-    assert c.kind == "multiband3" and "imported_indices" not in c.meta
+    assert c.kind == "multiband3" and c.meta["imported_indices"] == [0, 1]  # blocks 0 and 1, not every 2nd block
+    assert c.block_indices == [0, 1]
+    with pytest.raises(AnchorError, match="keyed by block index, found keys .*'first'.*whole number"):
+        put("relays_dict_bad.pt", {"relays": {"0": mb_sites[0], "first": mb_sites[1]}})
+    with pytest.raises(AnchorError, match="distinct and >= 0"):
+        put("relays_dict_dup.pt", {"relays": {"1": mb_sites[0], "01": mb_sites[1]}})
 
     d = put("mods.pt", {"mods": mb_sites})
     assert (d.kind, d.meta["imported_from"], d.widths) == ("multiband3", "legacy_mods", [8, 16])

@@ -87,3 +87,20 @@ def test_resolve_errors_name_the_problem():
     assert resolve_sites("cosmos_dit", [64] * 3, cosmos) == ["blocks.0", "blocks.2", "blocks.4"]
     assert resolve_sites("cosmos_dit", [64] * 2, cosmos, ["transformer_blocks.1", "blocks.5"]) == ["blocks.1",
                                                                                                    "blocks.5"]
+
+
+def test_recorded_block_indices_pick_those_blocks():
+    # a legacy {"relays": {idx: sd}} half stack on the odd blocks: indices decide, not "every 2nd from 0"
+    cosmos = [(f"blocks.{i}", 64) for i in range(6)]
+    assert resolve_sites("cosmos_dit", [64] * 3, cosmos, file_block_indices=[1, 3, 5]) == ["blocks.1", "blocks.3",
+                                                                                           "blocks.5"]
+    assert resolve_sites("cosmos_dit", [64] * 2, cosmos, file_block_indices=[0, 1]) == ["blocks.0", "blocks.1"]
+    mixed = [(f"blocks.{i}", 64 if i % 2 else 32) for i in range(6)]  # the width check still runs on them
+    with pytest.raises(SiteMismatch, match="first differing index 0"):
+        resolve_sites("cosmos_dit", [64] * 3, mixed, file_block_indices=[0, 2, 4])
+    with pytest.raises(SiteMismatch, match=r"sit on blocks \[1, 3, 7\], but this cosmos_dit trunk has 6 \(0..5\)"):
+        resolve_sites("cosmos_dit", [64] * 3, cosmos, file_block_indices=[1, 3, 7])
+    with pytest.raises(SiteMismatch, match="2 block indices for 3 sites"):
+        resolve_sites("cosmos_dit", [64] * 3, cosmos, file_block_indices=[1, 3])
+    # site names, when a file has them, win over indices
+    assert resolve_sites("cosmos_dit", [64], cosmos, ["blocks.4"], file_block_indices=[1]) == ["blocks.4"]

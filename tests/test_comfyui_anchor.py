@@ -4,12 +4,13 @@ ComfyUI's code runs in ComfyUI's own python (COMFYUI_PYTHON, its own torch) as a
 only builds the files and checks the numbers the script reports. The pack is imported the way ComfyUI's loader
 does it (the folder's __init__.py as a package), so `nodes/` never shadows ComfyUI's own nodes.py.
 
-What it shows (issue 6, item 5):
+What it shows (issue 6, item 5; issue 10, item 4):
   * one-step denoise at each sigma of a grid: patched == unpatched bit for bit below the 0.75 edge's crossfade
     (sigma <= 0.69), different above it — the band gate reads sigma from transformer_options per step;
   * a full 4-step KSampler-style run differs from its first step (sigma 1); a run whose whole schedule is below
     0.69 is bit-identical at every step;
-  * strength 0 is bit-exact; the input MODEL is never changed; a wrong-width anchor names both signatures.
+  * strength 0 is bit-exact; the input MODEL is never changed; a wrong-width anchor names both signatures;
+  * an eps-tagged anchor is refused on Anima (flow) by default, and gated by sigma with objective "model".
 """
 from __future__ import annotations
 
@@ -142,6 +143,18 @@ SCRIPT = textwrap.dedent(r'''
     except Exception as e:
         res["wrong_width_error"] = f"{type(e).__name__}: {e}"
 
+    try:  # the same HIGH-band weights tagged eps: on Anima (flow) the default refuses it ...
+        load("eps_tagged.safetensors", 1.0)
+        res["eps_tagged_error"] = None
+    except Exception as e:
+        res["eps_tagged_error"] = f"{type(e).__name__}: {e}"
+    # ... and objective "model" gates it by the model's sigma like the flow-tagged file
+    follow = Loader.execute(model=model, anchor_name="eps_tagged.safetensors", strength=1.0, objective="model")
+    a, _ = custom(model, [grid[0], 0.0], cfg=2.0)
+    b, _ = custom(follow.args[0], [grid[0], 0.0], cfg=2.0)
+    res["eps_tagged_model_acts_at_high_sigma"] = not bool(torch.equal(a, b))
+    res["eps_tagged_model_text"] = follow.args[1]
+
     # the input MODEL after three patched clones were made and sampled: same bits as at the start
     again, _ = custom(model, [grid[0], 0.0], cfg=2.0)
     res["input_unchanged"] = bool(torch.equal(again, plain_grid[grid[0]])) and len(model.object_patches) == 0
@@ -165,6 +178,8 @@ def write_anchors(folder: Path):
                      band_roles=["detail (LOW)", "semantics (MID)", "structure (HIGH)"],
                      evidence="test fixture: random HIGH-band weights, no training")
     save(high, folder / "high_only.safetensors")
+    high.meta["objective"] = {"kind": "eps"}
+    save(high, folder / "eps_tagged.safetensors")
     relay = _anchor("relay", WIDTH, n_slots=4, K=16, hidden=32)
     for i in range(BLOCKS):
         relay.adapters[f"{i}.consume.3.weight"] = torch.randn(WIDTH, 32, generator=g) * 0.2
@@ -204,6 +219,7 @@ def test_card_reaches_the_ui_and_the_string_output(comfy_run):
     text, card = comfy_run["card_text"], comfy_run["ui_card"]
     assert text.startswith("Tiny HIGH-band anchor   [NON-COMMERCIAL]")
     assert "strength used: 0.8 (the card's recommended value)" in text
+    assert "bands gated as flow, s01 = sigma (the file's objective)" in text
     assert f"[{','.join([str(WIDTH)] * BLOCKS)}]" in text
     assert card["nc"] is True and card["strength"] == 0.8 and card["band_roles"][2] == "structure (HIGH)"
 
@@ -235,3 +251,12 @@ def test_wrong_width_anchor_names_both_signatures(comfy_run):
     assert err and err.startswith("SiteMismatch")
     assert f"file widths: [{','.join(['512'] * BLOCKS)}]" in err
     assert f"host widths: [{','.join([str(WIDTH)] * BLOCKS)}]" in err
+
+
+def test_eps_tagged_anchor_on_anima_is_refused_unless_following_the_model(comfy_run):
+    # ComfyUI's own model_sampling for Anima (ModelSamplingDiscreteFlow + CONST) is read as flow
+    err = comfy_run["eps_tagged_error"]
+    assert err and err.startswith("AnchorError") and "eps_tagged.safetensors" in err
+    assert "the file's objective is 'eps'" in err and "samples as flow (ModelSamplingDiscreteFlow + CONST)" in err
+    assert comfy_run["eps_tagged_model_acts_at_high_sigma"]
+    assert "bands gated as flow, s01 = sigma (the model's sampling)" in comfy_run["eps_tagged_model_text"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-import types
+import re
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from anchor import AnchorError, SiteMismatch
 from anchor.attach import attach
 from anchor.format import AnchorFile, save
 from anchor.modules import fresh_anchor
+from tests import comfy_double
 
 D, N_BLOCKS = 16, 4
 SMALL = dict(n_slots=2, K=8, hidden=6)
@@ -51,10 +52,11 @@ class ToyDiT(nn.Module):
 class ToyBaseModel(nn.Module):
     """What a ModelPatcher wraps: `.diffusion_model`, `.model_sampling`, get_dtype_inference()."""
 
-    def __init__(self, dit):
+    def __init__(self, dit, model_sampling=None):
         super().__init__()
         self.diffusion_model = dit
-        self.model_sampling = types.SimpleNamespace(timestep=lambda sigma: sigma)  # flow: timestep(σ) == σ
+        # Anima's by default: flow (CONST), timestep(σ) == σ
+        self.model_sampling = model_sampling if model_sampling is not None else comfy_double.anima_sampling()
 
     def get_dtype_inference(self):
         return torch.float32
@@ -115,9 +117,8 @@ def multiband(widths=(D,) * N_BLOCKS, **kw):
 
 @pytest.fixture
 def node(monkeypatch):
-    from tests import comfy_double
-
     comfy_double.install(monkeypatch)
+    comfy_double.install_model_sampling(monkeypatch)
     import nodes.nodes_anchor as mod
 
     return mod
@@ -128,7 +129,10 @@ def test_schema_strength_sentinel_and_file_combo(node, monkeypatch):
     schema = node.AnimaAnchorLoader.define_schema()
     assert schema.node_id == "AnimaAnchorLoader" and schema.display_name == "Load Anchor"
     kinds = {p.id: p.kind for p in schema.inputs}
-    assert kinds == {"model": "MODEL", "anchor_name": "COMBO", "strength": "FLOAT"}
+    assert kinds == {"model": "MODEL", "anchor_name": "COMBO", "strength": "FLOAT", "objective": "COMBO"}
+    objective = next(p for p in schema.inputs if p.id == "objective")  # optional: older workflows lack it
+    assert objective.options["options"] == ["file", "model"] and objective.options["default"] == "file"
+    assert objective.options["optional"] is True
     combo = next(p for p in schema.inputs if p.id == "anchor_name")
     assert combo.options["options"] == ["a.safetensors", "sub/b.pt"]
     strength = next(p for p in schema.inputs if p.id == "strength")
@@ -405,3 +409,138 @@ def test_card_js_targets_this_node_and_never_injects_markup(node):
     assert f'const NODE_ID = "{node.AnimaAnchorLoader.define_schema().node_id}";' in js
     assert "message?.anchor_card" in js and "NON-COMMERCIAL" in js
     assert "innerHTML" not in js  # card values come from a downloaded file: textContent only
+
+
+# -- the file's objective against the model's sampling (issue 10, item 4) ------------------------------------------
+
+def sampled(patcher, plain, sigma):
+    """(patched, plain) outputs of one model call at `sigma` for both samples."""
+    x, s = latents(), torch.tensor([sigma, sigma])
+    return patcher.run(x, s), plain.run(x, s)
+
+
+@pytest.mark.parametrize("tag", ["eps", "v"])
+def test_node_refuses_an_eps_v_file_on_a_flow_model(node, monkeypatch, tmp_path, tag):
+    # On Anima (flow, timestep(σ) == σ) an eps/v rule would give s01 = σ/1000: every step in the LOW band, so a
+    # HIGH-band anchor would silently do nothing. The default refuses, naming both objectives and the fix.
+    anchor = multiband(only=["up.2."])
+    anchor.meta["objective"] = {"kind": tag}
+    path = write_anchor(tmp_path, anchor)
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    model = FakePatcher(ToyBaseModel(ToyDiT()))
+    model.clone = lambda: pytest.fail("cloned before the objective check")
+    with pytest.raises(AnchorError) as e:
+        node.AnimaAnchorLoader.execute(model=model, anchor_name=path.name, strength=1.0)
+    msg = str(e.value)
+    assert str(path) in msg and f"the file's objective is {tag!r}" in msg
+    assert "the model samples as flow (ModelSamplingDiscreteFlow + CONST)" in msg
+    assert "every step would land in the LOW band" in msg and "objective input to 'model'" in msg
+
+
+def test_node_objective_model_follows_the_models_sampling(node, monkeypatch, tmp_path):
+    anchor = multiband(only=["up.2."])  # weights only in the HIGH band
+    anchor.meta["objective"] = {"kind": "eps"}  # tagged wrongly
+    path = write_anchor(tmp_path, anchor)
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    dit = ToyDiT()
+    model = FakePatcher(ToyBaseModel(dit))
+    out = node.AnimaAnchorLoader.execute(model=model, anchor_name=path.name, strength=1.0, objective="model")
+    patched, text = out.values
+    assert "bands gated as flow, s01 = sigma (the model's sampling)" in text
+    high, plain = sampled(patched, model, 0.9)
+    assert not torch.equal(high, plain)  # σ 0.9 is in the HIGH band: the anchor acts
+    low, plain = sampled(patched, model, 0.5)
+    assert torch.equal(low, plain)
+
+
+def test_node_flow_file_gates_by_sigma_and_says_so(node, monkeypatch, tmp_path):
+    path = write_anchor(tmp_path, multiband(only=["up.2."]))
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    model = FakePatcher(ToyBaseModel(ToyDiT()))
+    patched, text = node.AnimaAnchorLoader.execute(model=model, anchor_name=path.name, strength=1.0).values
+    assert "bands gated as flow, s01 = sigma (the file's objective)" in text
+    high, plain = sampled(patched, model, 0.9)
+    assert not torch.equal(high, plain)
+
+
+def _unet_model(sampling):
+    return FakePatcher(ToyBaseModel(_toy_sd15(), sampling))
+
+
+def _sd15_anchor(kind="multiband3", objective=None):
+    widths = [320, 320, 640, 640, 1280, 1280, 1280, 1280, 1280, 640, 640, 640, 320, 320, 320, 1280]
+    spec = dict(rank=2) if kind == "multiband3" else SMALL
+    return fresh_anchor(kind, widths, family="sd15_unet", objective=objective, **spec)
+
+
+def test_node_refuses_a_flow_file_on_an_eps_model(node, monkeypatch, tmp_path):
+    path = write_anchor(tmp_path, _sd15_anchor(objective="flow"))
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    cd = comfy_double
+    model = _unet_model(cd.model_sampling(cd.ModelSamplingDiscrete, cd.EPS))
+    with pytest.raises(AnchorError, match=r"objective is 'flow' .* samples as eps \(ModelSamplingDiscrete \+ EPS\)"):
+        node.AnimaAnchorLoader.execute(model=model, anchor_name=path.name, strength=1.0)
+
+
+@pytest.mark.parametrize("file_objective", ["eps", "v", None])
+@pytest.mark.parametrize("prediction", ["EPS", "V_PREDICTION"])
+def test_node_eps_and_v_gate_alike_and_untagged_files_follow_the_model(node, monkeypatch, tmp_path, file_objective,
+                                                                       prediction):
+    path = write_anchor(tmp_path, _sd15_anchor(objective=file_objective))
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    cd = comfy_double
+    model = _unet_model(cd.model_sampling(cd.ModelSamplingDiscrete, getattr(cd, prediction)))
+    patched, text = node.AnimaAnchorLoader.execute(model=model, anchor_name=path.name, strength=1.0).values
+    assert "bands gated as eps/v, s01 = t/1000" in text
+    level = next(iter(patched.object_patches.values())).noise_level
+    sigmas = torch.tensor([14.6, 0.03])  # model_sampling.timestep -> t, then t / 1000
+    expected = model.model.model_sampling.timestep(sigmas).double() / 1000
+    assert torch.equal(level({"sigmas": sigmas}), expected)
+
+
+@pytest.mark.parametrize("schedule,prediction,name", [
+    ("ModelSamplingContinuousEDM", "V_PREDICTION", "ModelSamplingContinuousEDM + V_PREDICTION"),
+    ("ModelSamplingDiscrete", "EDM", "ModelSamplingDiscrete + EDM"),
+    ("ModelSamplingDiscreteEDM", "EPS", "ModelSamplingDiscreteEDM + EPS"),
+])
+def test_node_refuses_multiband_on_a_sampling_it_cannot_gate(node, monkeypatch, tmp_path, schedule, prediction, name):
+    # timestep(σ) of these is 0.25·log σ, not a 0..999 index: t/1000 would be meaningless. A relay reads no noise
+    # level and still attaches.
+    cd = comfy_double
+    sampling = cd.model_sampling(getattr(cd, schedule), getattr(cd, prediction))
+    monkeypatch.setattr(node, "anchor_path", lambda name: str(tmp_path / name))
+    path = write_anchor(tmp_path, _sd15_anchor(objective="eps"))
+    for objective in ("file", "model"):
+        with pytest.raises(AnchorError, match=f"samples with {re.escape(name)}, which is neither flow"):
+            node.AnimaAnchorLoader.execute(model=_unet_model(sampling), anchor_name=path.name, strength=1.0,
+                                           objective=objective)
+    relay = write_anchor(tmp_path, _sd15_anchor("relay", objective="eps"), name="relay.safetensors")
+    patched = node.AnimaAnchorLoader.execute(model=_unet_model(sampling), anchor_name=relay.name, strength=1.0)
+    assert len(patched.values[0].object_patches) == 16
+
+
+# -- legacy {"relays": {idx: sd}} stacks sit on the blocks they record (issue 10, item 4) --------------------------
+
+def test_legacy_stack_on_odd_blocks_patches_those_blocks(tmp_path):
+    from anchor.format import load
+    from nodes.anchor_patch import block_patches
+
+    stack = multiband(widths=(D, D))  # two sites, trained on blocks 1 and 3 of a 4-block trunk
+    torch.save({"relays": {"1": stack.per_site(0), "3": stack.per_site(1)}}, tmp_path / "odd.pt")
+    legacy = load(tmp_path / "odd.pt")
+    assert "substrate" not in legacy.meta  # no site names: only the recorded indices say where the sites go
+
+    dit = ToyDiT()
+    patcher = FakePatcher(ToyBaseModel(dit))
+    patcher.object_patches.update(block_patches(legacy, dit, 1.0, patcher.get_model_object))
+    assert sorted(patcher.object_patches) == ["diffusion_model.blocks.1.forward", "diffusion_model.blocks.3.forward"]
+    assert legacy.block_indices == [1, 3]
+    # the same adapters placed by name: same output, bit for bit
+    stack.meta["substrate"]["site_names"] = ["blocks.1", "blocks.3"]
+    named = FakePatcher(ToyBaseModel(dit))
+    named.object_patches.update(block_patches(stack, dit, 1.0, named.get_model_object))
+    x, s = latents(), torch.tensor([0.9, 0.3])
+    assert torch.equal(patcher.run(x, s), named.run(x, s))
+    assert not torch.equal(patcher.run(x, s), FakePatcher(ToyBaseModel(dit)).run(x, s))
+    with pytest.raises(SiteMismatch, match=r"sit on blocks \[1, 3\], but this cosmos_dit trunk has 3"):
+        block_patches(legacy, ToyDiT(n=3), 1.0, lambda k: None)
