@@ -135,3 +135,28 @@ def test_an_existing_stop_file_is_refused_before_the_run_starts(tiny_anima, late
     assert stop.read_text() == "left over from yesterday"  # not ours to delete: it may be another job's request
     assert not (tmp_path / "tiny").exists()  # nothing was written
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_only_the_runs_own_files_count_as_an_earlier_run(tmp_path):
+    from anima_train.runs import free_run_name, latest_state, run_files
+
+    run = tmp_path / "cat"
+    run.mkdir()
+    for name in ("cat-2.safetensors", "catnip.safetensors", "comfyui-job.toml", "comfyui-worker.log",
+                 "cat-step000003.toml", "notes.txt", ".cat.safetensors.tmp-12"):
+        (run / name).write_text("x")
+    assert run_files(run, "cat") == []  # other runs' names, node job files, temp files: not this run
+    for name in ("cat.toml", "cat.safetensors", "cat_te.safetensors", "cat-step000004.safetensors",
+                 "cat-epoch002_te.safetensors"):
+        (run / name).write_text("x")
+    for name, step in (("cat-step000004-state", 4), ("cat-state", 9), ("cat", None)):  # `cat/`: diffusers final
+        (run / name).mkdir()
+        if step is not None:
+            (run / name / "state.json").write_text(json.dumps({"global_step": step}))
+    assert [p.name for p in run_files(run, "cat")] == [
+        "cat", "cat-epoch002_te.safetensors", "cat-state", "cat-step000004-state", "cat-step000004.safetensors",
+        "cat.safetensors", "cat.toml", "cat_te.safetensors"]
+    assert latest_state(run, "cat") == run / "cat-state"
+    (tmp_path / "cat-2").mkdir()
+    (tmp_path / "cat-2" / "cat-2.toml").write_text("x")
+    assert free_run_name(tmp_path, "cat") == "cat-3"
