@@ -98,7 +98,10 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
     if overwrite:
         say(f"--overwrite: deleting the earlier run's {len(found)} file(s) in {run_dir}: {names}")
         for p in found:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
         return
     state = latest_state(run_dir, run_stem)
     resume = (f'resume it: [train] resume_from = "{state.as_posix()}"' if state is not None else
@@ -271,28 +274,29 @@ def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path |
               stop_file: str | None, saving: bool, say: Callable[[str], None]) -> Iterator[None]:
     """The start-up checks of a run, and its folder lock for the run's duration.
 
-    Only the main process checks and locks; every rank waits for its verdict and raises the same RunRefused, so a
-    refused DDP run ends on all ranks at once instead of hanging in the first collective."""
+    Only the main process checks and locks; every rank waits for its verdict and raises the same message (the main
+    process its own exception), so a refused DDP run ends on all ranks at once instead of hanging in the first
+    collective."""
     lock = RunLock(run_dir) if saving else None
-    refused: RunRefused | None = None
+    failed: Exception | None = None
     if accelerator.is_main_process:
         try:
             check_stop_file(stop_file)
             if lock is not None:
                 lock.acquire(say)
                 check_fresh(run_dir, run_stem, resume_state=resume_state, overwrite=overwrite, say=say)
-        except RunRefused as exc:
+        except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks were told)
             if lock is not None:
                 lock.release()
-            refused = exc
+            failed = exc
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        verdict = broadcast_object_list([None if refused is None else str(refused)])[0]
-        if verdict is not None and refused is None:
-            refused = RunRefused(verdict)
-    if refused is not None:
-        raise refused
+        verdict = broadcast_object_list([None if failed is None else str(failed)])[0]
+        if verdict is not None and failed is None:
+            failed = RunRefused(verdict)
+    if failed is not None:
+        raise failed
     try:
         yield
     finally:
