@@ -2,6 +2,10 @@
 
 import sys
 
-from anima_train.cli import main
+from anima_train import parent_watch
+
+parent_watch.start_from_env()  # a worker of the ComfyUI node ends with ComfyUI (before anything heavy loads)
+
+from anima_train.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -128,8 +128,13 @@ class Progress:
         if self._events is None:
             return
         record = {"event": kind, "time": round(time.time(), 3), **data}
-        self._events.write(json.dumps(record, default=_json_default) + "\n")
-        self._events.flush()
+        try:
+            self._events.write(json.dumps(record, default=_json_default) + "\n")
+            self._events.flush()
+        except BrokenPipeError:
+            # The reader went away (the ComfyUI that started this worker ended): losing the events must not end the
+            # run before anima_train.parent_watch has had it save its state.
+            self._events = None
 
     # -- human messages ----------------------------------------------------------------------------------
     def message(self, text: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
+from anima_train import parent_watch, runs
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -50,7 +51,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skip-unreadable", action="store_true", help="skip unreadable images instead of refusing")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
     parser.add_argument("--stop-file", metavar="PATH",
-                        help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists")
+                        help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists; refused if "
+                             "PATH exists already at start")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="when output_dir/run_name holds an earlier run of that name, delete its checkpoints, "
+                             "-state folders and config copy first (listed as they go) instead of refusing")
 
 
 def run(args) -> int:
@@ -60,7 +65,7 @@ def run(args) -> int:
             raise SystemExit(f"--max-steps {args.max_steps}: must be at least 1")
         cfg.train.max_steps = args.max_steps
     train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
-          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file)
+          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file, overwrite=args.overwrite)
     return 0
 
 
@@ -73,15 +78,17 @@ def _precision_note() -> str | None:
 
 
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
-          skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None) -> TrainResult:
+          skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
+          overwrite: bool = False) -> TrainResult:
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="no", cpu=cpu,
                               gradient_accumulation_steps=cfg.train.gradient_accumulation_steps)
     progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
     try:
-        return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save, skip_unreadable=skip_unreadable,
-                      stop_file=stop_file)
+        with contextlib.ExitStack() as cleanup:
+            return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save,
+                          skip_unreadable=skip_unreadable, stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
     except BaseException as exc:
         progress.event("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         raise
@@ -90,7 +97,8 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
 
 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
-           skip_unreadable: bool, stop_file: str | None = None) -> TrainResult:
+           skip_unreadable: bool, stop_file: str | None = None, overwrite: bool = False,
+           cleanup: contextlib.ExitStack) -> TrainResult:
     from torch.utils.data import DataLoader
 
     from anima_train.adapters import build_param_groups, inject_adapters
@@ -110,6 +118,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         say(note)
     # a resume that cannot work must fail before minutes of model loading, not after
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
+    # ... and so must a run that would replace another run's files, share its folder, or stop at once
+    cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
+                                         overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
     progress.event("status", message="loading model")
 
     # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
@@ -230,6 +241,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         return loss, loss_parts
 
     # -- the loop --------------------------------------------------------------------------------------------
+    watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
     done = global_step >= total
     loss_sum, mse_sum, hf_sum, ot_sum, micro = 0.0, 0.0, 0.0, 0.0, 0
     epoch = start_epoch
@@ -282,8 +294,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             if global_step >= total:
                 done = True
                 break
-            if stop_file and _stop_requested(stop_file, accelerator):
-                say(f"stop requested ({stop_file}): saving step {global_step} and exiting")
+            if (stop_file or watched) and _stop_requested(stop_file, accelerator):
+                reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
+                say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
                 if not no_save:
                     _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
@@ -367,9 +380,10 @@ def _compile(transformer, cfg: Config) -> None:
         module.compile(mode=cfg.train.compile, dynamic=cfg.train.compile_dynamic)
 
 
-def _stop_requested(stop_file: str, accelerator) -> bool:
+def _stop_requested(stop_file: str | None, accelerator) -> bool:
     """Every rank must agree to stop at the same step (a lone rank leaving would hang the others' all-reduce)."""
-    flag = torch.tensor([1.0 if os.path.exists(stop_file) else 0.0], device=accelerator.device)
+    stop = (stop_file and os.path.exists(stop_file)) or parent_watch.parent_gone()
+    flag = torch.tensor([1.0 if stop else 0.0], device=accelerator.device)
     return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 

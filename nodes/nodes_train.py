@@ -370,10 +370,46 @@ def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
                                       processes=gpus)
 
 
-def _summary(cfg, final, published, steps, seconds, reused, warnings=()) -> str:
+def pick_run(cfg, toml: str, key: str):
+    """(cfg, toml, run_dir, manifest, note) of the folder this job uses: a finished run of these exact inputs
+    (re-used: manifest), the folder of the run being resumed, or else the first of run_name, run_name-2,
+    run_name-3, ... that holds no other run and no running job — a new run never replaces another run's files.
+    When that is not run_name itself, the TOML and config get the new name and `note` says so."""
+    from anima_train import runs
+    from anima_train.config import load_config
+
+    output_dir = Path(cfg.train.output_dir)
+    resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
+    n = 1
+    while True:
+        stem = cfg.run_stem if n == 1 else f"{cfg.run_stem}-{n}"
+        run_dir = output_dir / stem
+        manifest = worker.reusable_result(run_dir, key)
+        if manifest is not None or (resumed is not None and resumed == run_dir.resolve()):
+            break
+        if not runs.run_files(run_dir, stem) and runs.lock_holder(run_dir) is None:
+            break
+        n += 1
+    if stem == cfg.run_stem:
+        return cfg, toml, run_dir, manifest, None
+    import tomlkit
+
+    doc = tomlkit.parse(toml)
+    if "train" not in doc:
+        doc["train"] = tomlkit.table()
+    doc["train"]["run_name"] = stem
+    toml = tomlkit.dumps(doc)
+    note = (f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run, so this one is "
+            f"{stem!r} ({run_dir})")
+    return load_config(toml), toml, run_dir, manifest, note
+
+
+def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None) -> str:
     lines = [f"{'re-used the finished run' if reused else 'trained'} {cfg.run_stem}: {steps} step(s)"
              + ("" if reused else f" in {seconds:.0f} s"),
              f"file     {final}"]
+    if note:
+        lines.insert(0, note)
     if published:
         lines.append(f"copy     {published} (listed by the stock loaders)")
     lines += [f"warning: {w}" for w in warnings]
@@ -413,12 +449,12 @@ class AnimaTrainTrain(io.ComfyNode):
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
         toml = config["toml"] if isinstance(config, dict) else str(config)
         cfg = load_config(toml)
-        run_dir = Path(cfg.train.output_dir) / cfg.run_stem
-        run_dir.mkdir(parents=True, exist_ok=True)
         key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
+        cfg, toml, run_dir, manifest, note = pick_run(cfg, toml, key)
+        run_dir.mkdir(parents=True, exist_ok=True)
         relay = Relay(node_id, comfy.client_id())
-
-        manifest = worker.reusable_result(run_dir, key)
+        if note:
+            relay.send({"event": "message", "text": note})
         if manifest is not None:
             final = Path(manifest["final"]["path"])
             losses = [float(x) for x in manifest.get("losses", [])]
@@ -426,7 +462,8 @@ class AnimaTrainTrain(io.ComfyNode):
             relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
                         "final": str(final), "reused": True})
             image = loss_image(losses, run_dir / LOSS_PLOT_NAME)
-            text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []))
+            text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
+                            note)
             return io.NodeOutput(str(final), image, ui={"text": [text]})
 
         comfy.free_vram()
@@ -436,10 +473,11 @@ class AnimaTrainTrain(io.ComfyNode):
         # The trainer reads the stop file after each optimizer step: before the first one (model loading) there is
         # nothing to save, so a Cancel then ends the worker at once instead of waiting out the grace period.
         grace_now = lambda: grace if relay.steps_seen else 0.0  # noqa: E731
-        result = worker.run_job(train_command(job_config, run_dir / worker.STOP_NAME, gpus),
+        stop_file = worker.job_stop_file(run_dir)
+        result = worker.run_job(train_command(job_config, stop_file, gpus),
                                 log_path=run_dir / worker.LOG_NAME, on_event=relay,
                                 check_interrupt=comfy.throw_if_interrupted, env=worker.worker_env(),
-                                cwd=str(run_dir), stop_file=run_dir / worker.STOP_NAME, grace_s=grace_now,
+                                cwd=str(run_dir), stop_file=stop_file, grace_s=grace_now,
                                 on_stop_event=relay.after_stop)
         worker.raise_for_failure(result, f"training {cfg.run_stem}")
         done = result.last("done") or {}
@@ -451,7 +489,7 @@ class AnimaTrainTrain(io.ComfyNode):
         worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
                               published=str(published) if published else None, warnings=relay.warnings)
         image = loss_image(relay.losses, run_dir / LOSS_PLOT_NAME)
-        text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings)
+        text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
 

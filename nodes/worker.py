@@ -33,13 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
-STOP_NAME = "comfyui-stop"  # created to ask the trainer to save and exit (anima-train train --stop-file)
+STOP_NAME = "comfyui-stop"  # .comfyui-stop-<job id>: created to ask one job's trainer to save and exit
 MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for which inputs
 POLL_S = 0.25  # interrupt-check cadence; COMFYUI.md §3 asks for at least every 0.5 s
 TERM_WAIT_S = 5.0  # SIGTERM -> SIGKILL
@@ -64,14 +65,24 @@ def pack_dir() -> Path:
 
 
 def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
-    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output."""
+    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, and
+    this process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends."""
+    from anima_train.parent_watch import PARENT_PID_ENV
+
     env = dict(os.environ if base is None else base)
+    env[PARENT_PID_ENV] = str(os.getpid())
     here = str(extra_path or pack_dir())
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in parts if p != here])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHONIOENCODING", "utf-8")
     return env
+
+
+def job_stop_file(run_dir: str | os.PathLike) -> Path:
+    """A stop file that belongs to one job: cancelling one run can never stop another (anima-train train
+    --stop-file honours only the path it was given)."""
+    return Path(run_dir) / f".{STOP_NAME}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def free_port() -> int:

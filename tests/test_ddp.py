@@ -50,12 +50,25 @@ lr = 1e-2
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           str(ROOT / "tests" / "ddp_worker.py"), str(cfg), str(tmp_path)]
+           str(ROOT / "tests" / "ddp_worker.py"), str(cfg), str(tmp_path), "save"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dir = tmp_path / "out" / "anima"
+    assert (run_dir / "anima.safetensors").is_file()  # the main process held the folder lock...
+    assert not (run_dir / ".anima-train.lock").exists()  # ...and released it at the end
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     # 20 samples / batch 4 = 5 batches -> 3 per rank (Accelerate pads the odd one) -> ceil(3/2) = 2 steps per epoch
     assert r0["steps"] == r1["steps"] == 2 * steps_per_epoch(5, 2, 2) == 4
     assert r0["batches"] != r1["batches"]  # each rank trained on different samples...
     assert r0["digest"] == r1["digest"]  # ...and the gradient all-reduce kept the adapters bit-identical
     assert r0["losses"] == r1["losses"]  # the logged loss is the mean over ranks
+
+    # the same command again is a fresh run into a folder holding that run: every rank refuses, nothing hangs
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.json").unlink()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert again.returncode != 0
+    refused = [json.loads((tmp_path / f"rank{r}.json").read_text())["refused"] for r in (0, 1)]
+    assert refused[0] == refused[1] and f"{run_dir} already holds a run named 'anima'" in refused[0]
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before

@@ -249,14 +249,43 @@ def test_an_unchanged_rerun_reuses_the_result_without_a_worker(comfy_env, tiny_a
     assert len(env.spawned) == 1 and ("free_vram",) not in env.log
     assert again.values[0] == first.values[0] and again.ui["text"][0].startswith("re-used the finished run")
     assert [e[1] for e in env.log if e[0] == "ws"][-1]["reused"] is True
-    # a new caption changes the dataset digest: trains again
+    # a new caption changes the dataset digest: trains again (under a free name, see below)
     (dataset / "img_0.txt").write_text("blue square, black background")
-    _train(env, config)
+    second = _train(env, config)
     assert len(env.spawned) == 2
     # so does editing the result file
-    Path(first.values[0]).write_bytes(b"edited by hand")
+    Path(second.values[0]).write_bytes(b"edited by hand")
     _train(env, config)
     assert len(env.spawned) == 3
+
+
+def test_a_changed_run_gets_a_free_name_and_never_replaces_the_earlier_one(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    config = _config(env, tiny_anima, dataset, run_name="cat")
+    first = _train(env, config)
+    kept = Path(first.values[0]).read_bytes()
+    (dataset / "img_0.txt").write_text("blue square, black background")  # new inputs: a new run
+    env.log.clear()
+    second = _train(env, config)
+    out_dir = Path(config["run_dir"]).parent
+    assert second.values[0] == str(out_dir / "cat-2" / "cat-2.safetensors")
+    assert Path(first.values[0]).read_bytes() == kept  # the earlier run's file is untouched
+    note = f"run name 'cat': {out_dir / 'cat'} holds an earlier run, so this one is 'cat-2' ({out_dir / 'cat-2'})"
+    assert second.ui["text"][0].splitlines()[0] == note  # shown on the node...
+    assert [d["text"] for _, d, _ in (e for e in env.log if e[0] == "ws") if d["event"] == "message"] == [note]
+    assert (env.folders["loras"] / "anima_train" / "cat-2.safetensors").is_file()  # ...and in the loras copy
+    # unchanged inputs again: the finished run is found under its new name and re-used
+    assert _train(env, config).values[0] == second.values[0] and len(env.spawned) == 2
+
+
+def test_each_job_has_its_own_stop_file(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    _train(env, _config(env, tiny_anima, dataset, run_name="a"))
+    _train(env, _config(env, tiny_anima, dataset, run_name="a", epochs=3))
+    (_, stop_a, _), (_, stop_b, _) = env.spawned
+    assert stop_a != stop_b and stop_a.parent.name == "a" and stop_b.parent.name == "a-2"
+    assert stop_a.name != stop_b.name  # cancelling one job can never stop another one
+    assert not stop_a.exists() and not stop_b.exists()
 
 
 def test_a_user_file_in_loras_is_never_replaced(comfy_env, tiny_anima, dataset):
@@ -297,7 +326,7 @@ def test_cancel_asks_the_worker_to_stop_and_relays_what_it_saved(comfy_env, tiny
         _train(env, config)
     after = [e[1] for e in env.log if e[0] == "ws"]
     assert after[-1]["event"] == "checkpoint" and after[-1]["path"].endswith("stopped.safetensors")
-    assert not (Path(config["run_dir"]) / "comfyui-stop").exists()
+    assert not any(p.name.startswith((".comfyui-stop", "comfyui-stop")) for p in Path(config["run_dir"]).iterdir())
 
 
 def test_cancel_while_the_model_loads_ends_the_worker_at_once(comfy_env, tiny_anima, dataset, monkeypatch):

@@ -108,14 +108,22 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
     assert lrs[0] > lrs[-1]  # cosine decays
 
 
-def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path):
+def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    from anima_train.progress import Progress
+
     stop = tmp_path / "STOP"
-    stop.write_text("")
+    step = Progress.step
+
+    def step_then_stop(self, stats, **kw):  # the user asks to stop while step 2 is reported
+        step(self, stats, **kw)
+        if stats.step == 2:
+            stop.write_text("")
+    monkeypatch.setattr(Progress, "step", step_then_stop)
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=50, save_optimizer_state="true")
     result = train(cfg, cpu=True, stop_file=str(stop))
-    assert result.stopped and result.global_step == 1
-    assert (tmp_path / "tiny" / "tiny-step000001.safetensors").is_file()
-    assert (tmp_path / "tiny" / "tiny-step000001-state" / "state.json").is_file()
+    assert result.stopped and result.global_step == 2
+    assert (tmp_path / "tiny" / "tiny-step000002.safetensors").is_file()
+    assert (tmp_path / "tiny" / "tiny-step000002-state" / "state.json").is_file()
     assert not (tmp_path / "tiny" / "tiny.safetensors").exists()
 
 

@@ -178,6 +178,7 @@ def test_commands_and_environment(tmp_path):
     env = worker.worker_env(base={"PYTHONPATH": f"/a{os.pathsep}{worker.pack_dir()}"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(worker.pack_dir()), "/a"]
     assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["ANIMA_TRAIN_PARENT_PID"] == str(os.getpid())  # the worker ends (saving first) if ComfyUI ends
 
 
 def test_parse_event():

@@ -1,0 +1,165 @@
+"""End a worker when the program that started it (ComfyUI) ends, saving first when the training loop can.
+
+A worker spawned by the ComfyUI node gets `ANIMA_TRAIN_PARENT_PID` (nodes/worker.py); `python -m anima_train`
+starts the watch before anything heavy is imported. A shell-started `anima-train` has no such variable and is never
+watched (`nohup anima-train train …` must survive its terminal).
+
+When the parent is gone — noticed at once on Linux (PR_SET_PDEATHSIG delivers a signal that wakes the watch thread),
+within POLL_S elsewhere (the thread polls the parent pid and our own parent pid) — the watch thread:
+
+* points stdout at the null device: it was a pipe to the dead parent, and the next progress write would otherwise
+  end the process with BrokenPipeError before anything is saved;
+* inside the training loop (`save_before_exit()` was called): sets the flag the loop checks after every optimizer
+  step (`parent_gone()`), so the loop saves its checkpoint (and state, when the config keeps it) like a stop-file
+  stop and returns; the process is ended anyway after SAVE_GRACE_S;
+* otherwise (importing, loading the model, scanning data — nothing to save yet): ends the process at once.
+
+Every line it prints goes to stderr, which the node points at the run's worker log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PARENT_PID_ENV = "ANIMA_TRAIN_PARENT_PID"
+POLL_S = 0.5
+SAVE_GRACE_S = 60.0  # time for the loop to finish its step and save (the node's Cancel grace with state is 60 s)
+EXIT_PARENT_GONE = 3
+_PR_SET_PDEATHSIG = 1
+_DEATH_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+_gone = threading.Event()  # the parent is gone: the loop stops at its next step
+_wake = threading.Event()  # a death signal arrived: check now instead of at the next poll
+_saving = threading.Event()  # the training loop will see _gone and save before exiting
+_watch: "Watch | None" = None
+
+
+def parent_gone() -> bool:
+    """True once the watched parent process has ended (the training loop's stop condition)."""
+    return _gone.is_set()
+
+
+def save_before_exit() -> bool:
+    """Called by the training loop before it starts: from now on a dead parent means "save, then exit" instead of
+    "exit now". Returns whether a parent is watched at all (the loop then checks `parent_gone()` every step)."""
+    if _watch is None:
+        return False
+    _saving.set()
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":
+        import ctypes
+
+        kernel32 = ctypes.windll.kernel32
+        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return False
+        try:
+            code = ctypes.c_ulong()
+            ok = kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
+            return bool(ok) and code.value == 259  # STILL_ACTIVE
+        finally:
+            kernel32.CloseHandle(handle)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed parent nobody has reaped yet is a zombie: gone for our purposes
+        stat = open(f"/proc/{pid}/stat").read()
+        return stat[stat.rindex(")") + 2] != "Z"
+    except (OSError, ValueError):
+        return True
+
+
+def _set_death_signal() -> bool:
+    """Linux: have the kernel signal us when our parent process ends (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux") or _DEATH_SIGNAL is None:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(_DEATH_SIGNAL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class Watch:
+    def __init__(self, parent_pid: int, *, death_signal: bool = True):
+        self.parent_pid = parent_pid
+        self.ppid = os.getppid()  # our direct parent: the parent itself, or accelerate's launcher under DDP
+        self.death_signal = False
+        # signal handlers can only be installed from the main thread (where `python -m anima_train` starts this)
+        if death_signal and _DEATH_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(_DEATH_SIGNAL, lambda *_: _wake.set())
+            self.death_signal = _set_death_signal()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="anima-train-parent-watch")
+
+    def parent_alive(self) -> bool:
+        # The death signal also fires when only the spawning *thread* of the parent ends: always re-check here.
+        return os.getppid() == self.ppid and _pid_alive(self.parent_pid)
+
+    def _run(self) -> None:
+        while self.parent_alive():
+            _wake.wait(POLL_S)
+            _wake.clear()
+        self._parent_ended()
+
+    def _parent_ended(self) -> None:
+        _silence_stdout()
+        _gone.set()
+        if _saving.is_set():
+            _say(f"the parent process (pid {self.parent_pid}) ended: saving at the end of this step, then exiting")
+            deadline = time.monotonic() + SAVE_GRACE_S
+            while time.monotonic() < deadline:
+                time.sleep(0.5)
+            _say(f"the save did not finish within {SAVE_GRACE_S:.0f} s of the parent's end: exiting")
+        else:
+            _say(f"the parent process (pid {self.parent_pid}) ended before training started: exiting (nothing to "
+                 f"save yet)")
+        os._exit(EXIT_PARENT_GONE)
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno() if sys.__stdout__ is not None else 1)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _say(text: str) -> None:
+    try:
+        print(f"anima-train: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def start(parent_pid: int, *, death_signal: bool = True) -> Watch:
+    """Watch `parent_pid` for the rest of this process (at most one watch per process)."""
+    global _watch
+    if _watch is None:
+        _watch = Watch(parent_pid, death_signal=death_signal)
+        _watch.thread.start()
+    return _watch
+
+
+def start_from_env() -> Watch | None:
+    value = os.environ.get(PARENT_PID_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        pid = int(value)
+    except ValueError:
+        _say(f"ignoring {PARENT_PID_ENV}={value!r}: not a process id")
+        return None
+    return start(pid)

@@ -1,0 +1,304 @@
+"""The run folder `<output_dir>/<run_name>/` belongs to one run, trained by one process at a time.
+
+    with claim_run(run_dir, run_stem, accelerator, resume_state=..., overwrite=..., stop_file=..., say=...):
+        ... load, train, save ...
+
+Checked before any model loads, on the main process (the other ranks wait for its verdict and raise the same error):
+
+* a stop file that already exists is refused: it would end the run after its first step;
+* a second process training into the folder is refused, naming the holder (pid, host, start time). The lock is an
+  OS lock (flock / msvcrt) on `.anima-train.lock`: the kernel drops it when its process dies, however it dies, so a
+  lock left by a crashed or killed run is taken over (and said so) without guessing from pids;
+* a fresh run into a folder that holds files of an earlier run of that name is refused, naming the folder and the
+  ways out: resume it (resume_from inside the folder is allowed), another run_name, or `--overwrite`, which deletes
+  the earlier run's checkpoints, states and config copy first and lists them. Nothing else in the folder (the
+  ComfyUI node's job files, a user's notes) counts as a run file or is ever deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from anima_train.checkpoints import STATE_FILE, STATE_SUFFIX
+
+LOCK_NAME = ".anima-train.lock"
+IS_WINDOWS = os.name == "nt"
+_WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
+
+
+class RunRefused(ValueError):
+    """This run must not start: its stop file exists, another process trains into its folder, or the folder holds
+    another run's files. The message names the file or folder and what to do."""
+
+
+# -- files of a run ------------------------------------------------------------------------------------------------
+
+
+def run_files(run_dir: str | os.PathLike, run_stem: str) -> list[Path]:
+    """What a run named `run_stem` writes into run_dir: its config copy `<stem>.toml`, its checkpoints (final and
+    periodic, `_te` siblings, diffusers folders) and their `-state` folders. Sorted; empty for a new folder."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    tagged = rf"{re.escape(run_stem)}(?:-(?:step|epoch)\d+)?"
+    as_file = re.compile(rf"^(?:{re.escape(run_stem)}\.toml|{tagged}(?:_te)?\.safetensors)$")
+    as_dir = re.compile(rf"^{tagged}(?:{re.escape(STATE_SUFFIX)})?$")
+    return sorted(p for p in run_dir.iterdir()
+                  if (as_dir if p.is_dir() else as_file).match(p.name))
+
+
+def latest_state(run_dir: str | os.PathLike, run_stem: str) -> Path | None:
+    """The `-state` folder of this run with the highest recorded step (what `resume_from` should name)."""
+    best, best_step = None, -1
+    for p in run_files(run_dir, run_stem):
+        if p.name.endswith(STATE_SUFFIX) and (p / STATE_FILE).is_file():
+            try:
+                step = int(json.loads((p / STATE_FILE).read_text())["global_step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if step > best_step:
+                best, best_step = p, step
+    return best
+
+
+def free_run_name(output_dir: str | os.PathLike, run_stem: str) -> str:
+    """`<stem>-2`, `<stem>-3`, … : the first name whose folder holds no run and is not locked."""
+    n = 2
+    while True:
+        name = f"{run_stem}-{n}"
+        folder = Path(output_dir) / name
+        if not run_files(folder, name) and lock_holder(folder) is None:
+            return name
+        n += 1
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(Path(folder).resolve())
+    except OSError:
+        return False
+
+
+def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, overwrite: bool,
+                say: Callable[[str], None]) -> None:
+    """Refuse to start a fresh run over another run's files, or (overwrite) delete them first, saying which."""
+    found = run_files(run_dir, run_stem)
+    if not found or (resume_state is not None and _inside(resume_state, run_dir)):
+        return  # a new folder, or continuing the run that lives in it
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
+    if overwrite:
+        say(f"--overwrite: deleting the earlier run's {len(found)} file(s) in {run_dir}: {names}")
+        for p in found:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        return
+    state = latest_state(run_dir, run_stem)
+    resume = (f'resume it: [train] resume_from = "{state.as_posix()}"' if state is not None else
+              "resume it: set [train] resume_from to one of its -state folders (it has none: it was saved without "
+              "save_optimizer_state, so it cannot be resumed)")
+    raise RunRefused(
+        f"{run_dir} already holds a run named {run_stem!r} ({names}); a new run would replace its files. Either\n"
+        f"  - {resume},\n"
+        f"  - or give this run another name: [train] run_name = "
+        f"\"{free_run_name(run_dir.parent, run_stem)}\",\n"
+        f"  - or pass --overwrite to delete that run's checkpoints, states and config copy first.")
+
+
+def check_stop_file(stop_file: str | os.PathLike | None) -> None:
+    if stop_file and os.path.exists(stop_file):
+        raise RunRefused(
+            f"--stop-file {os.fspath(stop_file)}: the file already exists, so this run would stop after its first "
+            f"step. It is left over from an earlier run, or another running job's stop request; delete it (or name "
+            f"another path) and start again.")
+
+
+# -- the lock ------------------------------------------------------------------------------------------------------
+
+
+def _os_lock(fd: int) -> bool:
+    """Take the OS lock on fd without waiting; False if another process holds it."""
+    try:
+        if IS_WINDOWS:
+            import msvcrt
+
+            os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
+        return False
+    except OSError as exc:
+        if IS_WINDOWS and exc.errno in (13, 36):  # EACCES / EDEADLOCK: locked by another process
+            return False
+        raise
+    return True
+
+
+def _os_unlock(fd: int) -> None:
+    if IS_WINDOWS:
+        import msvcrt
+
+        os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _read_holder(path: Path) -> dict | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def describe_holder(info: dict | None) -> str:
+    if not info:
+        return "a process that is just starting"
+    return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
+
+
+def lock_holder(run_dir: str | os.PathLike) -> dict | None:
+    """Who trains into run_dir now (their lock info; `{}` when it is not written yet), or None when nobody does."""
+    path = Path(run_dir) / LOCK_NAME
+    if not path.exists():
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if _os_lock(fd):
+            _os_unlock(fd)
+            return None
+        return _read_holder(path) or {}
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """An exclusive lock on a run folder, with the holder's pid/host/start time in the lock file for others to read.
+
+    The OS drops the lock when its process ends, however it ends; the file itself is removed on release. The file
+    is checked to be the one still at the path after locking (a releasing holder may have just removed it)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, say: Callable[[str], None] = print) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                say(f"note: cannot create the lock file {self.path} ({exc}); nothing stops a second run from "
+                    f"writing into {self.run_dir}")
+                return
+            try:
+                locked = _os_lock(fd)
+            except OSError as exc:  # a filesystem without locks (some network / FUSE mounts)
+                os.close(fd)
+                say(f"note: the filesystem of {self.run_dir} does not support file locks ({exc}); nothing stops "
+                    f"a second run from writing into it")
+                return
+            if not locked:
+                os.close(fd)
+                raise RunRefused(
+                    f"{self.run_dir} is in use by another training run ({describe_holder(_read_holder(self.path))}); "
+                    f"two runs in one folder would mix their checkpoints. Wait for it to end or stop it, or give "
+                    f"this run another [train] run_name.")
+            if IS_WINDOWS or _same_file(fd, self.path):
+                break
+            os.close(fd)  # locked a file its holder removed on release: lock the new one
+        stale = _read_holder(self.path)
+        if stale and stale.get("pid") != os.getpid():
+            say(f"note: taking over the lock of {self.run_dir} left by {describe_holder(stale)}, which is no longer "
+                f"running")
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(sys.argv)}
+        data = (json.dumps(info) + "\n").encode()
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, data)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        if not IS_WINDOWS:  # Windows cannot remove an open file; the next holder overwrites the info
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        else:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+        with contextlib.suppress(OSError):
+            _os_unlock(fd)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+# -- all of it, before the model loads ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path | None, overwrite: bool,
+              stop_file: str | None, saving: bool, say: Callable[[str], None]) -> Iterator[None]:
+    """The start-up checks of a run, and its folder lock for the run's duration.
+
+    Only the main process checks and locks; every rank waits for its verdict and raises the same message (the main
+    process its own exception), so a refused DDP run ends on all ranks at once instead of hanging in the first
+    collective."""
+    lock = RunLock(run_dir) if saving else None
+    failed: Exception | None = None
+    if accelerator.is_main_process:
+        try:
+            check_stop_file(stop_file)
+            if lock is not None:
+                lock.acquire(say)
+                check_fresh(run_dir, run_stem, resume_state=resume_state, overwrite=overwrite, say=say)
+        except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks were told)
+            if lock is not None:
+                lock.release()
+            failed = exc
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        verdict = broadcast_object_list([None if failed is None else str(failed)])[0]
+        if verdict is not None and failed is None:
+            failed = RunRefused(verdict)
+    if failed is not None:
+        raise failed
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,162 @@
+"""A run never replaces another run's files: a fresh run into a used run folder, a second process in a folder that
+is being trained into, and a stop file that already exists are all refused before the model loads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from anima_train.tiny import make_synthetic_latents
+from anima_train.train import train
+from tests.test_train import make_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def latents_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("latents")
+    make_synthetic_latents(out, n=12, seed=0)
+    return out
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+
+
+def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_resuming_it_works(tiny_anima, latents_dir,
+                                                                                   tmp_path):
+    kw = dict(max_steps=2, save_every_steps=1, save_optimizer_state="true")
+    earlier = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, **kw), cpu=True)
+    run_dir = tmp_path / "tiny"
+    before = _digests(run_dir)
+    assert "tiny.safetensors" in before and "tiny.toml" in before
+
+    # the CLI, as a user runs it a second time with the same config
+    config = tmp_path / "again.toml"
+    config.write_text(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, **kw).source_text)
+    events = tmp_path / "events.jsonl"
+    out = _cli("train", config, "--cpu", "--events", events, cwd=tmp_path)
+    assert out.returncode != 0, out.stdout[-2000:]
+    err = out.stderr
+    assert str(run_dir) in err and "already holds a run named 'tiny'" in err
+    assert f'resume_from = "{(run_dir / "tiny-state").as_posix()}"' in err  # its latest state (step 2)
+    assert 'run_name = "tiny-2"' in err and "--overwrite" in err
+    assert _digests(run_dir) == before  # not one byte of the earlier run changed
+    statuses = [json.loads(line).get("message") for line in events.read_text().splitlines()] if events.exists() else []
+    assert "loading model" not in statuses  # refused before the model loads
+
+    # resuming the run that lives in the folder is not a fresh run: allowed
+    resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=3, save_optimizer_state="true",
+                             resume_from=f'"{run_dir / "tiny-step000001-state"}"'), cpu=True)
+    assert resumed.global_step == 3 and resumed.losses and earlier.global_step == 2
+
+
+def test_overwrite_deletes_only_the_earlier_runs_files_and_says_which(tiny_anima, latents_dir, tmp_path, capsys):
+    run_dir = tmp_path / "tiny"
+    (run_dir / "tiny-step000009-state").mkdir(parents=True)
+    (run_dir / "tiny-step000009-state" / "state.json").write_text('{"global_step": 9}')
+    (run_dir / "tiny-step000009.safetensors").write_bytes(b"an old checkpoint")
+    (run_dir / "tiny.toml").write_text("# the old run's config\n")
+    (run_dir / "notes.txt").write_text("my notes")  # not a run file: never touched
+    (run_dir / "comfyui-worker.log").write_text("the node's log")
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(cfg, cpu=True)
+    result = train(cfg, cpu=True, overwrite=True)
+    said = capsys.readouterr().out
+    assert f"--overwrite: deleting the earlier run's 3 file(s) in {run_dir}" in said
+    assert "tiny-step000009-state/" in said and "tiny-step000009.safetensors" in said and "tiny.toml" in said
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert names == ["comfyui-worker.log", "notes.txt", "tiny.safetensors", "tiny.toml"]
+    assert (run_dir / "tiny.toml").read_text() == cfg.source_text and result.final == run_dir / "tiny.safetensors"
+
+
+def test_a_second_process_cannot_train_into_a_run_folder_in_use(tiny_anima, latents_dir, tmp_path, capsys):
+    long_run = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=100000)
+    config = tmp_path / "long.toml"
+    config.write_text(long_run.source_text)
+    events = tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    holder = subprocess.Popen([sys.executable, "-m", "anima_train", "train", str(config), "--cpu", "--events",
+                               str(events)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (events.exists() and '"event": "step"' in events.read_text()):
+            assert holder.poll() is None, holder.stderr.read()
+            assert time.monotonic() < deadline, "the first run never reached a step"
+            time.sleep(0.2)
+        second = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=1)
+        with pytest.raises(ValueError) as refused:
+            train(second, cpu=True)
+        msg = str(refused.value)
+        assert f"{tmp_path / 'tiny'} is in use by another training run" in msg
+        assert f"pid {holder.pid} on {socket.gethostname()}, started " in msg
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the holder was killed: its lock is stale, and is taken over (the folder holds its config copy: --overwrite)
+    capsys.readouterr()
+    result = train(second, cpu=True, overwrite=True)
+    said = capsys.readouterr().out
+    assert f"taking over the lock of {tmp_path / 'tiny'} left by pid {holder.pid}" in said
+    assert "which is no longer running" in said
+    assert result.final.is_file() and not (tmp_path / "tiny" / ".anima-train.lock").exists()
+
+
+def test_an_existing_stop_file_is_refused_before_the_run_starts(tiny_anima, latents_dir, tmp_path):
+    stop = tmp_path / "STOP"
+    stop.write_text("left over from yesterday")
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=5)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as refused:
+        train(cfg, cpu=True, stop_file=str(stop))
+    assert f"--stop-file {stop}: the file already exists" in str(refused.value)
+    assert "delete it" in str(refused.value)
+    assert stop.read_text() == "left over from yesterday"  # not ours to delete: it may be another job's request
+    assert not (tmp_path / "tiny").exists()  # nothing was written
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_only_the_runs_own_files_count_as_an_earlier_run(tmp_path):
+    from anima_train.runs import free_run_name, latest_state, run_files
+
+    run = tmp_path / "cat"
+    run.mkdir()
+    for name in ("cat-2.safetensors", "catnip.safetensors", "comfyui-job.toml", "comfyui-worker.log",
+                 "cat-step000003.toml", "notes.txt", ".cat.safetensors.tmp-12"):
+        (run / name).write_text("x")
+    assert run_files(run, "cat") == []  # other runs' names, node job files, temp files: not this run
+    for name in ("cat.toml", "cat.safetensors", "cat_te.safetensors", "cat-step000004.safetensors",
+                 "cat-epoch002_te.safetensors"):
+        (run / name).write_text("x")
+    for name, step in (("cat-step000004-state", 4), ("cat-state", 9), ("cat", None)):  # `cat/`: diffusers final
+        (run / name).mkdir()
+        if step is not None:
+            (run / name / "state.json").write_text(json.dumps({"global_step": step}))
+    assert [p.name for p in run_files(run, "cat")] == [
+        "cat", "cat-epoch002_te.safetensors", "cat-state", "cat-step000004-state", "cat-step000004.safetensors",
+        "cat.safetensors", "cat.toml", "cat_te.safetensors"]
+    assert latest_state(run, "cat") == run / "cat-state"
+    (tmp_path / "cat-2").mkdir()
+    (tmp_path / "cat-2" / "cat-2.toml").write_text("x")
+    assert free_run_name(tmp_path, "cat") == "cat-3"
