@@ -152,6 +152,9 @@ def resolve_resume(path: str | os.PathLike) -> Path:
     if p.name.endswith(".safetensors") or (p.is_dir() and not p.name.endswith(STATE_SUFFIX)
                                            and not (p / STATE_FILE).exists()):
         state = state_dir_for(p)
+        if not state.exists() and p.is_dir() and latest_state(p) is not None:
+            raise ResumeError(f"resume_from = {str(p)!r} is a run folder, not a saved state: point it at one of its "
+                              f"states (the newest is {latest_state(p)}) or at the checkpoint file beside one")
         if not state.exists():
             raise ResumeError(
                 f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
@@ -247,7 +250,7 @@ def refuse_finished(state_dir: Path, max_steps: int | None, epochs: int) -> None
     info = read_state(state_dir)
     step, epoch = int(info["global_step"]), int(info.get("epoch", 0))
     if (max_steps and step >= max_steps) or epoch >= epochs:
-        total = min(max_steps, step) if max_steps and step >= max_steps else step
+        total = max_steps if max_steps and step >= max_steps else step
         raise finished_error(state_dir, step, total, max_steps, epochs)
 
 

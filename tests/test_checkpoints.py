@@ -89,6 +89,8 @@ def test_resume_from_a_path_that_is_not_there_says_not_found(tmp_path):
     msg = str(exc.value)
     assert "run-step000099.safetensors" in msg and "not found" in msg and "inference-only" not in msg
     assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg
+    with pytest.raises(C.ResumeError, match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
+        C.resolve_resume(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "scheduler.pt"])
