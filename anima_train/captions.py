@@ -1,7 +1,9 @@
 """Caption building (CONFIG.md §4, §B.6): a fresh caption on every __getitem__.
 
 Files: `<stem>.txt` holds the tags (delimited by `tag_delimiter`, default ", "); an optional `<stem>_nl.txt`
-next to it holds a natural-language caption. `read_caption_files(stem)` reads both.
+next to it holds a natural-language caption. `read_caption_files(stem)` reads both. Captions are UTF-8 (a byte-order
+mark is allowed and dropped); any other encoding is refused with the file's name, never guessed: a Latin-1/cp1252
+byte sequence can also be valid in another code page, and a wrongly decoded tag would train silently.
 
 Per call, in this order:
   1. caption dropout: with probability `caption_dropout_percent` the caption is "" (unconditional, for CFG);
@@ -58,6 +60,27 @@ def caption_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random(f"anima-caption/{int(seed)}/{int(epoch)}/{int(index)}")
 
 
+class CaptionError(ValueError):
+    """A caption file that cannot be used as it is; the message names the file and the fix."""
+
+    def __init__(self, path: Path, problem: str, fix: str):
+        super().__init__(f"caption {path} {problem}: {fix}")
+        self.path, self.problem = path, problem
+
+
+def read_caption_file(path: str | Path) -> str:
+    """One caption file as text: UTF-8, with or without a byte-order mark."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        start = max(0, e.start - 20)
+        near = data[start:e.end + 20].decode("utf-8", errors="replace")
+        raise CaptionError(path, f"is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}, near {near!r})",
+                           "re-save it as UTF-8") from None
+
+
 def read_caption_files(stem: str | Path) -> tuple[str, str | None]:
     """(tags text, NL text or None) for `<stem>.txt` and the optional `<stem>_nl.txt`."""
     stem = Path(stem)
@@ -65,8 +88,8 @@ def read_caption_files(stem: str | Path) -> tuple[str, str | None]:
     nl_path = stem.with_name(stem.name + NL_SUFFIX + ".txt")
     if not tags_path.is_file():
         raise FileNotFoundError(f"caption file {tags_path} is missing: every image/cache needs a <stem>.txt")
-    tags = tags_path.read_text(encoding="utf-8")
-    nl = nl_path.read_text(encoding="utf-8") if nl_path.is_file() else None
+    tags = read_caption_file(tags_path)
+    nl = read_caption_file(nl_path) if nl_path.is_file() else None
     return tags, nl
 
 

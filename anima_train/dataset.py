@@ -54,7 +54,7 @@ from anima_train.buckets import (
     tier_counts,
     tier_report,
 )
-from anima_train.captions import build_caption, read_caption_files
+from anima_train.captions import CaptionError, build_caption, read_caption_files
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -370,6 +370,26 @@ def refuse_missing_captions(missing: Sequence[Path], what: str = "image") -> Non
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
         raise DatasetError(f"{len(missing)} {what}(s) have no caption file:\n{shown}{more}\nwrite a <stem>.txt "
                            f"for each (tags), or delete the {what}s")
+
+
+def refuse_unreadable_captions(sources: Sequence[Source]) -> None:
+    """Read every caption now (tags and NL), so that a bad file stops the run before training, not at the step
+    that first draws it; all bad files are listed at once."""
+    bad = []
+    for s in sources:
+        try:
+            read_caption_files(s.stem)
+        except FileNotFoundError:
+            continue  # missing captions are refuse_missing_captions' business
+        except CaptionError as e:
+            bad.append(f"{e.path} {e.problem}")
+        except OSError as e:
+            bad.append(str(e))
+    if bad:
+        shown = "\n".join(f"  {line}" for line in bad[:50])
+        more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
+        raise DatasetError(f"{len(bad)} caption file(s) cannot be read:\n{shown}{more}\nre-save each as UTF-8 "
+                           f"(in most editors: Save As, encoding UTF-8), then start the run again")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -890,6 +910,7 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) 
             warn.append(f"{orphans} cached stem(s) have no image and are not used under source = images: set "
                         f'source = "latents" to train on every cache')
     refuse_missing_captions(missing_captions(scan, plan.sources), "cache" if mode == "latents" else "image")
+    refuse_unreadable_captions(plan.sources)
     if check is not None:
         if check.missing:
             raise stale_cache_error(scan, plan, check, settings, vae_id)

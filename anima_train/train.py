@@ -118,6 +118,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         say(note)
     # a resume that cannot work must fail before minutes of model loading, not after
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
+    if state_dir is not None and not dry_run:
+        ckpt.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
     cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
                                          overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
@@ -202,7 +204,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if state_dir is not None:
         global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
                                                               accelerator)
+        if global_step >= total and not dry_run:  # the exact total is known only now (data, processes)
+            raise ckpt.finished_error(state_dir, global_step, total, cfg.train.max_steps, cfg.train.epochs)
         say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
+    start_step = global_step
 
     progress.set_total(total, start_step=global_step)
     progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
@@ -326,10 +331,14 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         parked.restore()  # in-process callers (eval, demo) get a normal model back
     result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
     result.components = parts
-    say(f"done: {global_step} step(s) in {time.perf_counter() - t_start:.1f} s"
+    ran = global_step - start_step
+    say(f"done: {ran} step(s)" + (f" this run (steps {start_step + 1}–{global_step})" if start_step and ran else "")
+        + (f" this run (resumed at step {start_step})" if start_step and not ran else "")
+        + f" in {time.perf_counter() - t_start:.1f} s"
         + (f"; final checkpoint {result.final}" if result.final else ""))
-    progress.event("done", step=global_step, total=total, final=str(result.final) if result.final else None,
-                   stopped=result.stopped, saved=[str(p) for p in result.saved],
+    progress.event("done", step=global_step, total=total, steps_this_run=ran,
+                   final=str(result.final) if result.final else None, stopped=result.stopped,
+                   saved=[str(p) for p in result.saved],
                    seconds=time.perf_counter() - t_start)
     accelerator.end_training()
     return result
@@ -450,19 +459,21 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
         extra={"step": step, "run": cfg.run_stem})
     transformer, conditioner = models["transformer"], models["text_conditioner"]
     adapted_conditioner = conditioner if cfg.adapter.train_llm_adapter else None
-    path = run_dir / f"{stem}.safetensors"
-    if kind == "lora":
-        ex.save_lora(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
-    elif kind == "lokr":
-        ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
-    elif cfg.train.save_native:
-        ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
-    else:
-        path = ex.save_full_diffusers(run_dir / stem, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+    path = run_dir / f"{stem}.safetensors" if kind != "none" or cfg.train.save_native else run_dir / stem
+    with ckpt.writing(path, run_dir):
+        if kind == "lora":
+            ex.save_lora(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+        elif kind == "lokr":
+            ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+        elif cfg.train.save_native:
+            ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+        else:
+            path = ex.save_full_diffusers(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
     if cfg.adapter.train_text_encoder:
         te_meta = dict(meta, **{"modelspec.architecture": meta["modelspec.architecture"]})
-        ex.save_text_encoder_lora(ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors"),
-                                  models["text_encoder"], te_meta, dtype=dtype, overwrite=True)
+        te_path = ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors")
+        with ckpt.writing(te_path, run_dir):
+            ex.save_text_encoder_lora(te_path, models["text_encoder"], te_meta, dtype=dtype, overwrite=True)
     return path
 
 
@@ -478,7 +489,7 @@ def config_json(cfg: Config) -> dict:
 
 def tag_frequency(sources) -> dict[str, dict[str, int]]:
     """sd-scripts' `ss_tag_frequency`: {dataset folder: {tag: count}} over the raw `.txt` captions."""
-    from anima_train.captions import split_tags
+    from anima_train.captions import read_caption_file, split_tags
 
     freq: dict[str, dict[str, int]] = {}
     for src in sources:
@@ -486,7 +497,7 @@ def tag_frequency(sources) -> dict[str, dict[str, int]]:
         if not txt.is_file():
             continue
         counts = freq.setdefault(txt.parent.name, {})
-        for tag in split_tags(txt.read_text(encoding="utf-8", errors="replace"), ","):
+        for tag in split_tags(read_caption_file(txt), ","):
             counts[tag] = counts.get(tag, 0) + 1
     return freq
 
@@ -508,27 +519,38 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
 
     Only the trainable tensors are stored (a LoRA run's state is megabytes, not the 4 GB base). Every file is
     safetensors or a `torch.save` of plain tensors/numbers that `torch.load(weights_only=True)` reads back."""
+    import shutil
+
     from safetensors.torch import save_file
 
     tmp = state_dir.with_name(f".{state_dir.name}.tmp")
-    inner = tmp / ckpt.ACCELERATOR_DIR
-    if accelerator.is_main_process:
-        import shutil
+    acc = ckpt.ACCELERATOR_DIR
 
-        shutil.rmtree(tmp, ignore_errors=True)
-        inner.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    save_file({name: g.get_state() for name, g in gens.items()},
-              str(inner / f"rng_rank{accelerator.process_index}.safetensors"))
-    if accelerator.is_main_process:
-        unwrapped = [accelerator.unwrap_model(m) for m in trainable]
-        save_file(_trainable_state(unwrapped), str(inner / "trainable.safetensors"))
-        torch.save(optimizer.state_dict(), inner / "optimizer.pt")
-        torch.save(scheduler.state_dict(), inner / "scheduler.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        ckpt.write_json_atomic(tmp / ckpt.STATE_FILE, {**info, "processes": accelerator.num_processes})
-        ckpt.replace_dir_atomic(tmp, state_dir)
+    def write(name: str, save) -> None:  # a failure names the file a user knows, not the temp one
+        with ckpt.writing(state_dir / name, state_dir.parent, f"The state {state_dir.name}"):
+            save(tmp / name)
+
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / acc).mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        write(f"{acc}/rng_rank{accelerator.process_index}.safetensors",
+              lambda p: save_file({name: g.get_state() for name, g in gens.items()}, str(p)))
+        if accelerator.is_main_process:
+            unwrapped = [accelerator.unwrap_model(m) for m in trainable]
+            write(f"{acc}/{ckpt.TRAINABLE_FILE}", lambda p: save_file(_trainable_state(unwrapped), str(p)))
+            write(f"{acc}/optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p))
+            write(f"{acc}/scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write(ckpt.STATE_FILE,
+                  lambda p: ckpt.write_json_atomic(p, {**info, "processes": accelerator.num_processes}))
+            ckpt.replace_dir_atomic(tmp, state_dir)
+    except BaseException:
+        if accelerator.is_main_process:  # a half-written state is of no use: leave no hidden temp dir behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
 
 
@@ -541,7 +563,8 @@ def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelera
             f"{state_dir} was saved by {info.get('processes')} process(es), this run has {accelerator.num_processes}: "
             f"resume with the same number of processes")
     inner = state_dir / ckpt.ACCELERATOR_DIR
-    weights = load_file(str(inner / "trainable.safetensors"))
+    with ckpt.load_state_file(inner / ckpt.TRAINABLE_FILE):
+        weights = load_file(str(inner / ckpt.TRAINABLE_FILE))
     for i, model in enumerate(accelerator.unwrap_model(m) for m in trainable):
         own = {n: p for n, p in model.named_parameters() if p.requires_grad}
         expected = {f"{i}/{n}" for n in own}
@@ -552,9 +575,15 @@ def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelera
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(weights[f"{i}/{n}"])
-    optimizer.load_state_dict(torch.load(inner / "optimizer.pt", weights_only=True, map_location="cpu"))
-    scheduler.load_state_dict(torch.load(inner / "scheduler.pt", weights_only=True))
+    with ckpt.load_state_file(inner / "optimizer.pt"):
+        optimizer_state = torch.load(inner / "optimizer.pt", weights_only=True, map_location="cpu")
+    with ckpt.load_state_file(inner / "scheduler.pt"):
+        scheduler_state = torch.load(inner / "scheduler.pt", weights_only=True)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
     rng = inner / f"rng_rank{accelerator.process_index}.safetensors"
-    for name, state in load_file(str(rng)).items():
+    with ckpt.load_state_file(rng):
+        rng_states = load_file(str(rng))
+    for name, state in rng_states.items():
         gens[name].set_state(state)
     return int(info["global_step"]), int(info["epoch"]), int(info.get("batch_in_epoch", 0))

@@ -198,6 +198,20 @@ def test_read_caption_files(tmp_path):
         read_caption_files(tmp_path / "other")
 
 
+def test_caption_files_are_utf8_with_an_optional_bom(tmp_path):
+    # Windows Notepad's "UTF-8 with BOM": the mark is not part of the first tag
+    (tmp_path / "bom.txt").write_bytes("\ufeffcafé, 1girl".encode("utf-8"))
+    (tmp_path / "bom_nl.txt").write_bytes("\ufeffA café.".encode("utf-8"))
+    assert read_caption_files(tmp_path / "bom") == ("café, 1girl", "A café.")
+    assert build_caption(*read_caption_files(tmp_path / "bom"), opts(), 0, 0, 0) == "café, 1girl"
+    # Latin-1 / cp1252 is refused, naming the file and the fix (never decoded by guesswork)
+    (tmp_path / "latin.txt").write_bytes("café, 1girl".encode("latin-1"))
+    with pytest.raises(ValueError) as exc:  # CaptionError
+        read_caption_files(tmp_path / "latin")
+    msg = str(exc.value)
+    assert str(tmp_path / "latin.txt") in msg and "not UTF-8" in msg and "0xe9" in msg and "re-save it as UTF-8" in msg
+
+
 def test_config_caption_table_can_be_passed_through():
     config = pytest.importorskip("anima_train.config")
     c = config.CaptionConfig(tag_dropout_percent=1.0, min_tags_kept=0, protected_tags=["Smile"])

@@ -21,6 +21,9 @@ def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None
         d = run_dir / f"{stem}-state"
         (d / "accelerator").mkdir(parents=True)
         (d / "state.json").write_text(json.dumps({"global_step": state_step}))
+        save_file({"0/w": torch.zeros(2)}, str(d / "accelerator" / "trainable.safetensors"))
+        torch.save({"state": {}, "param_groups": []}, d / "accelerator" / "optimizer.pt")
+        torch.save({"last_epoch": state_step}, d / "accelerator" / "scheduler.pt")
 
 
 def test_names():
@@ -75,8 +78,41 @@ def test_resume_resolution(tmp_path):
     (broken / "state.json").write_text("{}")
     with pytest.raises(C.ResumeError, match="missing accelerator"):
         C.resolve_resume(broken)
-    with pytest.raises(C.ResumeError, match="does not exist"):
+    with pytest.raises(C.ResumeError, match="not found"):
         C.resolve_resume(tmp_path / "nope-state")
+
+
+def test_resume_from_a_path_that_is_not_there_says_not_found(tmp_path):
+    _ckpt(tmp_path, "run-step000010", state_step=10)
+    with pytest.raises(C.ResumeError) as exc:
+        C.resolve_resume(tmp_path / "run-step000099.safetensors")  # a typo in the step number
+    msg = str(exc.value)
+    assert "run-step000099.safetensors" in msg and "not found" in msg and "inference-only" not in msg
+    assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg
+    with pytest.raises(C.ResumeError, match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
+        C.resolve_resume(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "scheduler.pt"])
+def test_a_truncated_state_file_is_named(tmp_path, name):
+    _ckpt(tmp_path, "run-step000010", state_step=10)
+    _ckpt(tmp_path, "run-step000020", state_step=20)
+    damaged = tmp_path / "run-step000020-state" / "accelerator" / name
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a copy cut short
+    with pytest.raises(C.ResumeError) as exc:
+        C.resolve_resume(tmp_path / "run-step000020.safetensors")
+    msg = str(exc.value)
+    assert str(damaged) in msg and "damaged" in msg
+    assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg  # where to go instead
+
+
+def test_latest_state_is_the_highest_recorded_step(tmp_path):
+    assert C.latest_state(tmp_path) is None
+    _ckpt(tmp_path, "run-step000010", state_step=10)
+    _ckpt(tmp_path, "run-epoch001", state_step=30)
+    _ckpt(tmp_path, "run-step000020", state_step=20)
+    (tmp_path / ".run-step000040-state.tmp").mkdir()  # an unfinished save is never a candidate
+    assert C.latest_state(tmp_path) == tmp_path / "run-epoch001-state"
 
 
 def test_replace_dir_atomic(tmp_path):

@@ -132,6 +132,17 @@ def test_missing_captions_refused_listing_all(image_set):
     assert "a.txt" in str(exc.value) and "c.txt" in str(exc.value)
 
 
+def test_captions_that_are_not_utf8_are_refused_at_scan_listing_all(image_set):
+    (image_set / "b.txt").write_bytes("café, red circle".encode("latin-1"))
+    (image_set / "c_nl.txt").write_bytes("A red circle in a café.".encode("cp1252"))
+    (image_set / "d.txt").write_bytes("\ufeffred circle, white background".encode("utf-8"))  # a BOM is fine
+    with pytest.raises(DatasetError) as exc:
+        build_training_data(config(image_set, source="encode"))
+    msg = str(exc.value)
+    assert "2 caption file(s) cannot be read" in msg and "re-save each as UTF-8" in msg
+    assert str(image_set / "b.txt") in msg and str(image_set / "c_nl.txt") in msg and "d.txt" not in msg
+
+
 def test_same_stem_twice_is_refused(image_set):
     write_image(image_set, "a", (64, 64), ".jpg")
     with pytest.raises(DatasetError, match="share the stem 'a'"):

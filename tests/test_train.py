@@ -80,6 +80,80 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_anima, latents_dir, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resuming_a_finished_run_says_so_and_raising_max_steps_continues_it(tiny_anima, latents_dir, tmp_path,
+                                                                          capsys):
+    model = tiny_anima.diffusers_dir
+    reference = train(make_cfg(model, latents_dir, tmp_path / "ref", max_steps=5), cpu=True, no_save=True)
+    train(make_cfg(model, latents_dir, tmp_path, epochs=1, save_optimizer_state="true"), cpu=True)  # 3 steps
+    final_state = f'"{tmp_path / "tiny" / "tiny-state"}"'
+    # finished by its epochs, or by max_steps: either way the message says so and how to go on
+    for keys, limit in ((dict(epochs=1), "epochs = 1"), (dict(max_steps=3), "max_steps = 3")):
+        with pytest.raises(ValueError) as exc:  # ResumeError
+            train(make_cfg(model, latents_dir, tmp_path, resume_from=final_state, save_optimizer_state="true",
+                           **keys), cpu=True)
+        msg = str(exc.value)
+        assert "finished" in msg and "step 3 of 3" in msg and limit in msg
+        assert "raise [train] max_steps or epochs" in msg
+    capsys.readouterr()
+    more = train(make_cfg(model, latents_dir, tmp_path, resume_from=final_state, max_steps=5,
+                          save_optimizer_state="true"), cpu=True)
+    assert more.global_step == 5 and more.losses == reference.losses[3:]  # as if it had never stopped
+    assert more.trainable_digest == reference.trainable_digest
+    assert "done: 2 step(s) this run (steps 4–5)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["optimizer.pt", "tiny-step000004.safetensors"])
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_earlier_checkpoints(tiny_anima, latents_dir, tmp_path,
+                                                                               monkeypatch, target):
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from anima_train.checkpoints import resolve_resume
+
+    real_torch_save, real_save_file = torch.save, safetensors.torch.save_file
+
+    def torch_save(obj, f, *a, **kw):  # the state's optimizer.pt at step 4 hits a full disk
+        if Path(f).name == target and "step000004" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_torch_save(obj, f, *a, **kw)
+
+    def save_file(tensors, filename, *a, **kw):  # the step-4 LoRA file hits it (as safetensors reports it)
+        if target in Path(filename).name:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save_file(tensors, filename, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", torch_save)
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    run = tmp_path / "tiny"
+    with pytest.raises(OSError) as exc:  # SaveError
+        train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=6, save_every_steps=2,
+                       save_optimizer_state="true"), cpu=True)
+    msg = str(exc.value)
+    failed = run / ("tiny-step000004-state/accelerator/optimizer.pt" if target == "optimizer.pt" else target)
+    assert f"could not write {failed}" in msg and "No space left on device" in msg and "is full" in msg
+    assert f"resume from the newest state, {run / 'tiny-step000002-state'}" in msg
+    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []  # no temp dir or temp file left
+    assert not (run / "tiny-step000004-state").exists()
+    for f in run.glob("*.safetensors"):  # every checkpoint under a final name is whole
+        assert load_file(str(f))
+    assert resolve_resume(run / "tiny-step000002.safetensors") == run / "tiny-step000002-state"
+
+
+def test_a_caption_that_is_not_utf8_stops_the_run_before_training(tiny_anima, tmp_path):
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=4, seed=0)
+    bad = sorted(data.glob("*.txt"))[2]
+    bad.write_bytes(("café, " + bad.read_text(encoding="utf-8")).encode("latin-1"))  # saved by a cp1252 editor
+    events = tmp_path / "events.jsonl"
+    with pytest.raises(ValueError) as exc:  # DatasetError
+        train(make_cfg(tiny_anima.diffusers_dir, data, tmp_path / "out", max_steps=4), cpu=True, events=str(events))
+    msg = str(exc.value)
+    assert str(bad) in msg and "not UTF-8" in msg and "re-save each as UTF-8" in msg
+    assert '"event": "step"' not in events.read_text()  # refused at the scan, before any step
+
+
 def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path):
     events = tmp_path / "events.jsonl"
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, "[schedule]\nkind = \"cosine\"\n",
