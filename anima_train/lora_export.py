@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from anima_train import __version__, keymaps
-from anima_train.config import LORA_FORMATS
 from anima_train.atomic import atomic_path
+from anima_train.config import LORA_FORMATS
 
 DIFFUSION_PREFIX = "diffusion_model."  # ComfyUI's model key prefix; diffusers' Anima LoRA loader expects it too
 KOHYA_UNET_PREFIX = "lora_unet_"
