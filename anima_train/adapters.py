@@ -197,15 +197,22 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
         if text_encoder is None:
             raise ValueError("[adapter] train_text_encoder = true but no text encoder (Qwen3) was passed")
         from peft import LoraConfig, inject_adapter_in_model
-        rank = a.text_encoder_rank or a.rank
+        rank, alpha = text_encoder_rank_alpha(cfg)
         targets = target_modules(text_encoder, ["text_encoder"], "text_encoder")
-        # keep the DiT adapter's alpha/rank scale, so the LR means the same at a different rank
-        config = LoraConfig(r=rank, lora_alpha=a.alpha * rank / a.rank, lora_dropout=a.dropout,
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=a.dropout,
                             target_modules=targets, init_lora_weights=True)
         inject_adapter_in_model(config, text_encoder, adapter_name=ADAPTER_NAME)
         _set_adapter_dtype(text_encoder, adapter_dtype)
         injected["text_encoder"] = targets
     return injected
+
+
+def text_encoder_rank_alpha(cfg: Config) -> tuple[int, float]:
+    """Rank and alpha of the Qwen3 LoRA: text_encoder_rank (or rank), with the DiT adapter's alpha/rank scale kept,
+    so the LR means the same at a different rank."""
+    a = cfg.adapter
+    rank = a.text_encoder_rank or a.rank
+    return rank, a.alpha * rank / a.rank
 
 
 def _candidates(role: str, model: torch.nn.Module, cfg: Config) -> list[tuple[str, str, torch.nn.Parameter]]:

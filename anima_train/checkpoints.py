@@ -41,6 +41,13 @@ def checkpoint_stem(run_name: str, *, step: int | None = None, epoch: int | None
     return run_name
 
 
+def epoch_of_step(step: int, steps_per_epoch: int) -> int:
+    """The 1-based epoch that optimizer step `step` falls in (0 before the first step): the `epoch N/M` of the
+    progress line, and what a file's ss_epoch / ss_num_epochs say (sd-scripts: the epoch the file belongs to, and
+    the epochs the run really does, so a max_steps cap counts, not the configured epochs)."""
+    return -(-step // steps_per_epoch) if steps_per_epoch > 0 else 0
+
+
 def state_dir_for(checkpoint: Path) -> Path:
     """`x.safetensors` or diffusers dir `x/` → `x-state/`."""
     checkpoint = Path(checkpoint)
@@ -111,17 +118,22 @@ def find_periodic(run_dir: Path, run_name: str) -> list[Periodic]:
 
 
 def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, steps_per_epoch: int,
-                      protect: Path | None = None) -> list[Path]:
+                      protect: str | os.PathLike | None = None) -> list[Path]:
     """Delete all but the newest `keep_last_n` periodic checkpoints (ordered by recorded step, not mtime).
-    Everything belonging to one checkpoint goes together. Returns what was removed."""
+    Everything belonging to one checkpoint goes together. Returns what was removed.
+
+    `protect` (the run's `resume_from`: a checkpoint file or its `-state` folder, any spelling of the path) is
+    never deleted, nor anything of its checkpoint: the user named it in the config, so re-running that config
+    must find it. It does not count towards keep_last_n."""
     if not keep_last_n:
         return []
     found = find_periodic(run_dir, run_name)
+    if protect is not None:
+        protected = Path(protect).resolve()
+        found = [c for c in found if protected not in {p.resolve() for p in c.paths}]
     found.sort(key=lambda c: (c.recorded_step(steps_per_epoch), c.tag == "step", c.number))
     removed = []
     for ckpt in found[:-keep_last_n] if len(found) > keep_last_n else []:
-        if protect is not None and any(Path(protect) == p for p in ckpt.paths):
-            continue  # never delete the checkpoint a run resumed from while it is in use
         for p in ckpt.paths:
             if p.is_dir():
                 shutil.rmtree(p)

@@ -39,6 +39,7 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
 CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")
+LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
@@ -288,6 +289,10 @@ class AdapterConfig:
     text_encoder_rank: int | None = _key(None, ge=1, help="rank of the Qwen3 LoRA (unset = rank)")
     lokr_factor: int = _key(-1, help="LoKr only: Kronecker factor; -1 = most balanced")
     lokr_decompose_both: bool = _key(False, help="LoKr only: decompose both Kronecker factors")
+    output_format: str = _key("peft", choices=LORA_FORMATS,
+                              help="LoRA file layout: peft = diffusion_model.*.lora_A/B (ComfyUI and diffusers), "
+                                   "kohya = lora_unet_*.lora_down/lora_up/alpha as sd-scripts writes (ComfyUI, "
+                                   "sd-scripts tools; diffusers' Anima loader ignores it)")
 
 
 @dataclass
@@ -842,6 +847,12 @@ def _check_adapter_and_lrs(cfg: Config, raw: dict, p: _Problems) -> None:
     if p.ok("adapter.lokr_factor") and a.lokr_factor != -1 and a.lokr_factor < 1:
         p.error(f"[adapter] lokr_factor = {a.lokr_factor}: use -1 (most balanced) or a factor >= 1",
                 "adapter.lokr_factor")
+    if p.ok("adapter.kind", "adapter.output_format") and a.output_format != "peft" and a.kind != "lora":
+        what = ("the kohya lora_unet_* layout defines LoRA only (lora_down/lora_up/alpha); LoKr files use "
+                "diffusion_model.<module>.lokr_* keys, which ComfyUI loads" if a.kind == "lokr" else
+                "a full finetune is written as a model file (train.save_native), not a LoRA")
+        p.error(f'[adapter] output_format = {_fmt(a.output_format)} applies to kind = "lora", but kind = '
+                f'{_fmt(a.kind)}: {what}; remove output_format or set it to "peft"', "adapter.output_format")
     if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
         p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
                 'a LoRA); use kind = "lora" or set train_text_encoder = false')

@@ -40,11 +40,12 @@ import torch
 
 from anima_train import __version__, keymaps
 from anima_train.atomic import atomic_path
+from anima_train.config import LORA_FORMATS
 
 DIFFUSION_PREFIX = "diffusion_model."  # ComfyUI's model key prefix; diffusers' Anima LoRA loader expects it too
 KOHYA_UNET_PREFIX = "lora_unet_"
 KOHYA_TE_PREFIX = "lora_te_"
-FORMATS = ("peft", "kohya")
+FORMATS = LORA_FORMATS  # [adapter] output_format
 
 # ModelSpec (https://github.com/Stability-AI/ModelSpec) values. sd-scripts writes "anima-preview" for the preview
 # model and IMPL_ANIMA below; we name the released base model.

@@ -40,6 +40,7 @@ class TrainResult:
     components: object = field(default=None, repr=False)  # the trained models (in-process callers: eval, demo)
     trainable_digest: str = ""  # sha256 over this process's trainable tensors: equal on every rank under DDP
     batches_seen: list[list[int]] = field(default_factory=list)  # dataset indices per micro-batch, this rank
+    total_steps: int = 0  # the run's horizon in optimizer steps (max_steps capped by the epochs)
 
 
 def add_arguments(parser) -> None:
@@ -216,7 +217,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         run_dir.mkdir(parents=True, exist_ok=True)
         copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
 
-    result = TrainResult(run_dir=run_dir, final=None, global_step=global_step,
+    result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
     vae = parts.vae if cfg.dataset.source == "encode" else None
 
@@ -415,8 +416,10 @@ def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 
         run_dir.mkdir(parents=True, exist_ok=True)
         models = {"transformer": accelerator.unwrap_model(trainable[0]), "text_conditioner": parts.text_conditioner,
                   "text_encoder": parts.text_encoder}
-        path = write_checkpoint(run_dir, stem, models, cfg, step=result.global_step, epoch=epoch,
-                                tag_frequency=result.tag_frequency)
+        path = write_checkpoint(run_dir, stem, models, cfg, step=result.global_step,
+                                epoch=ckpt.epoch_of_step(result.global_step, per_epoch),
+                                num_epochs=ckpt.epoch_of_step(result.total_steps, per_epoch),
+                                max_steps=result.total_steps, tag_frequency=result.tag_frequency)
         result.saved.append(path)
         progress.event("checkpoint", path=str(path), step=result.global_step)
         progress.message(f"saved {path}")
@@ -425,7 +428,8 @@ def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
                          steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
     if accelerator.is_main_process and not final:
-        for p in ckpt.prune_checkpoints(run_dir, cfg.run_stem, cfg.train.keep_last_n, per_epoch):
+        for p in ckpt.prune_checkpoints(run_dir, cfg.run_stem, cfg.train.keep_last_n, per_epoch,
+                                        protect=cfg.train.resume_from):
             progress.message(f"pruned {p.name}")
     accelerator.wait_for_everyone()
     return Path(path) if path else run_dir / f"{stem}.safetensors"
@@ -441,36 +445,45 @@ def _digest(models) -> str:
     return h.hexdigest()
 
 
-def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, step: int, epoch: int,
-                     tag_frequency: dict | None = None) -> Path:
+def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, step: int, epoch: int, num_epochs: int,
+                     max_steps: int, tag_frequency: dict | None = None) -> Path:
     """One checkpoint in the layout ComfyUI loads directly: LoRA/LoKr file (+ `_te` sibling for a Qwen3 LoRA), or
     a full finetune as a native single file (or diffusers folders with save_native = false). Replaces a file of the
-    same name (a re-run of the same step)."""
+    same name (a re-run of the same step).
+
+    The numbers describe the run that writes the file (sd-scripts' meaning): step = optimizer steps done (ss_steps),
+    epoch = the 1-based epoch that step falls in (ss_epoch), num_epochs / max_steps = the epochs and steps the run
+    really does (ss_num_epochs, ss_max_train_steps), i.e. after a max_steps cap, not the configured epochs."""
     from anima_train import lora_export as ex
+    from anima_train.adapters import text_encoder_rank_alpha
     kind = cfg.adapter.kind
     dtype = DTYPES[cfg.train.dtype]
-    meta = ex.training_metadata(
-        kind="full" if kind == "none" else kind, title=cfg.run_stem,
-        rank=None if kind == "none" else cfg.adapter.rank, alpha=None if kind == "none" else cfg.adapter.alpha,
-        resolution=cfg.dataset.tiers, steps=step, epoch=epoch, num_epochs=cfg.train.epochs,
-        max_steps=cfg.train.max_steps, tag_frequency=tag_frequency,
-        training_config=config_json(cfg),
-        network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
-        extra={"step": step, "run": cfg.run_stem})
+
+    def metadata(file_kind: str, rank: int | None, alpha: float | None) -> dict[str, str]:
+        return ex.training_metadata(
+            kind=file_kind, title=cfg.run_stem, rank=rank, alpha=alpha,
+            resolution=cfg.dataset.tiers, steps=step, epoch=epoch, num_epochs=num_epochs,
+            max_steps=max_steps, tag_frequency=tag_frequency,
+            training_config=config_json(cfg),
+            network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
+            extra={"step": step, "run": cfg.run_stem})
+
+    meta = metadata("full", None, None) if kind == "none" else metadata(kind, cfg.adapter.rank, cfg.adapter.alpha)
     transformer, conditioner = models["transformer"], models["text_conditioner"]
     adapted_conditioner = conditioner if cfg.adapter.train_llm_adapter else None
     path = run_dir / f"{stem}.safetensors" if kind != "none" or cfg.train.save_native else run_dir / stem
     with ckpt.writing(path, run_dir):
         if kind == "lora":
-            ex.save_lora(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+            ex.save_lora(path, transformer, adapted_conditioner, meta, fmt=cfg.adapter.output_format, dtype=dtype,
+                         overwrite=True)
         elif kind == "lokr":
             ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
         elif cfg.train.save_native:
             ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
         else:
             path = ex.save_full_diffusers(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
-    if cfg.adapter.train_text_encoder:
-        te_meta = dict(meta, **{"modelspec.architecture": meta["modelspec.architecture"]})
+    if cfg.adapter.train_text_encoder:  # the Qwen3 LoRA's own rank and alpha, even beside a full finetune
+        te_meta = metadata("te_lora", *text_encoder_rank_alpha(cfg))
         te_path = ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors")
         with ckpt.writing(te_path, run_dir):
             ex.save_text_encoder_lora(te_path, models["text_encoder"], te_meta, dtype=dtype, overwrite=True)

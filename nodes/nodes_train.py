@@ -82,6 +82,7 @@ KNOBS = [
     Knob("train.save_every_steps", "save_every_steps", advanced=True, unset_zero=True),
     Knob("train.save_optimizer_state", "save_optimizer_state", advanced=True),
     Knob("train.keep_last_n", "keep_last_n", advanced=True, unset_zero=True),
+    Knob("adapter.output_format", "output_format", advanced=True),
     Knob("train.num_workers", "num_workers", advanced=True),
 ]
 EXTRA_TOML = "extra_toml"

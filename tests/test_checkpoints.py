@@ -125,3 +125,27 @@ def test_replace_dir_atomic(tmp_path):
     C.replace_dir_atomic(tmp, final)
     assert sorted(p.name for p in final.iterdir()) == ["new"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]
+
+
+def test_prune_never_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch):
+    for step in (10, 20, 30):
+        _ckpt(tmp_path, f"run-step{step:06d}", step_meta=step, te=True, state_step=step)
+    # resume_from as a user writes it: relative to the working directory, spelled differently from run_dir
+    monkeypatch.chdir(tmp_path.parent)
+    resume_from = Path(tmp_path.name) / ".." / tmp_path.name / "run-step000010.safetensors"
+    removed = C.prune_checkpoints(tmp_path, "run", keep_last_n=1, steps_per_epoch=10, protect=resume_from)
+    assert sorted(p.name for p in removed) == ["run-step000020-state", "run-step000020.safetensors",
+                                               "run-step000020_te.safetensors"]
+    # the -state folder names the same checkpoint; it never takes one of the keep_last_n places
+    _ckpt(tmp_path, "run-step000040", step_meta=40, state_step=40)
+    removed = C.prune_checkpoints(tmp_path, "run", keep_last_n=1, steps_per_epoch=10,
+                                  protect=str(tmp_path / "run-step000010-state"))
+    assert sorted(p.name for p in removed) == ["run-step000030-state", "run-step000030.safetensors",
+                                               "run-step000030_te.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "run-step000010-state", "run-step000010.safetensors", "run-step000010_te.safetensors",
+        "run-step000040-state", "run-step000040.safetensors"]
+
+
+def test_epoch_of_step_is_the_one_based_epoch_the_step_falls_in():
+    assert [C.epoch_of_step(s, 3) for s in range(8)] == [0, 1, 1, 1, 2, 2, 2, 3]

@@ -50,7 +50,7 @@ SPEC_DEFAULTS = {
     "adapter": {
         "kind": "lora", "rank": 32, "alpha": 32.0, "dropout": 0.0, "components": ["self_attn", "cross_attn", "mlp"],
         "train_llm_adapter": False, "train_text_encoder": False, "text_encoder_rank": None, "lokr_factor": -1,
-        "lokr_decompose_both": False,
+        "lokr_decompose_both": False, "output_format": "peft",
     },
     "component_lr": {
         "self_attn": None, "cross_attn": None, "mlp": None, "adaln": 0.0, "base": 0.0, "llm_adapter": 0.0,
@@ -337,6 +337,11 @@ RULES = [
     ("adapter rank", D + "[adapter]\nrank = 0\n", ["rank = 0: must be >= 1"]),
     ("te with lokr", D + '[adapter]\nkind = "lokr"\ntrain_text_encoder = true\n',
      ['train_text_encoder = true is not supported with kind = "lokr"']),
+    ("output format", D + '[adapter]\noutput_format = "diffusers"\n', ['output_format = "diffusers"', '"kohya"']),
+    ("kohya with lokr", D + '[adapter]\nkind = "lokr"\noutput_format = "kohya"\n',
+     ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "lokr"', "lokr_*", '"peft"']),
+    ("kohya with full finetune", D + '[adapter]\nkind = "none"\noutput_format = "kohya"\n',
+     ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "none"', "save_native"]),
     # [component_lr]
     ("all frozen", D + "[component_lr]\nself_attn = 0.0\ncross_attn = 0.0\nmlp = 0.0\n",
      ["nothing to train", "frozen"]),
@@ -430,6 +435,7 @@ def test_valid_variants_load(no_gate):
     load_config(D + '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-6\nbase = 1e-6\n')  # full FT: all parts
     load_config(D + 'source = "encode"\n[[curriculum]]\nat = 0.0\n[[curriculum]]\nat = 0.5\nmode = "texture"\n')
     load_config(D + "[dataset.texture]\ncanvases = [[1920, 512]]\nmask_ratio = [1.0, 1.0]\n")
+    assert load_config(D + '[adapter]\noutput_format = "kohya"\n').adapter.output_format == "kohya"
 
 
 def test_tiers_are_deduplicated_and_sorted():
@@ -677,6 +683,7 @@ train_text_encoder = true
 text_encoder_rank = 8
 lokr_factor = 4
 lokr_decompose_both = true
+output_format = "kohya"
 
 [quant]
 mode = "frozen"

@@ -169,6 +169,48 @@ def test_extra_toml_overrides_widgets_and_replaces_their_forms(comfy_env, tiny_a
     assert cfg.dataset.path is None and [s.path for s in cfg.dataset.subsets] == [str(other)]
 
 
+def test_output_format_widget_reaches_the_lora_file_format(comfy_env, tiny_anima, dataset):
+    nt = comfy_env.nt
+    port = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}["output_format"]
+    assert port.kind == "COMBO" and port.options["options"] == ["peft", "kohya"]
+    assert port.options["default"] == AdapterConfig().output_format == "peft"
+    assert "lora_unet_" in port.options["tooltip"]
+    values = widgets(nt, tiny_anima.diffusers_dir, dataset, output_format="kohya")
+    assert load_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
+    bad = nt.AnimaTrainConfig.validate_inputs(**dict(values, adapter="lokr"))
+    assert isinstance(bad, str) and '[adapter] output_format = "kohya" applies to kind = "lora"' in bad
+
+
+def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
+    """The UI file stores widget values by position: each must be a valid value of the widget at its position."""
+    import json
+
+    nt = comfy_env.nt
+    workflow = json.loads((Path(__file__).resolve().parents[1] / "example_workflows" / "anima_train_lora.json")
+                          .read_text())
+    node = next(n for n in workflow["nodes"] if n["type"] == "AnimaTrainConfig")
+    values = list(node["widgets_values"])
+    named = {}
+    for port in nt.AnimaTrainConfig.define_schema().inputs:
+        value, o = values.pop(0), port.options
+        if o.get("control_after_generate"):
+            values.pop(0)  # "fixed" / "randomize": a frontend-only value
+        named[port.id] = value
+        if port.kind == "COMBO":
+            assert value in o["options"], (port.id, value)
+        elif port.kind == "BOOLEAN":
+            assert isinstance(value, bool), (port.id, value)
+        elif port.kind in ("INT", "FLOAT"):
+            assert isinstance(value, (int, float)) and not isinstance(value, bool), (port.id, value)
+            assert port.kind == "FLOAT" or isinstance(value, int), (port.id, value)
+            assert o["min"] <= value <= o["max"], (port.id, value)
+        else:
+            assert isinstance(value, str), (port.id, value)
+    assert not values, f"{len(values)} widget value(s) left over"
+    assert named["output_format"] == "peft" and named["num_workers"] == 2 and named["keep_last_n"] == 0
+    assert named["run_name"] == "my_first_anima_lora" and named["seed"] == 42 and named["dtype"] == "bfloat16"
+
+
 def test_linked_inputs_are_not_known_at_validation_and_pass(comfy_env, dataset):
     nt = comfy_env.nt
     values = widgets(nt, "x", dataset)

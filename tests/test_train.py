@@ -182,6 +182,66 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
     assert lrs[0] > lrs[-1]  # cosine decays
 
 
+def _metadata(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
+def test_checkpoint_metadata_describes_the_run_that_wrote_it(tiny_anima, latents_dir, tmp_path):
+    # 3 steps per epoch; epochs = 1000 in the config, but max_steps = 7 makes this a 3-epoch, 7-step run
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=7, save_every_steps=3,
+                   save_every_epochs=2)
+    result = train(cfg, cpu=True)
+    run = tmp_path / "tiny"
+    want = {"tiny-step000003.safetensors": ("3", "1"), "tiny-step000006.safetensors": ("6", "2"),
+            "tiny-epoch002.safetensors": ("6", "2"), "tiny.safetensors": ("7", "3")}  # file: (ss_steps, ss_epoch)
+    assert sorted(p.name for p in result.saved) == sorted(want)
+    for name, (steps, epoch) in want.items():
+        meta = _metadata(run / name)
+        got = {k: meta.get(k) for k in ("ss_steps", "ss_epoch", "ss_num_epochs", "ss_max_train_steps")}
+        assert got == {"ss_steps": steps, "ss_epoch": epoch, "ss_num_epochs": "3", "ss_max_train_steps": "7"}, name
+        assert meta["modelspec.title"] == meta["ss_output_name"] == "tiny"
+        assert meta["modelspec.architecture"] == "anima-base-v1.0/lora" and meta["modelspec.resolution"] == "128x128"
+
+
+def test_resumed_run_never_prunes_the_checkpoint_it_resumed_from(tiny_anima, latents_dir, tmp_path):
+    keys = dict(save_every_steps=2, save_optimizer_state="true", keep_last_n=1)
+    train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=5, **keys), cpu=True)
+    run = tmp_path / "tiny"
+    resume = run / "tiny-step000004.safetensors"
+    assert resume.is_file() and not (run / "tiny-step000002.safetensors").exists()  # keep_last_n = 1 pruned
+    # the config a user re-runs after a crash: same run folder, resume_from set, keep_last_n = 1
+    train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=10, resume_from=f'"{resume}"',
+                   **keys), cpu=True)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "tiny-state", "tiny-step000004-state", "tiny-step000004.safetensors", "tiny-step000008-state",
+        "tiny-step000008.safetensors", "tiny.safetensors", "tiny.toml"]
+
+
+def test_kohya_output_format_applies_the_trained_update(tiny_anima, latents_dir, tmp_path):
+    from peft.tuners.lora import LoraLayer
+
+    from anima_train import keymaps
+
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, 'output_format = "kohya"\n'
+                   '[optimizer]\nlr = 1e-2\n', max_steps=2)
+    assert cfg.adapter.output_format == "kohya"
+    result = train(cfg, cpu=True)
+    sd = load_file(str(result.final))
+    assert all(k.startswith("lora_unet_") for k in sd)
+    transformer = result.components.transformer
+    deltas = {keymaps.dit_module_to_native(name): m.get_delta_weight("default").detach()
+              for name, m in transformer.named_modules() if isinstance(m, LoraLayer)}
+    assert deltas and len(sd) == 3 * len(deltas)
+    for native, want in deltas.items():
+        stem = "lora_unet_" + native.replace(".", "_")
+        down, up, alpha = sd[f"{stem}.lora_down.weight"], sd[f"{stem}.lora_up.weight"], sd[f"{stem}.alpha"]
+        # what ComfyUI and sd-scripts apply: (alpha / rank) * up @ down, rank = lora_down.shape[0]
+        got = (alpha.item() / down.shape[0]) * up @ down
+        assert want.abs().max() > 0 and torch.allclose(got, want, atol=1e-6), native
+    assert _metadata(result.final)["ss_network_module"] == "networks.lora"
+
+
 def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path, monkeypatch):
     from anima_train.progress import Progress
 
@@ -258,12 +318,21 @@ def test_sdnq_training_mode_full_finetune_exports_plain_weights(tiny_anima, late
 def test_text_encoder_lora_goes_to_a_te_sibling(tiny_anima, latents_dir, tmp_path):
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path,
                    "train_text_encoder = true\ntext_encoder_rank = 4\n[component_lr]\ntext_encoder = 1e-4\n",
-                   max_steps=2)
+                   epochs=1)  # no max_steps: the horizon is one epoch, 3 steps
     result = train(cfg, cpu=True)
-    te = load_file(str(tmp_path / "tiny" / "tiny_te.safetensors"))
+    te_path = tmp_path / "tiny" / "tiny_te.safetensors"
+    te = load_file(str(te_path))
     assert te and all(k.startswith("lora_te_") for k in te)
     assert any(k.endswith(".lora_up.weight") and v.abs().sum() > 0 for k, v in te.items())  # it trained
     assert not any(k.startswith("lora_te") for k in load_file(str(result.final)))
+    # each file's metadata describes its own adapter: the Qwen3 LoRA is rank 4 with the DiT's alpha/rank scale
+    main, te_meta = _metadata(result.final), _metadata(te_path)
+    assert (main["ss_network_dim"], main["ss_network_alpha"]) == ("8", "8.0")
+    assert (te_meta["ss_network_dim"], te_meta["ss_network_alpha"]) == ("4", "4.0")
+    assert all(te[k].item() == 4.0 for k in te if k.endswith(".alpha"))  # the file's own alphas agree
+    for meta in (main, te_meta):
+        assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"], meta["ss_max_train_steps"]) == (
+            "3", "1", "1", "3")
 
 
 def test_parked_weights_round_trip(tiny_anima):
