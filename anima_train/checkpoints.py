@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anima_train.atomic import write_text
+from anima_train.errors import UserError
 
 STATE_SUFFIX = "-state"
 STATE_FILE = "state.json"
@@ -131,8 +132,8 @@ def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, ste
 # -- resume ----------------------------------------------------------------------------------------------------
 
 
-class ResumeError(ValueError):
-    pass
+class ResumeError(UserError, ValueError):
+    """A resume_from that cannot be resumed; the message names the path and the fix."""
 
 
 def resolve_resume(path: str | os.PathLike) -> Path:

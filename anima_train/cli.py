@@ -3,16 +3,22 @@
 Each subcommand lives in its own module, which provides `add_arguments(parser)` and `run(args) -> int`. The module
 is imported only when its subcommand runs, so `anima-train --help` and `anima-train check` start in well under a
 second and a broken optional dependency in one command cannot take the others down with it.
+
+Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
+ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
+returns 2. Any other exception is an internal error: one line, exit 1, and the traceback only with `--debug` or
+ANIMA_TRAIN_DEBUG=1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 
-from anima_train import __version__
+from anima_train import __version__, errors
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = errors.debug_requested()
+    if argv[:1] == ["--debug"]:  # `anima-train --debug COMMAND ...` as well as `anima-train COMMAND ... --debug`
+        debug, argv = True, argv[1:]
     top = _top_parser()
     if not argv or argv[0].startswith("-"):
         top.parse_args(argv or ["--help"])  # prints help/version and exits
@@ -86,8 +95,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
     add_arguments(parser)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
     args = parser.parse_args(rest)
-    return int(run(args) or 0)
+    debug = debug or args.debug
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"anima-train {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
+        if debug:
+            raise
+        return _report(name, exc)
+
+
+def _report(name: str, exc: Exception) -> int:
+    """One message on stderr for an error that escaped a command; the exit status (2 user error, 1 internal)."""
+    message = errors.user_message(exc)
+    if message is not None:
+        if errors.is_main_process():  # every DDP process hits the same user error: one of them says it
+            print(f"anima-train {name}: error: {message}", file=sys.stderr)
+        return errors.USER_ERROR_EXIT
+    rank = "" if errors.is_main_process() else f"[rank {os.environ.get('RANK')}] "
+    print(f"{rank}anima-train {name}: internal error: {type(exc).__name__}: {exc}\n"
+          f"This is a bug in anima-train, not in your input. Re-run with --debug (or {errors.DEBUG_ENV}=1) to see "
+          f"the traceback, and include it when you report the problem.", file=sys.stderr)
+    return errors.INTERNAL_ERROR_EXIT
 
 
 if __name__ == "__main__":

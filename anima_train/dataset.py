@@ -52,6 +52,7 @@ from anima_train.buckets import (
     tier_report,
 )
 from anima_train.captions import build_caption, read_caption_files
+from anima_train.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -61,7 +62,7 @@ CACHE_FORMAT = "anima-latent-cache/1"
 SOURCE_MODES = ("images", "latents", "encode", "auto")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset problem found while scanning; the message names the files/settings and the fix."""
 
 
