@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 
@@ -34,13 +36,32 @@ COMMANDS: dict[str, Command] = {
     "cache": Command("anima_train.cache", "encode a dataset's images into latent caches next to them"),
     "audit": Command("anima_train.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
     "train": Command("anima_train.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "config": Command("anima_train.config_reference",
+                      "check a config and the paths it names, or print every key (--reference)"),
     "demo": Command("anima_train.demo", "train a LoRA on a tiny model and a generated dataset (no downloads)"),
+    "tiny-model": Command("anima_train.demo", "write a tiny random Anima model to try the trainer on your images",
+                          "tiny_model_add_arguments", "tiny_model_run"),
     "check": Command("anima_train.check", "import every dependency, print versions and device info"),
     "anchor-info": Command("anchor.cli", "print an anchor file's usage card and width signature",
                            "info_add_arguments", "info_run"),
     "anchor-convert": Command("anchor.cli", "convert a .pt anchor file to .safetensors",
                               "convert_add_arguments", "convert_run"),
 }
+
+
+def program() -> str:
+    """How this process's user runs anima-train, as a shell prefix, so a command printed in a message (a fix to
+    copy) works as printed: `anima-train` when that is on PATH, else the script or `python -m anima_train`."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(argv0)
+    if name in ("anima-train", "anima-train.exe"):
+        on_path = shutil.which("anima-train")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+            return "anima-train"
+        return shlex.quote(argv0)
+    if name == "__main__.py" and os.path.basename(os.path.dirname(argv0)) == "anima_train":
+        return f"{shlex.quote(sys.executable)} -m anima_train"
+    return "anima-train"  # in-process callers (ComfyUI node code, tests): the documented command
 
 
 class NotYetImplemented(RuntimeError):

@@ -937,8 +937,9 @@ def _check_curriculum(cfg: Config, p: _Problems) -> None:
                         f"t_range = {_fmt(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
             elif not (0 <= tr[0] < tr[1] <= 1):
                 p.error(f"{where} t_range = {_fmt(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
+        # (while texture mode is gated, its refusal is the only message: no detour through source = "encode")
         if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
-                and cfg.dataset.source != "encode"):
+                and "curriculum.texture" not in NOT_IMPLEMENTED and cfg.dataset.source != "encode"):
             p.error(f'{where} mode = "texture" needs [dataset] source = "encode" (a crop is chosen per sample '
                     f'per step, so no cached latent can express it); it is {_fmt(cfg.dataset.source)}')
     if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:

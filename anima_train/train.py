@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
+from anima_train import errors, preflight
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -48,6 +49,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="build everything, run one step, save nothing, exit")
     parser.add_argument("--events", metavar="PATH|-", help="append JSON-lines progress events to PATH (- = stdout)")
     parser.add_argument("--skip-unreadable", action="store_true", help="skip unreadable images instead of refusing")
+    parser.add_argument("--allow-missing-captions", action="store_true",
+                        help="train images without a <stem>.txt on an empty caption instead of refusing")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
     parser.add_argument("--stop-file", metavar="PATH",
                         help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists")
@@ -57,10 +60,11 @@ def run(args) -> int:
     cfg = load_config(args.config)
     if args.max_steps is not None:
         if args.max_steps < 1:
-            raise SystemExit(f"--max-steps {args.max_steps}: must be at least 1")
+            raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")
         cfg.train.max_steps = args.max_steps
     train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
-          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file)
+          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file,
+          allow_missing_captions=args.allow_missing_captions)
     return 0
 
 
@@ -73,7 +77,8 @@ def _precision_note() -> str | None:
 
 
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
-          skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None) -> TrainResult:
+          skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
+          allow_missing_captions: bool = False) -> TrainResult:
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="no", cpu=cpu,
@@ -81,16 +86,18 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
     progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
     try:
         return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save, skip_unreadable=skip_unreadable,
-                      stop_file=stop_file)
+                      stop_file=stop_file, allow_missing_captions=allow_missing_captions)
     except BaseException as exc:
-        progress.event("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        user = errors.user_message(exc)  # a user error is its message alone, as on the command line
+        progress.event("error", message=user or f"{type(exc).__name__}: {exc}",
+                       traceback="" if user else traceback.format_exc())
         raise
     finally:
         progress.close()
 
 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
-           skip_unreadable: bool, stop_file: str | None = None) -> TrainResult:
+           skip_unreadable: bool, stop_file: str | None = None, allow_missing_captions: bool = False) -> TrainResult:
     from torch.utils.data import DataLoader
 
     from anima_train.adapters import build_param_groups, inject_adapters
@@ -108,8 +115,16 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
     if note := _precision_note():
         say(note)
-    # a resume that cannot work must fail before minutes of model loading, not after
+    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
+    preflight.check_run_paths(cfg, saving=not no_save)
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
+    progress.event("status", message="scanning dataset")
+    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
+                               allow_missing_captions=allow_missing_captions)
+    for line in data.report:
+        say(line)
+    for line in data.warnings:
+        say(f"warning: {line}")
     progress.event("status", message="loading model")
 
     # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
@@ -120,10 +135,6 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- model, data, adapters --------------------------------------------------------------------------------
     parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
-    progress.event("status", message="scanning dataset")
-    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable)
-    for line in data.report:
-        say(line)
 
     if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
         from anima_train.quant import dit_tokens, quantize_models
