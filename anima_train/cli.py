@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 
 from anima_train import __version__, errors
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
     args = parser.parse_args(rest)
     debug = debug or args.debug
+    if not debug:
+        _plain_warnings(name)
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
@@ -131,6 +134,20 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return _report(name, exc)
+
+
+def _plain_warnings(name: str) -> None:
+    """Our own warnings (a config that loads but looks wrong, ...) as one line each, without Python's source-line
+    echo; everyone else's keep the default format."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.split(".")[0] not in ("anima_train", "anchor"):
+            return default(message, category, filename, lineno, file, line)
+        if errors.is_main_process():
+            print(f"anima-train {name}: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
 
 
 def _report(name: str, exc: Exception) -> int:

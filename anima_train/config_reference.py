@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from anima_train import config as C
@@ -158,12 +157,8 @@ def run(args) -> int:
                         "of every key")
     from anima_train.preflight import check_run_paths
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", C.ConfigWarning)
-        cfg = C.load_config(args.config)
+    cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
           f"dataset folder(s) and output folder are usable)")
     return 0
