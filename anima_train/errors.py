@@ -41,15 +41,26 @@ class UserError(Exception):
 def user_message(exc: BaseException) -> str | None:
     """The message to show for a user error, or None when `exc` is not one (an internal error: a bug)."""
     if isinstance(exc, UserError):
-        return str(exc)
+        return _without_worker_traceback(exc)
     anchor = sys.modules.get("anchor")  # a separate package that does not import anima_train
     if anchor is not None and isinstance(exc, getattr(anchor, "AnchorError", ())):
-        return str(exc)
+        return _without_worker_traceback(exc)
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror or exc}" + (
             "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
     return None
+
+
+def _without_worker_traceback(exc: BaseException) -> str:
+    """A user error raised in a DataLoader worker comes back re-raised with the worker's traceback in its message
+    ("Caught X in DataLoader worker process 0. Original Traceback ... pkg.X: message"): keep the message."""
+    text = str(exc)
+    if "Original Traceback (most recent call last):" not in text:
+        return text
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(name)
+    return text[at + len(name):].strip() if at >= 0 else text
 
 
 def debug_requested() -> bool:

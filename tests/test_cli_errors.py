@@ -243,3 +243,25 @@ def test_the_library_errors_are_user_errors():
     for kind in (ConfigError, DatasetError, BucketError, ResumeError, ModelRepoError, ConvertError):
         assert issubclass(kind, UserError), kind
     assert issubclass(ModelRepoError, FileNotFoundError) and issubclass(ConfigError, ValueError)  # callers' excepts
+
+
+class _Unreadable:
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        from anima_train.dataset import DatasetError
+
+        raise DatasetError("latent cache /d/x_0128x0128_anima.safetensors cannot be read: delete it")
+
+
+def test_a_user_error_from_a_data_loader_worker_keeps_only_its_message():
+    from torch.utils.data import DataLoader
+
+    from anima_train.dataset import DatasetError
+    from anima_train.errors import user_message
+
+    with pytest.raises(DatasetError) as caught:
+        next(iter(DataLoader(_Unreadable(), num_workers=1)))
+    assert "Traceback" in str(caught.value)  # what torch re-raises
+    assert user_message(caught.value) == "latent cache /d/x_0128x0128_anima.safetensors cannot be read: delete it"
