@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
     args = parser.parse_args(rest)
     debug = debug or args.debug
+    default_format = warnings.formatwarning
     if not debug:
-        _plain_warnings(name)
+        warnings.formatwarning = _plain_format(name)
     try:
         return int(run(args) or 0)
     except KeyboardInterrupt:
@@ -134,20 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return _report(name, exc)
+    finally:
+        warnings.formatwarning = default_format  # in-process callers get theirs back
 
 
-def _plain_warnings(name: str) -> None:
-    """Our own warnings (a config that loads but looks wrong, ...) as one line each, without Python's source-line
-    echo; everyone else's keep the default format."""
-    default = warnings.showwarning
+def _plain_format(name: str):
+    """warnings.formatwarning that shows our own warnings (a config that loads but looks wrong, ...) as one line,
+    without Python's file:line and source echo; everyone else's keep the default format. (Formatting only: a
+    caller recording warnings, e.g. pytest.warns, still gets them.)"""
+    default = warnings.formatwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    def formatwarning(message, category, filename, lineno, line=None):
         if category.__module__.split(".")[0] not in ("anima_train", "anchor"):
-            return default(message, category, filename, lineno, file, line)
-        if errors.is_main_process():
-            print(f"anima-train {name}: warning: {message}", file=file or sys.stderr)
+            return default(message, category, filename, lineno, line)
+        return f"anima-train {name}: warning: {message}\n" if errors.is_main_process() else ""
 
-    warnings.showwarning = show
+    return formatwarning
 
 
 def _report(name: str, exc: Exception) -> int:

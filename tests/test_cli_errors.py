@@ -154,6 +154,15 @@ def test_missing_captions_fail_fast_and_name_the_escape_flag(tiny_anima, latents
     assert "1 source(s) have no caption file and train on an empty caption" in ok.stdout
 
 
+def test_config_check_passes_a_good_config_and_prints_its_warnings_plainly(tiny_anima, latents, tmp_path):
+    cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, latents, tmp_path / "out",
+                       extra="train_text_encoder = true\n")
+    out = cli("config", cfg, cwd=tmp_path)
+    assert out.returncode == 0 and "c.toml: OK" in out.stdout, out.stderr
+    assert out.stderr.startswith("anima-train config: warning: ") and "train_text_encoder" in out.stderr
+    assert "warnings.warn" not in out.stderr and out.stderr.count("\n") == 1  # one line, no source echo
+
+
 # ------------------------------------------------------------------------------------------ stale caches
 
 
