@@ -204,7 +204,7 @@ def audit(args) -> tuple[list[str], bool]:
         out += [f"  - {r}" for r in reasons]
         tops = [Path(s.path) for s in subsets]
         if never or stale or damaged:
-            out.append(f"fix: {cache_command(tops, settings)}")
+            out.append(f"fix: {cache_command(tops, settings, model=model_path)}")
         return out, False
     out.append(f"verdict  SAFE to delete the images: every image is cached at tier(s) {list(settings.tiers)} with the "
                f"current settings and every cache has its caption (keep the .txt files and the caches)")

@@ -33,6 +33,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from anima_train.errors import UserError
+
 log = logging.getLogger(__name__)
 
 ROPE_SPEC_SIDE = 1920  # declared RoPE range: 120 patch units x 16 px
@@ -40,7 +42,7 @@ ROPE_HARD_SIDE = 2048  # 128 units: the implementation's real limit (2112 crashe
 TIER_COLLAPSE_MODES = ("dedup", "repeat")
 
 
-class BucketError(ValueError):
+class BucketError(UserError, ValueError):
     """A source or a setting that bucketing cannot handle; the message says which and what to change."""
 
 

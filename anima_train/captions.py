@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from anima_train.errors import UserError
+
 CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")
 VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
 NL_SUFFIX = "_nl"
@@ -60,7 +62,7 @@ def caption_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random(f"anima-caption/{int(seed)}/{int(epoch)}/{int(index)}")
 
 
-class CaptionError(ValueError):
+class CaptionError(UserError, ValueError):
     """A caption file that cannot be used as it is; the message names the file and the fix."""
 
     def __init__(self, path: Path, problem: str, fix: str):

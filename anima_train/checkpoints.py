@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from anima_train.atomic import write_text
+from anima_train.errors import UserError
 
 STATE_SUFFIX = "-state"
 STATE_FILE = "state.json"
@@ -146,8 +147,8 @@ def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, ste
 # -- resume ----------------------------------------------------------------------------------------------------
 
 
-class ResumeError(ValueError):
-    pass
+class ResumeError(UserError, ValueError):
+    """A resume_from that cannot be resumed; the message names the path and the fix."""
 
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -269,7 +270,7 @@ def refuse_finished(state_dir: Path, max_steps: int | None, epochs: int) -> None
 # -- writing ---------------------------------------------------------------------------------------------------
 
 
-class SaveError(OSError):
+class SaveError(UserError, OSError):
     """A checkpoint or state file could not be written (disk full, permissions, ...); names the file."""
 
 

@@ -3,16 +3,25 @@
 Each subcommand lives in its own module, which provides `add_arguments(parser)` and `run(args) -> int`. The module
 is imported only when its subcommand runs, so `anima-train --help` and `anima-train check` start in well under a
 second and a broken optional dependency in one command cannot take the others down with it.
+
+Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
+ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
+returns 2. Any other exception is an internal error: one line, exit 1, and the traceback only with `--debug` or
+ANIMA_TRAIN_DEBUG=1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shlex
+import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 
-from anima_train import __version__
+from anima_train import __version__, errors
 
 
 @dataclass(frozen=True)
@@ -28,13 +37,32 @@ COMMANDS: dict[str, Command] = {
     "cache": Command("anima_train.cache", "encode a dataset's images into latent caches next to them"),
     "audit": Command("anima_train.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
     "train": Command("anima_train.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "config": Command("anima_train.config_reference",
+                      "check a config and the paths it names, or print every key (--reference)"),
     "demo": Command("anima_train.demo", "train a LoRA on a tiny model and a generated dataset (no downloads)"),
+    "tiny-model": Command("anima_train.demo", "write a tiny random Anima model to try the trainer on your images",
+                          "tiny_model_add_arguments", "tiny_model_run"),
     "check": Command("anima_train.check", "import every dependency, print versions and device info"),
     "anchor-info": Command("anchor.cli", "print an anchor file's usage card and width signature",
                            "info_add_arguments", "info_run"),
     "anchor-convert": Command("anchor.cli", "convert a .pt anchor file to .safetensors",
                               "convert_add_arguments", "convert_run"),
 }
+
+
+def program() -> str:
+    """How this process's user runs anima-train, as a shell prefix, so a command printed in a message (a fix to
+    copy) works as printed: `anima-train` when that is on PATH, else the script or `python -m anima_train`."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(argv0)
+    if name in ("anima-train", "anima-train.exe"):
+        on_path = shutil.which("anima-train")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+            return "anima-train"
+        return shlex.quote(argv0)
+    if name == "__main__.py" and os.path.basename(os.path.dirname(argv0)) == "anima_train":
+        return f"{shlex.quote(sys.executable)} -m anima_train"
+    return "anima-train"  # in-process callers (ComfyUI node code, tests): the documented command
 
 
 class NotYetImplemented(RuntimeError):
@@ -71,6 +99,9 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = errors.debug_requested()
+    if argv[:1] == ["--debug"]:  # `anima-train --debug COMMAND ...` as well as `anima-train COMMAND ... --debug`
+        debug, argv = True, argv[1:]
     top = _top_parser()
     if not argv or argv[0].startswith("-"):
         top.parse_args(argv or ["--help"])  # prints help/version and exits
@@ -86,8 +117,54 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
     add_arguments(parser)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
     args = parser.parse_args(rest)
-    return int(run(args) or 0)
+    debug = debug or args.debug
+    default_format = warnings.formatwarning
+    if not debug:
+        warnings.formatwarning = _plain_format(name)
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"anima-train {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
+        if debug:
+            raise
+        return _report(name, exc)
+    finally:
+        warnings.formatwarning = default_format  # in-process callers get theirs back
+
+
+def _plain_format(name: str):
+    """warnings.formatwarning that shows our own warnings (a config that loads but looks wrong, ...) as one line,
+    without Python's file:line and source echo; everyone else's keep the default format. (Formatting only: a
+    caller recording warnings, e.g. pytest.warns, still gets them.)"""
+    default = warnings.formatwarning
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if category.__module__.split(".")[0] not in ("anima_train", "anchor"):
+            return default(message, category, filename, lineno, line)
+        return f"anima-train {name}: warning: {message}\n" if errors.is_main_process() else ""
+
+    return formatwarning
+
+
+def _report(name: str, exc: Exception) -> int:
+    """One message on stderr for an error that escaped a command; the exit status (2 user error, 1 internal)."""
+    message = errors.user_message(exc)
+    if message is not None:
+        if errors.is_main_process():  # every DDP process hits the same user error: one of them says it
+            print(f"anima-train {name}: error: {message}", file=sys.stderr)
+        return errors.USER_ERROR_EXIT
+    rank = "" if errors.is_main_process() else f"[rank {os.environ.get('RANK')}] "
+    print(f"{rank}anima-train {name}: internal error: {type(exc).__name__}: {exc}\n"
+          f"This is a bug in anima-train, not in your input. Re-run with --debug (or {errors.DEBUG_ENV}=1) to see "
+          f"the traceback, and include it when you report the problem.", file=sys.stderr)
+    return errors.INTERNAL_ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
+from anima_train import config_aliases
+from anima_train.errors import UserError
+
 DEFAULT_MODEL_PATH = "../anima-diffusers"
 MODEL_PATH_ENV = "ANIMA_MODEL"
 
@@ -55,7 +58,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot be used. `errors` holds one message per problem (the lines of the message)."""
 
     def __init__(self, message: str, errors: list[str] | None = None):
@@ -561,16 +564,24 @@ def _header(name: str, index: int | None = None) -> str:
     return f"[[{name}]] #{index + 1}" if index is not None else f"[{name}]"
 
 
+def _table_header(table: str) -> str:
+    return f"[[{table}]]" if table in ARRAY_TABLES else f"[{table}]"
+
+
 def _unknown_key(where: str, table: str, key: str, valid: list[str], what: str = "key") -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    elsewhere = [t for t, keys in _all_keys_by_table().items() if key in keys and t != table]
-    if close:
-        hint = f" (did you mean '{close[0]}'?)"
-    elif elsewhere:
-        home = elsewhere[0]
-        hint = f" ('{key}' belongs in {f'[[{home}]]' if home in ARRAY_TABLES else f'[{home}]'})"
+    hint = ""
+    if what == "key":  # the name a user meant, also when it is another trainer's name (config_aliases)
+        found = config_aliases.suggestion(key, table, _all_keys_by_table())
+        if isinstance(found, str):
+            hint = f" ({found})"
+        elif found is not None:
+            home, name = found
+            hint = (f" (did you mean '{name}'?)" if home == table else
+                    f" ('{key}' belongs in {_table_header(home)})" if name == key else
+                    f" (did you mean {_table_header(home)} {name}?)")
     else:
-        hint = ""
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"{where} unknown {what} '{key}'{hint}; valid {what}s: {', '.join(valid)}"
 
 
@@ -642,10 +653,11 @@ def _build_config(raw: dict, p: _Problems) -> Config:
             if isinstance(value, dict):
                 p.error(_unknown_key("config:", "", key, list(top), what="table"))
             else:
-                homes = [t for t, keys in _all_keys_by_table().items() if key in keys]
-                inside = f"[{homes[0]}] {key}" if homes else f"[train] {key}"
-                p.error(f"config: key '{key}' is outside any table; keys go inside a table, e.g. {inside} "
-                        f"(tables: {', '.join(top)})")
+                found = config_aliases.suggestion(key, "", _all_keys_by_table())
+                fix = (f"; {found}" if isinstance(found, str) else
+                       f"; keys go inside a table, e.g. {_table_header(found[0])} {found[1]}" if found else
+                       "; it is not a key of any table either (docs/config.md lists every key)")
+                p.error(f"config: key '{key}' is outside any table{fix} (tables: {', '.join(top)})")
         elif key == "curriculum":
             if isinstance(value, dict):
                 p.error("[curriculum] is a single table, but curriculum phases are an array of tables: write "
@@ -936,8 +948,9 @@ def _check_curriculum(cfg: Config, p: _Problems) -> None:
                         f"t_range = {_fmt(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
             elif not (0 <= tr[0] < tr[1] <= 1):
                 p.error(f"{where} t_range = {_fmt(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
+        # (while texture mode is gated, its refusal is the only message: no detour through source = "encode")
         if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
-                and cfg.dataset.source != "encode"):
+                and "curriculum.texture" not in NOT_IMPLEMENTED and cfg.dataset.source != "encode"):
             p.error(f'{where} mode = "texture" needs [dataset] source = "encode" (a crop is chosen per sample '
                     f'per step, so no cached latent can express it); it is {_fmt(cfg.dataset.source)}')
     if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 
 from anima_train import keymaps
+from anima_train.errors import UserError
 from anima_train.models import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
 
 # which state_dict_kind each slot expects, and how to name it in messages
@@ -46,7 +47,7 @@ SLOTS = {
 KIND_TO_SLOT = {kind: slot for slot, (kind, _) in SLOTS.items()}
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError, ValueError):
     """Conversion refused or failed; the message names the file/folder and the fix."""
 
 

@@ -55,6 +55,7 @@ from anima_train.buckets import (
     tier_report,
 )
 from anima_train.captions import CaptionError, build_caption, read_caption_files
+from anima_train.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -64,7 +65,7 @@ CACHE_FORMAT = "anima-latent-cache/1"
 SOURCE_MODES = ("images", "latents", "encode", "auto")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A dataset problem found while scanning; the message names the files/settings and the fix."""
 
 
@@ -364,12 +365,14 @@ def missing_captions(scan: Scan, sources: Sequence[Source]) -> list[Path]:
             if s.stem.name not in scan.folders[s.folder].captions]
 
 
-def refuse_missing_captions(missing: Sequence[Path], what: str = "image") -> None:
+def refuse_missing_captions(missing: Sequence[Path], what: str = "image",
+                            escape: str = "train them on an empty caption") -> None:
+    """Refuse uncaptioned sources, naming them and the ways out; `escape` = what --allow-missing-captions does."""
     if missing:
         shown = "\n".join(f"  {p}" for p in missing[:50])
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
         raise DatasetError(f"{len(missing)} {what}(s) have no caption file:\n{shown}{more}\nwrite a <stem>.txt "
-                           f"for each (tags), or delete the {what}s")
+                           f"for each (tags), delete the {what}s, or pass --allow-missing-captions to {escape}")
 
 
 def refuse_unreadable_captions(sources: Sequence[Source]) -> None:
@@ -524,23 +527,36 @@ def explain_settings(meta: dict, settings: BucketSettings, vae_id: str | None) -
     return "; ".join(diffs) if diffs else "the same settings (the image may have changed since)"
 
 
-def cache_command(folders: Iterable[Path], settings: BucketSettings, overwrite: bool = False) -> str:
-    """The `anima-train cache` line that makes caches for the current settings."""
-    d = BucketSettings()
-    parts = ["anima-train cache", *sorted({str(p) for p in folders}),
-             "--resolution", *map(str, settings.tiers)]
-    parts += ["--bucket-reso-steps", str(settings.bucket_reso_steps)]  # always: it is what changes most
-    if settings.max_bucket_reso != d.max_bucket_reso:
-        parts += ["--max-bucket-reso", str(settings.max_bucket_reso)]
-    if not settings.bucket_no_upscale:
-        parts += ["--upscale"]
-        if settings.min_bucket_reso != d.min_bucket_reso:
-            parts += ["--min-bucket-reso", str(settings.min_bucket_reso)]
-        if settings.multires_training:
-            parts += ["--multires-training"]
+def cache_command(folders: Iterable[Path], settings: BucketSettings, overwrite: bool = False, *,
+                  model: str | os.PathLike | None = None, config: str | os.PathLike | None = None,
+                  allow_missing_captions: bool = False) -> str:
+    """The `anima-train cache` line that makes caches for the current settings, ready to paste into a shell: from
+    the training config when there is one (its folders, settings and model_path), else folders + flags + --model."""
+    import shlex
+
+    from anima_train.cli import program
+
+    if config is not None:
+        parts = ["cache", "--config", str(Path(config).absolute())]
+    else:
+        d = BucketSettings()
+        parts = ["cache", *sorted({str(p) for p in folders}), "--resolution", *map(str, settings.tiers)]
+        parts += ["--bucket-reso-steps", str(settings.bucket_reso_steps)]  # always: it is what changes most
+        if settings.max_bucket_reso != d.max_bucket_reso:
+            parts += ["--max-bucket-reso", str(settings.max_bucket_reso)]
+        if not settings.bucket_no_upscale:
+            parts += ["--upscale"]
+            if settings.min_bucket_reso != d.min_bucket_reso:
+                parts += ["--min-bucket-reso", str(settings.min_bucket_reso)]
+            if settings.multires_training:
+                parts += ["--multires-training"]
+        if model is not None:
+            parts += ["--model", str(model)]
+    if allow_missing_captions:
+        parts.append("--allow-missing-captions")
     if overwrite:
         parts.append("--overwrite")
-    return " ".join(parts)
+    return " ".join([program(), *map(shlex.quote, parts)])
 
 
 @dataclass
@@ -599,8 +615,10 @@ def made_with(check: CacheCheck, path: Path, settings: BucketSettings, vae_id: s
 
 
 def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: BucketSettings,
-                      vae_id: str | None) -> DatasetError:
-    """One error for every (source, tier) pair without a valid cache, grouped by the setting that changed."""
+                      vae_id: str | None, *, model=None, config=None, allow_missing_captions: bool = False
+                      ) -> DatasetError:
+    """One error for every (source, tier) pair without a valid cache, grouped by the setting that changed; its
+    fix is a cache command that works as printed (from `config`, the training config's file, when there is one)."""
     by_reason: dict[str, list[str]] = defaultdict(list)
     damaged = []
     for e, why in check.missing:
@@ -629,8 +647,9 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
     folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
     tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
                    for e, _ in check.missing})
-    lines.append(f"fix: re-run `{cache_command(tops, settings)}` (it re-encodes stale and damaged caches), or set "
-                 f"the config back to the settings the caches were made with")
+    fix = cache_command(tops, settings, model=model, config=config, allow_missing_captions=allow_missing_captions)
+    lines.append(f"fix: re-run `{fix}` (it re-encodes stale and damaged caches), or set the "
+                 f"config back to the settings the caches were made with")
     if any(f.mode == "latents" for f in scan.folders):
         lines.append("(the images are gone from " + ", ".join(map(str, folders[:3]))
                      + ": restore them to re-cache, or set the settings back)")
@@ -715,8 +734,10 @@ class AnimaDataset:
     """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
     index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG."""
 
-    def __init__(self, items: Sequence[Item], mode: str, caption_options, seed: int = 0):
+    def __init__(self, items: Sequence[Item], mode: str, caption_options, seed: int = 0,
+                 uncaptioned: Iterable[Path] = ()):
         self.items = list(items)
+        self.uncaptioned = frozenset(uncaptioned)  # stems allowed to have no <stem>.txt: an empty caption
         self.mode = mode
         self.caption_options = caption_options
         self.seed = int(seed)
@@ -730,7 +751,7 @@ class AnimaDataset:
 
     def __getitem__(self, index: int) -> dict:
         it = self.items[index]
-        tags, nl = read_caption_files(it.stem)
+        tags, nl = ("", None) if it.stem in self.uncaptioned else read_caption_files(it.stem)
         out = {
             "caption": build_caption(tags, nl, self.caption_options, self.seed, self.epoch, index),
             "bucket": it.plan.bucket,
@@ -883,8 +904,10 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
     return sources, plan, check
 
 
-def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) -> TrainingData:
-    """Scan, plan, check caches and build the dataset + sampler + startup report for a loaded Config."""
+def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
+                        allow_missing_captions: bool = False) -> TrainingData:
+    """Scan, plan, check caches and build the dataset + sampler + startup report for a loaded Config.
+    Sources without a caption file are refused, or with allow_missing_captions trained on an empty caption."""
     d = cfg.dataset
     settings = BucketSettings.from_config(d)
     warn: list[str] = []
@@ -909,11 +932,18 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) 
         if orphans and mode == "images":
             warn.append(f"{orphans} cached stem(s) have no image and are not used under source = images: set "
                         f'source = "latents" to train on every cache')
-    refuse_missing_captions(missing_captions(scan, plan.sources), "cache" if mode == "latents" else "image")
+    uncaptioned = missing_captions(scan, plan.sources)
+    if not allow_missing_captions:
+        refuse_missing_captions(uncaptioned, "cache" if mode == "latents" else "image")
+    elif uncaptioned:
+        warn.append(f"{len(uncaptioned)} source(s) have no caption file and train on an empty caption "
+                    f"(--allow-missing-captions), e.g. {uncaptioned[0]}")
     refuse_unreadable_captions(plan.sources)
     if check is not None:
         if check.missing:
-            raise stale_cache_error(scan, plan, check, settings, vae_id)
+            raise stale_cache_error(scan, plan, check, settings, vae_id, model=model_path,
+                                    config=getattr(cfg, "source_path", None),
+                                    allow_missing_captions=allow_missing_captions)
         entries = check.entries
     else:
         entries = plan.entries
@@ -933,7 +963,8 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False) 
         tiers_by_bucket[e.plan.bucket].add(e.tier)
     per_bucket = bucket_batch_sizes(tiers_by_bucket, cfg.train.batch_size)
     sampler = BucketBatchSampler(keys, {k: per_bucket[k[0]] for k in set(keys)}, seed=cfg.train.seed)
-    dataset = AnimaDataset(items, mode, d.caption, seed=cfg.train.seed)
+    dataset = AnimaDataset(items, mode, d.caption, seed=cfg.train.seed,
+                           uncaptioned=(p.with_name(p.name[:-len(".txt")]) for p in uncaptioned))
 
     n_sized = sum(1 for s in plan.sources if s.size is not None)
     sized_entries = [e for e in entries if plan.sources[e.source].size is not None]

@@ -120,4 +120,44 @@ def run(args) -> int:
     print(f"  loss plot:                     {plot}")
     print(f"  tiny model (diffusers repo):   {tiny.diffusers_dir}")
     print(f"  tiny model (ComfyUI files):    {tiny.native_dir}")
+    print(f"Everything stays in {out}. To try your own images on the tiny model, point a config's "
+          f'[train] model_path at "{tiny.diffusers_dir}" (see `anima-train tiny-model --help`).')
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- tiny-model
+
+TINY_MODEL_TOML = """\
+[train]
+model_path = "{model}"
+dtype = "float32"            # the tiny model trains in fp32
+max_steps = 20
+[dataset]
+path = "/your/images"        # images with a <stem>.txt caption each
+resolution = 256
+source = "encode"            # the tiny VAE runs in the loop: no `anima-train cache` step needed
+[optimizer]
+lr = 5e-3                    # tiny random model; real LoRAs use ~1e-4
+"""
+
+
+def tiny_model_add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", metavar="DIR", help="folder to write (absent or empty): DIR/diffusers is the model_path "
+                                                   "for a config, DIR/native holds the same weights as ComfyUI files")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+
+
+def tiny_model_run(args) -> int:
+    """A tiny random-weight Anima (seconds, no downloads) to try configs, datasets and ComfyUI wiring on."""
+    from anima_train.errors import UserError
+    from anima_train.tiny import build_tiny_anima
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} is not an empty folder; give a new or empty one (nothing was written)")
+    tiny = build_tiny_anima(out, seed=args.seed)
+    print(f"tiny model (diffusers repo, a config's model_path): {tiny.diffusers_dir}")
+    print(f"tiny model (ComfyUI single files):                 {tiny.native_dir}")
+    print("Random weights: it trains and loads like Anima but draws noise. A config to try it on your own images:\n")
+    print(TINY_MODEL_TOML.format(model=tiny.diffusers_dir.as_posix()))
     return 0

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from anima_train.errors import UserError
+
 # subfolder -> the file that must exist in it (any one of the names)
 REQUIRED_FILES = {
     "transformer": ("config.json",),
@@ -34,7 +36,7 @@ TOKENIZER_FOLDERS = ("tokenizer", "t5_tokenizer")
 DEFAULT_TOKENIZER_REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"  # see convert.py for why this one
 
 
-class ModelRepoError(FileNotFoundError):
+class ModelRepoError(UserError, FileNotFoundError):
     """A model_path that is not a usable Anima diffusers repo; the message says what is missing and the fix."""
 
 

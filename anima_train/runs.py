@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from anima_train.checkpoints import STATE_FILE, STATE_SUFFIX
+from anima_train.errors import UserError
 
 LOCK_NAME = ".anima-train.lock"
 IS_WINDOWS = os.name == "nt"
 _WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
 
 
-class RunRefused(ValueError):
+class RunRefused(UserError, ValueError):
     """This run must not start: its stop file exists, another process trains into its folder, or the folder holds
     another run's files. The message names the file or folder and what to do."""
 

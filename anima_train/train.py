@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
-from anima_train import parent_watch, runs
+from anima_train import errors, parent_watch, preflight, runs
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -50,6 +50,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="build everything, run one step, save nothing, exit")
     parser.add_argument("--events", metavar="PATH|-", help="append JSON-lines progress events to PATH (- = stdout)")
     parser.add_argument("--skip-unreadable", action="store_true", help="skip unreadable images instead of refusing")
+    parser.add_argument("--allow-missing-captions", action="store_true",
+                        help="train images without a <stem>.txt on an empty caption instead of refusing")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
     parser.add_argument("--stop-file", metavar="PATH",
                         help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists; refused if "
@@ -63,10 +65,11 @@ def run(args) -> int:
     cfg = load_config(args.config)
     if args.max_steps is not None:
         if args.max_steps < 1:
-            raise SystemExit(f"--max-steps {args.max_steps}: must be at least 1")
+            raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")
         cfg.train.max_steps = args.max_steps
     train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
-          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file, overwrite=args.overwrite)
+          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file, overwrite=args.overwrite,
+          allow_missing_captions=args.allow_missing_captions)
     return 0
 
 
@@ -80,7 +83,7 @@ def _precision_note() -> str | None:
 
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
           skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
-          overwrite: bool = False) -> TrainResult:
+          overwrite: bool = False, allow_missing_captions: bool = False) -> TrainResult:
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="no", cpu=cpu,
@@ -89,9 +92,12 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
     try:
         with contextlib.ExitStack() as cleanup:
             return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save,
-                          skip_unreadable=skip_unreadable, stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
+                          skip_unreadable=skip_unreadable, stop_file=stop_file, overwrite=overwrite,
+                          allow_missing_captions=allow_missing_captions, cleanup=cleanup)
     except BaseException as exc:
-        progress.event("error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        user = errors.user_message(exc)  # a user error is its message alone, as on the command line
+        progress.event("error", message=user or f"{type(exc).__name__}: {exc}",
+                       traceback="" if user else traceback.format_exc())
         raise
     finally:
         progress.close()
@@ -99,7 +105,7 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
            skip_unreadable: bool, stop_file: str | None = None, overwrite: bool = False,
-           cleanup: contextlib.ExitStack) -> TrainResult:
+           allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
     from torch.utils.data import DataLoader
 
     from anima_train.adapters import build_param_groups, inject_adapters
@@ -117,13 +123,21 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
     if note := _precision_note():
         say(note)
-    # a resume that cannot work must fail before minutes of model loading, not after
+    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
+    preflight.check_run_paths(cfg, saving=not no_save)
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
     if state_dir is not None and not dry_run:
         ckpt.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
     cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
                                          overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
+    progress.event("status", message="scanning dataset")
+    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
+                               allow_missing_captions=allow_missing_captions)
+    for line in data.report:
+        say(line)
+    for text in data.warnings:
+        progress.warning(text)
     progress.event("status", message="loading model")
 
     # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
@@ -134,12 +148,6 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- model, data, adapters --------------------------------------------------------------------------------
     parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
-    progress.event("status", message="scanning dataset")
-    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable)
-    for line in data.report:
-        say(line)
-    for text in data.warnings:
-        progress.warning(text)
 
     if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
         from anima_train.quant import dit_tokens, quantize_models

@@ -208,24 +208,11 @@ def config_toml(values: dict) -> str:
 
 
 def check_paths(cfg) -> list[str]:
-    """Problems load_config cannot see: the model repo and the dataset folders must exist here."""
-    from anima_train.models import ModelRepoError, check_repo
+    """Problems load_config cannot see: the model repo, dataset folders, output folder and resume_from, checked
+    here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
+    from anima_train.preflight import path_problems
 
-    problems = []
-    model = cfg.train.model_path
-    if model.startswith("<linked"):
-        pass
-    elif not model:
-        problems.append("model_path is empty: set it to a converted Anima diffusers repo (the Convert node's output)")
-    else:
-        try:
-            check_repo(model)
-        except ModelRepoError as exc:
-            problems.append(str(exc))
-    for sub in cfg.dataset.resolved_subsets():
-        if not sub.path.startswith("<linked") and not os.path.isdir(os.path.expanduser(sub.path)):
-            problems.append(f"dataset folder {sub.path!r} does not exist")
-    return problems
+    return path_problems(cfg, skip=lambda value: value.startswith("<linked"))
 
 
 def build_config(values: dict):

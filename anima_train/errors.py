@@ -1,0 +1,77 @@
+"""Errors a user can fix, in one place.
+
+Raise `UserError` (or a subclass) for every problem that comes from the user's input or machine rather than from a
+bug: a config key, a missing file or folder, a dataset without captions, a stale cache, an unusable `resume_from`, a
+run folder in use, a full disk. Its message is all the user sees, so it names the file/key and the fix in plain
+words. `anima-train` (cli.main) prints it as
+
+    anima-train COMMAND: error: <message>
+
+on stderr and exits 2, with no traceback; anything else that escapes a command is an internal error (exit 1, with a
+hint to re-run with `--debug` or ANIMA_TRAIN_DEBUG=1 for the traceback). Under accelerate/torchrun only the main
+process prints a user error (every process hits the same one; the launcher's own report follows).
+
+The library's own error types are UserErrors: config.ConfigError, dataset.DatasetError, buckets.BucketError,
+checkpoints.ResumeError, checkpoints.SaveError, captions.CaptionError, runs.RunRefused, models.ModelRepoError,
+convert.ConvertError. New checks should raise one of those, or
+UserError itself (or a new subclass of it) when none fits.
+
+No imports beyond the standard library: config.py (no torch) and the CLI's start-up import this module.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+USER_ERROR_EXIT = 2
+INTERNAL_ERROR_EXIT = 1
+DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
+
+# OSErrors that describe the user's machine, not a bug: the message (with its file name) is the whole story.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EMFILE}
+
+
+class UserError(Exception):
+    """A problem the user can fix. The message names the file/key and the fix; it is shown without a traceback."""
+
+    exit_code = USER_ERROR_EXIT
+
+
+def user_message(exc: BaseException) -> str | None:
+    """The message to show for a user error, or None when `exc` is not one (an internal error: a bug)."""
+    if isinstance(exc, UserError):
+        return _without_worker_traceback(exc)
+    anchor = sys.modules.get("anchor")  # a separate package that does not import anima_train
+    if anchor is not None and isinstance(exc, getattr(anchor, "AnchorError", ())):
+        return _without_worker_traceback(exc)
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}" + (
+            "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    return None
+
+
+def _without_worker_traceback(exc: BaseException) -> str:
+    """A user error raised in a DataLoader worker comes back re-raised with the worker's traceback in its message
+    ("Caught X in DataLoader worker process 0. Original Traceback ... pkg.X: message"): keep the message."""
+    text = str(exc)
+    if "Original Traceback (most recent call last):" not in text:
+        return text
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}: "
+    at = text.rfind(name)
+    return text[at + len(name):].strip() if at >= 0 else text
+
+
+def debug_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def is_main_process() -> bool:
+    """False on the non-zero ranks of a torchrun/accelerate launch (they exit quietly; rank 0 speaks)."""
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    try:
+        return int(rank) == 0
+    except ValueError:
+        return True

@@ -1,0 +1,77 @@
+"""The files and folders a training run needs, checked before anything heavy happens.
+
+load_config checks what the TOML says; this checks what the config points at, on this machine: the model repo, the
+dataset folders, the output folder and `resume_from`. The trainer calls `check_run_paths` before it loads any model
+(loading takes from seconds to a minute), the ComfyUI config node calls `path_problems` when it validates. Every
+problem is reported at once, each naming the key, the path and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from anima_train.config import Config, ConfigError
+
+
+def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False) -> list[str]:
+    """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
+    True for a value not known yet (a ComfyUI input linked from another node)."""
+    from anima_train import checkpoints
+    from anima_train.models import ModelRepoError, check_repo
+
+    problems = []
+    model = cfg.train.model_path
+    if not skip(model):
+        try:
+            check_repo(model)
+        except ModelRepoError as exc:
+            problems.append(str(exc) if str(exc).startswith("model_path") else f"[train] model_path: {exc}")
+    for i, sub in enumerate(cfg.dataset.resolved_subsets()):
+        if skip(sub.path):
+            continue
+        key = "[dataset] path" if cfg.dataset.path is not None else f"[[dataset.subsets]] #{i + 1} path"
+        folder = Path(sub.path).expanduser()
+        if not folder.exists():
+            problems.append(f"{key} = {str(sub.path)!r}: dataset folder not found ({folder.absolute()}); fix the "
+                            f"path")
+        elif not folder.is_dir():
+            problems.append(f"{key} = {str(sub.path)!r} is a file, not a dataset folder of images; give its folder")
+    if saving and not skip(cfg.train.output_dir):
+        problems += _output_problems(Path(cfg.train.output_dir).expanduser(), cfg.run_stem)
+    resume = cfg.train.resume_from
+    if resume is not None and not skip(resume):
+        try:
+            checkpoints.resolve_resume(resume)
+        except checkpoints.ResumeError as exc:
+            problems.append(f"[train] {exc}")
+    return problems
+
+
+def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
+    run_dir = output_dir / run_stem
+    for path, key in ((output_dir, "[train] output_dir"), (run_dir, f"the run folder <output_dir>/{run_stem}")):
+        if path.exists() and not path.is_dir():
+            return [f"{key} {str(path)!r} is a file, not a folder; set [train] output_dir to a folder (or move the "
+                    f"file away)"]
+    existing = run_dir if run_dir.exists() else output_dir
+    while not existing.exists():  # the folders the run will create: the first one that exists must take them
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"[train] output_dir {str(output_dir)!r}: {existing} is a file, so the folder cannot be created; "
+                f"choose another output_dir"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"[train] output_dir {str(output_dir)!r}: {existing} is not writable by this user; choose another "
+                f"output_dir or fix the folder's permissions"]
+    return []
+
+
+def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
+    """Raise one ConfigError listing every unusable path of `cfg` (see path_problems)."""
+    problems = path_problems(cfg, saving=saving)
+    if problems:
+        name = str(cfg.source_path) if cfg.source_path is not None else "the config"
+        n = len(problems)
+        raise ConfigError(f"{name}: {n} path{'s' if n > 1 else ''} cannot be used:\n"
+                          + "\n".join(f"  - {p}" for p in problems), problems)
