@@ -62,7 +62,9 @@ KNOBS = [
     Knob("train.batch_size", "batch_size"),
     Knob("dataset.resolution", "resolution"),
     Knob("dataset.num_repeats", "num_repeats"),
-    Knob("train.seed", "seed"),
+    # not "seed": the frontend gives an INT input of that name a "control after generate" widget, which shifts the
+    # saved widget values of every older workflow and frontend; a training seed is never re-rolled per queue
+    Knob("train.seed", "training_seed"),
     Knob("train.gradient_accumulation_steps", "gradient_accumulation_steps", advanced=True),
     Knob("train.gradient_checkpointing", "gradient_checkpointing", advanced=True),
     Knob("train.dtype", "dtype", advanced=True),
@@ -133,8 +135,9 @@ def knob_input(knob: Knob):
     if knob.unset_zero:
         lo = 0
     if kind is int:
+        # control_after_generate=False: re-rolling a knob after each queue would retrain on every queue
         return io.Int.Input(knob.widget, default=int(default or 0), min=int(lo) if lo is not None else 0,
-                            max=int(hi) if hi is not None else 2**31 - 1, **common)
+                            max=int(hi) if hi is not None else 2**31 - 1, control_after_generate=False, **common)
     if kind is float:
         step = knob.step or 0.01
         return io.Float.Input(knob.widget, default=float(default or 0.0), min=float(lo) if lo is not None else 0.0,

@@ -18,6 +18,22 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--require-comfyui", action="store_true",
+                     help="a comfyui-marked test that would be skipped fails instead (CI: .ci/comfyui.sh)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and not hasattr(report, "wasxfail") and "comfyui" in item.keywords
+            and item.config.getoption("--require-comfyui")):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"--require-comfyui: this ComfyUI test would have been skipped: {reason}"
+
+
 def pytest_collection_modifyitems(config, items):
     need_gpu = [item for item in items if "gpu" in item.keywords]
     gpu_ok = _cuda_available() if need_gpu else False

@@ -80,3 +80,32 @@ def training_loss(parts: dict, images: torch.Tensor, captions: list[str], genera
     v = parts["transformer"](x_t, timestep=sigma, encoder_hidden_states=ctx,
                              padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
     return torch.nn.functional.mse_loss(v.float(), (eps - x0).float())
+
+
+def comfy_text_encoder(tmp_path_factory, seed: int = 0):
+    """A random-weight Qwen3 text encoder ComfyUI's CLIPLoader loads (native names, bf16, ~1.2 GB, ~15 s).
+
+    The one model that cannot be tiny: ComfyUI hard-codes the Qwen3-0.6B config of Anima's text encoder (28 layers,
+    vocab 151936; COMFYUI.md §5.2), so a workflow with a CLIPLoader needs a file of exactly that shape. The shapes
+    come from transformers' Qwen3 with the full config, built on the meta device (no 0.6B initialisation)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    from anima_train import keymaps
+    from anima_train.tiny import QWEN3_FULL
+
+    key = ("comfy_text_encoder", seed)
+    if key not in _CACHE:
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in Qwen3Model(Qwen3Config(**QWEN3_FULL)).state_dict().items()}
+        gen = torch.Generator().manual_seed(seed)
+        sd = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):  # RMSNorm scales
+                sd[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                sd[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
+        path = tmp_path_factory.mktemp("qwen3_full") / "qwen3_06b_random.safetensors"
+        save_file(keymaps.qwen3_diffusers_to_native(sd), str(path), metadata={"format": "pt"})
+        _CACHE[key] = path
+    return _CACHE[key]

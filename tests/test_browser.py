@@ -14,23 +14,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from anima_train.progress import format_duration
+from tests import comfy_browser
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-BROWSER_DIR = ROOT / "tests" / "browser"
+ROOT = comfy_browser.ROOT
+BROWSER_DIR = comfy_browser.BROWSER_DIR
 DRIVER = BROWSER_DIR / "train_chart.cjs"
 TRAIN_NODE = "AnimaTrainTrain"
 # Test-only route, installed in the temp custom_nodes (never in the pack): relays a posted event exactly as the Train
@@ -47,90 +43,23 @@ async def relay(request):
 
 NODE_CLASS_MAPPINGS = {}
 """
-SERVER_START_TIMEOUT = 180  # s; the first start compiles .pyc files and imports torch on 2 cores
-
-
-def _chromium() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def _playwright_ok(node: str) -> bool:
-    probe = subprocess.run([node, "-e", "require.resolve('playwright-core')"], cwd=BROWSER_DIR,
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read()
 
 
 @pytest.fixture(scope="module")
 def browser_tools():
-    chromium = _chromium()
-    if chromium is None:
-        pytest.skip("needs Chromium: apt-get install chromium (or set CHROMIUM to its binary)")
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("needs Node.js (node) to run tests/browser/train_chart.cjs")
-    if not _playwright_ok(node):
-        pytest.skip("needs playwright-core: npm install --prefix tests/browser")
-    return {"chromium": chromium, "node": node}
+    return comfy_browser.browser_tools()
 
 
 @pytest.fixture(scope="module")
 def comfy_server(browser_tools, tmp_path_factory):
-    comfy_root = Path(os.environ["COMFYUI_PATH"])
-    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    base = tmp_path_factory.mktemp("comfy_base")
-    (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / "comfyui-anima-train").symlink_to(ROOT, target_is_directory=True)
+    base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
     relay = base / "custom_nodes" / "zz_anima_train_test_relay"
     relay.mkdir()
     (relay / "__init__.py").write_text(RELAY)
     settings = base / "user" / "default" / "comfy.settings.json"
     settings.parent.mkdir(parents=True)
-    port = _free_port()
-    log = open(base / "server.log", "w")
-    server = subprocess.Popen(
-        [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
-         "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--disable-api-nodes"],
-        cwd=comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"ComfyUI exited with {server.returncode}:\n{(base / 'server.log').read_text()[-3000:]}")
-            try:
-                info = json.loads(_get(f"{url}/object_info/{TRAIN_NODE}"))
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"ComfyUI did not answer in {SERVER_START_TIMEOUT}s:\n"
-                                f"{(base / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
-        assert TRAIN_NODE in info, (f"/object_info has no {TRAIN_NODE}: the pack did not register it; server log:\n"
-                                    f"{(base / 'server.log').read_text()[-3000:]}")
-        yield {"url": url, "base": base, "settings": settings, "info": info[TRAIN_NODE], **browser_tools}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+    with comfy_browser.serve(base, TRAIN_NODE) as (url, info):
+        yield {"url": url, "base": base, "settings": settings, "info": info, **browser_tools}
 
 
 @pytest.mark.parametrize("renderer, dpr", [("litegraph", 2), ("vue", 1)])

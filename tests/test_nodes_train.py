@@ -130,6 +130,16 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     assert AdapterConfig().kind == ports["adapter"].options["default"]
 
 
+def test_no_config_widget_gets_a_control_after_generate_widget(comfy_env):
+    # ComfyUI's frontend gives an INT input named seed / noise_seed a "control after generate" widget (default:
+    # randomize) unless the input declares control_after_generate; it shifts every saved value after it and would
+    # re-roll the training seed after each queue. tests/test_browser_workflows.py checks it in the real frontend.
+    ints = [p for p in comfy_env.nt.AnimaTrainConfig.define_schema().inputs if p.kind == "INT"]
+    undeclared = [p.id for p in ints if p.options.get("control_after_generate") is not False]
+    assert ints and not undeclared, f"INT widgets without control_after_generate=False: {undeclared}"
+    assert not {p.id for p in ints} & {"seed", "noise_seed"}
+
+
 def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima, dataset):
     nt = comfy_env.nt
     good = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="my run", epochs=2)

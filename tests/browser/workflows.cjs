@@ -1,0 +1,124 @@
+// Drives a real headless Chromium against a running ComfyUI for tests/test_browser_workflows.py.
+//   node workflows.cjs '<json: {url, chromium, userDataDir, outDir, module, name, substitute, timeoutMs}>'
+// Loads one example workflow the way the Templates menu does (GET /api/workflow_templates/<module>/<name>.json, then
+// app.loadGraphData(json, true, true, name)), reads back every widget of every node as the UI holds it and the
+// workflow the UI would save, sets the `substitute` widget values ({node type: {widget name: value}}: tiny models,
+// small sizes), queues with the Queue button's own code (app.queuePrompt) and waits for the prompt to finish.
+// Writes what it saw to <outDir>/result.json; it asserts nothing itself: the Python test judges.
+"use strict";
+const fs = require("fs");
+const path = require("path");
+const { chromium } = require("playwright-core");
+
+const cfg = JSON.parse(process.argv[2]);
+const FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"];
+
+async function main() {
+  const result = { console: [], pageErrors: [] };
+  const browser = await chromium.launchPersistentContext(cfg.userDataDir, {
+    executablePath: cfg.chromium, headless: true, args: FLAGS, viewport: { width: 1600, height: 1000 },
+  });
+  try {
+    const page = browser.pages()[0] ?? await browser.newPage();
+    page.on("console", (m) => result.console.push(`${m.type()}: ${m.text()}`));
+    page.on("pageerror", (e) => result.pageErrors.push(String(e)));
+    await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: 90000 });
+    // ready: the pack's nodes and extension are registered and the start-up workflow is on the canvas (loading
+    // one earlier races the app's own start-up load, and the canvas store is not set yet)
+    await page.waitForFunction(() => {
+      const app = window.comfyAPI?.app?.app;
+      return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.AnimaTrainConfig &&
+        window.comfyAPI.api.api._registered?.has("anima_train.progress") && app.graph?.nodes?.length > 0;
+    }, null, { timeout: 90000, polling: 250 });
+
+    // what the UI shows: every widget of every node, in order. inWorkflow: saved in widgets_values (display-only
+    // widgets are not); inPrompt: sent to the server (a "control after generate" value is saved but not sent)
+    const readBack = () => page.evaluate(() => window.comfyAPI.app.app.graph.nodes.map((node) => ({
+      id: node.id, type: node.type,
+      widgets: (node.widgets ?? []).map((w) => ({
+        name: w.name, type: w.type, value: w.value,
+        inWorkflow: w.serialize !== false, inPrompt: w.options?.serialize !== false,
+      })),
+    })));
+
+    result.loaded = await page.evaluate(async ({ module, name }) => {
+      document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove()); // first-run dialogs
+      const app = window.comfyAPI.app.app;
+      const response = await fetch(`/api/workflow_templates/${module}/${name}.json`);
+      if (!response.ok) return { status: response.status };
+      const json = await response.json();
+      await app.loadGraphData(json, true, true, name, { openSource: "template" });
+      return { status: response.status, nodes: app.graph.nodes.length };
+    }, { module: cfg.module, name: cfg.name });
+    await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
+    result.shown = await readBack();
+    // the workflow the UI would save right now (Save / export): must be the file it loaded
+    result.saved = await page.evaluate(() => window.comfyAPI.app.app.graph.serialize().nodes
+      .map((n) => ({ id: n.id, type: n.type, widgets_values: n.widgets_values ?? null })));
+
+    // tiny models and small sizes, set on the widgets as a user would type them
+    result.substituted = await page.evaluate((substitute) => {
+      const done = [];
+      for (const node of window.comfyAPI.app.app.graph.nodes) {
+        for (const [name, value] of Object.entries(substitute[node.type] ?? {})) {
+          const widget = node.widgets?.find((w) => w.name === name);
+          if (!widget) { done.push({ id: node.id, type: node.type, name, missing: true }); continue; }
+          widget.value = value;
+          widget.callback?.(widget.value);
+          done.push({ id: node.id, type: node.type, name, value: widget.value });
+        }
+      }
+      return done;
+    }, cfg.substitute ?? {});
+
+    // queue with the Queue button's code path; the prompt id comes back from the api call it makes
+    result.run = await page.evaluate(async (timeoutMs) => {
+      const { app } = window.comfyAPI.app;
+      const { api } = window.comfyAPI.api;
+      const events = [];
+      for (const type of ["execution_start", "execution_success", "execution_error", "execution_interrupted",
+        "executed", "execution_cached"]) {
+        api.addEventListener(type, (e) => events.push({ type, detail: e.detail }));
+      }
+      const queued = [];
+      const original = api.queuePrompt.bind(api);
+      api.queuePrompt = async (...args) => {
+        try {
+          const response = await original(...args);
+          queued.push({ response, prompt: args[1].output });
+          return response;
+        } catch (e) {
+          queued.push({ error: String(e), response: e.response ?? null, prompt: args[1].output });
+          throw e;
+        }
+      };
+      const t0 = performance.now();
+      await app.queuePrompt(0, 1);
+      const promptId = queued[0]?.response?.prompt_id;
+      if (!promptId) return { queued, events, seconds: (performance.now() - t0) / 1000 };
+      const ends = ["execution_success", "execution_error", "execution_interrupted"];
+      const end = await new Promise((resolve) => {
+        const started = performance.now();
+        const poll = () => {
+          const hit = events.find((e) => ends.includes(e.type) && e.detail?.prompt_id === promptId);
+          if (hit) resolve(hit);
+          else if (performance.now() - started > timeoutMs) resolve({ type: "timeout" });
+          else setTimeout(poll, 200);
+        };
+        poll();
+      });
+      return { promptId, queued, end, seconds: (performance.now() - t0) / 1000,
+               events: events.filter((e) => e.detail?.prompt_id === promptId) };
+    }, cfg.timeoutMs ?? 600000);
+    await page.screenshot({ path: path.join(cfg.outDir, "page.png") });
+  } finally {
+    await browser.close();
+  }
+  fs.writeFileSync(path.join(cfg.outDir, "result.json"), JSON.stringify(result, null, 1));
+}
+
+main().catch((err) => {
+  console.error(err && err.stack ? err.stack : String(err));
+  process.exit(1);
+});
