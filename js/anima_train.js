@@ -2,6 +2,8 @@
 // 1. ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
 // 2. The "Anima: Train" node gets a live loss chart fed by the `anima_train.progress` websocket events that the
 //    node relays from the trainer (one per trainer event: start/status/step/message/warning/checkpoint/done/error).
+// 3. Inputs declared advanced (the rarer Training config knobs) hide behind the node's "Show Advanced" toggle on the
+//    LiteGraph canvas too, not only in Nodes 2.0 and the properties panel.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
@@ -154,6 +156,37 @@ function onProgress(detail) {
   scheduleDraw(node);
 }
 
+// The frontend (1.47) copies an input's `advanced` flag to widget.options.advanced, which Nodes 2.0 and the
+// properties panel honour; the LiteGraph canvas (the default renderer) has the rest of the toggle (the node menu's
+// "Show Advanced", node.showAdvanced saved with the workflow, isWidgetVisible) but reads widget.advanced, which
+// nothing sets, and still lays out space for a hidden widget (getLayoutWidgets skips only `hidden`). This sets the
+// flag and leaves hidden advanced widgets out of the layout, so the frontend's own toggle works on the canvas too.
+function markAdvanced(node) {
+  for (const widget of node.widgets ?? []) widget.advanced ??= !!widget.options?.advanced;
+  if (node.hasAdvancedWidgets?.()) fitHeight(node);
+}
+
+function fitHeight(node) {
+  node.setSize([node.size[0], node.computeSize()[1]]);
+}
+
+function hideAdvancedOnCanvas(nodeType) {
+  const layout = nodeType.prototype.getLayoutWidgets;
+  if (layout) {
+    nodeType.prototype.getLayoutWidgets = function () {
+      return layout.apply(this, arguments).filter((w) => !(w.advanced && !this.showAdvanced));
+    };
+  }
+  const toggle = nodeType.prototype.toggleAdvanced;
+  if (toggle) {
+    nodeType.prototype.toggleAdvanced = function () {
+      const result = toggle.apply(this, arguments);
+      if (!this.showAdvanced) fitHeight(this); // the frontend grows the node to show them, never shrinks it back
+      return result;
+    };
+  }
+}
+
 app.registerExtension({
   name: "anima_train.ui",
   setup() {
@@ -173,6 +206,15 @@ app.registerExtension({
       const text = message?.text;
       if (text && text.length) showText(this, Array.isArray(text) ? text.join("\n") : String(text));
     };
+    if (Object.values({ ...nodeData.input?.required, ...nodeData.input?.optional }).some((s) => s?.[1]?.advanced)) {
+      hideAdvancedOnCanvas(nodeType);
+      const created = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = created?.apply(this, arguments);
+        markAdvanced(this);
+        return result;
+      };
+    }
     if (nodeData.name === TRAIN_NODE) {
       const created = nodeType.prototype.onNodeCreated;
       nodeType.prototype.onNodeCreated = function () {
