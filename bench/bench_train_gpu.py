@@ -60,10 +60,23 @@ def build_repo(repo: Path) -> None:
     FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(repo / "scheduler")
 
 
-def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None) -> dict:
+def prepare(work: Path) -> tuple[Path, Path]:
+    """(repo, data) under work, built on first use: the full-size model and 1024x1024 synthetic latents."""
+    repo, data = work / "repo", work / "data"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (repo / "vae").exists():
+        raise SystemExit("run once on one process first: it builds the shared model repo and dataset")
+    if not (repo / "vae").exists():
+        build_repo(repo)
+    if not data.exists():
+        make_synthetic_latents(data, n=96, latent_hw=(128, 128))  # 1024x1024 buckets, 4096 tokens
+    return repo, data
+
+
+def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
+                    resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2) -> tuple[str, str]:
+    """(label, TOML text) of one RUNS configuration; bench/profile_train_gpu.py trains the same text."""
     batch, extra = RUNS[name]
     label = name + ("_compiled" if compile_mode else "")
-    events = work / f"{label}.jsonl"
     text = f"""
 [train]
 model_path = "{repo}"
@@ -72,8 +85,8 @@ run_name = "{label}"
 epochs = 1000
 max_steps = {steps}
 batch_size = {batch}
-dtype = "bfloat16"
-num_workers = 2
+dtype = "{dtype}"
+num_workers = {num_workers}
 progress = "off"
 gradient_checkpointing = true
 save_every_epochs = 0
@@ -81,8 +94,15 @@ skip_final_save = true
 {f'compile = "{compile_mode}"' if compile_mode else ''}
 [dataset]
 path = "{data}"
-resolution = 1024
+resolution = {resolution}
 {extra}"""
+    return label, text
+
+
+def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None) -> dict:
+    batch = RUNS[name][0]
+    label, text = run_config_text(name, repo, data, work, steps, compile_mode)
+    events = work / f"{label}.jsonl"
     cfg = load_config(text)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -116,15 +136,8 @@ def main() -> int:
     ap.add_argument("--compile", default=None, help="also run with train.compile = MODE (e.g. default)")
     ap.add_argument("--skip-eager", action="store_true", help="with --compile: only the compiled runs")
     args = ap.parse_args()
-    work = Path(args.work)
-    repo, data = work / "repo", work / "data"
     t0 = time.perf_counter()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (repo / "vae").exists():
-        raise SystemExit("run once on one process first: it builds the shared model repo and dataset")
-    if not (repo / "vae").exists():
-        build_repo(repo)
-    if not data.exists():
-        make_synthetic_latents(data, n=96, latent_hw=(128, 128))  # 1024x1024 buckets, 4096 tokens
+    repo, data = prepare(Path(args.work))
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "setup_s": round(time.perf_counter() - t0, 1)}), flush=True)
     rows = []
