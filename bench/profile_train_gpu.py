@@ -70,7 +70,8 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 def summarise(prof, active: int, cuda: bool) -> dict:
     events = list(prof.events())
-    steps = [e for e in events if e.name.startswith("ProfilerStep")]  # "ProfilerStep*" (name) / "#N" (trace_name)
+    # "ProfilerStep*" (name) / "#N" (trace_name); on CUDA each step also has a GPU-side span of the same name
+    steps = [e for e in events if e.name.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
     if len(steps) != active:
         raise SystemExit(f"expected {active} ProfilerStep spans in the window, got {len(steps)}")
     wall_us = sum(e.time_range.elapsed_us() for e in steps)
