@@ -188,8 +188,9 @@ class AnimaTrainAudit(io.ComfyNode):
             description="Size distribution, a suggested resolution ladder, cache coverage, and whether the images "
                         "could be deleted (every one cached at every tier with the current settings).",
             inputs=[
-                io.String.Input("dataset_dir", default="", tooltip="image folder(s); several: separate with ';'. A relative "
-                                                                 "one is in ComfyUI's input folder"),
+                io.String.Input("dataset_dir", default="",
+                                tooltip="image folder(s); several: separate with ';'. A relative one is in ComfyUI's "
+                                        "input folder"),
                 io.String.Input("resolutions", default="", tooltip="tier(s), e.g. \"1024\" or \"768, 1024\"; empty "
                                                                    "= the config's, else what the caches record"),
                 io.String.Input("model_path", default="", tooltip="converted repo, to check the caches' VAE"),
@@ -227,8 +228,9 @@ class AnimaTrainCache(io.ComfyNode):
                         "so training reads latents instead of running the VAE. Dry run prints the plan and the "
                         "cache size only. Valid caches are skipped.",
             inputs=[
-                io.String.Input("dataset_dir", default="", tooltip="image folder(s); several: separate with ';'. A relative "
-                                                                 "one is in ComfyUI's input folder"),
+                io.String.Input("dataset_dir", default="",
+                                tooltip="image folder(s); several: separate with ';'. A relative one is in ComfyUI's "
+                                        "input folder"),
                 io.String.Input("resolutions", default="1024", tooltip="tier(s), e.g. \"1024\" or \"768, 1024\""),
                 io.String.Input("model_path", default="", tooltip="converted repo (its vae/ encodes)"),
                 io.Boolean.Input("dry_run", default=True, tooltip="print the plan and the cache size; write nothing"),

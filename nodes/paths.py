@@ -74,9 +74,9 @@ class Policy:
         if self.allows(real):
             return real
         if _under(real, self.denied):
-            raise PathRefused(f"{key} = {os.fspath(value)!r} is inside {real if real in self.denied else 'a folder'} "
-                              f"of ComfyUI's custom nodes (code), which the Anima nodes never read or write; choose "
-                              f"a folder outside it")
+            raise PathRefused(f"{key} = {os.fspath(value)!r} leads to {real}, inside ComfyUI's custom_nodes or this "
+                              f"pack's folder: code, which the Anima nodes never read or write, even when allowed; "
+                              f"choose a folder outside them")
         raise PathRefused(self.refusal(key, value, real, path))
 
     def refusal(self, key: str, value, real: Path, path: Path) -> str:
@@ -107,14 +107,14 @@ def user_dirs(environ: Mapping[str, str], settings_file: Path | None) -> tuple[l
     An entry must be an absolute folder (after `~`); a relative one would depend on ComfyUI's working folder, so it
     is ignored and the refusal message says so."""
     sources = [(ALLOWED_DIRS_ENV, [e.strip() for e in environ.get(ALLOWED_DIRS_ENV, "").split(os.pathsep)])]
+    dirs, notes = [], []
     if settings_file is not None:
         try:
             sources.append((str(settings_file), _entries(settings_file.read_text(encoding="utf-8"))))
         except FileNotFoundError:
             pass
         except (OSError, UnicodeDecodeError) as exc:
-            return [], [f"{settings_file} cannot be read ({exc})"]
-    dirs, notes = [], []
+            notes.append(f"{settings_file} cannot be read ({exc}), so none of its folders is allowed")
     for where, entries in sources:
         for entry in entries:
             if not entry:

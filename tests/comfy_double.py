@@ -163,8 +163,9 @@ def install_model_sampling(monkeypatch) -> types.ModuleType:
 def install_folders(monkeypatch, comfy, root, allowed=()) -> dict:
     """ComfyUI's folders under `root`, as `comfy.comfy_folders()` (and output_directory / models_directory) report
     them: input = root itself (so a test's dataset folder in tmp_path is inside it), output/, temp/, models/ and
-    custom_nodes/. `allowed`: the folders the user lists (ANIMA_TRAIN_ALLOWED_DIRS). The pack's own settings file is replaced by root/anima_train_paths.txt
-    (absent unless a test writes it), so a developer's file never changes a test."""
+    custom_nodes/. `allowed`: the folders the user lists (ANIMA_TRAIN_ALLOWED_DIRS). The pack's own settings file
+    is replaced by root/anima_train_paths.txt (absent unless a test writes it), so a developer's file never changes
+    a test."""
     from pathlib import Path
 
     import nodes.paths as paths

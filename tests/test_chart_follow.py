@@ -57,7 +57,11 @@ await import("./pack/js/anima_train.js");
 const ext = app.extensions[0];
 class TrainNode {
   constructor(id) { this.id = id; this.widgets = []; this.comfyClass = "AnimaTrainTrain"; }
-  addDOMWidget(name, type, el, opts) { const w = { name, type, element: el, options: opts }; this.widgets.push(w); return w; }
+  addDOMWidget(name, type, el, opts) {
+    const w = { name, type, element: el, options: opts };
+    this.widgets.push(w);
+    return w;
+  }
   setDirtyCanvas() {}
 }
 await ext.beforeRegisterNodeDef(TrainNode, { name: "AnimaTrainTrain" });

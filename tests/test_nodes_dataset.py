@@ -117,8 +117,8 @@ def test_cache_node_builds_the_cli_call_and_feeds_the_progress_bar(env, fake_cli
                                          dry_run=False, batch_size=2, allow_missing_captions=True)
     finally:
         del nd.AnimaTrainCache.hidden
-    assert fake_cli() == ["cache", str(images), "--resolution", "768", "1024", "--model", str(env.tmp / "models" / "repo"),
-                          "--batch-size", "2", "--allow-missing-captions"]
+    assert fake_cli() == ["cache", str(images), "--resolution", "768", "1024", "--model",
+                          str(env.tmp / "models" / "repo"), "--batch-size", "2", "--allow-missing-captions"]
     assert env.log[0] == ("free_vram",)  # before the worker's VAE wants the GPU
     assert ("bar", 3, "7") in env.log and env.log[-1] == ("update", 3, 3)
     assert out.values[0] == "images   3 in 1 folder(s)\nwrote    3 cache file(s) in 0.1 s"  # redraws filtered out

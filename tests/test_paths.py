@@ -105,6 +105,13 @@ def test_the_environment_variable_and_the_settings_file_allow_folders(comfy_root
     # read when asked, so an edit needs no restart
     settings.write_text(str(other) + "\n", encoding="utf-8")
     assert policy(root, settings=settings).resolve(str(other), "k", INPUT) == other
+    # a settings file that cannot be read allows nothing, says so, and leaves the environment's folders allowed
+    settings.unlink()
+    settings.mkdir()
+    p = policy(root, env, settings=settings)
+    assert p.resolve(str(other), "k", INPUT) == other
+    with pytest.raises(PathRefused, match="cannot be read"):
+        p.resolve("/etc", "k", INPUT)
 
 
 def test_custom_nodes_and_the_pack_are_refused_even_when_allowed(comfy_root):
@@ -114,7 +121,7 @@ def test_custom_nodes_and_the_pack_are_refused_even_when_allowed(comfy_root):
     pack = root / "custom_nodes" / "pack"
     p = policy(root, {ALLOWED_DIRS_ENV: str(root)}, pack=pack)
     for value in (str(pack / "anima_train_paths.txt"), str(root / "custom_nodes" / "evil"), "../custom_nodes"):
-        with pytest.raises(PathRefused, match="custom nodes"):
+        with pytest.raises(PathRefused, match="inside ComfyUI's custom_nodes or this pack's folder"):
             p.resolve(value, "out_dir", OUTPUT)
     assert p.resolve(str(root / "notes"), "k", INPUT) == root / "notes"  # the rest of the allowed folder is fine
 
@@ -129,7 +136,7 @@ def test_every_path_of_a_training_config_is_checked_and_resolved(comfy_root):
     assert confine_tree(tree, policy(root)) == []
     assert tree["train"] == {"model_path": str(root / "models" / "repo"), "output_dir": str(root / "output" / "runs"),
                              "resume_from": str(root / "output" / "runs" / "a" / "a-state")}
-    assert [s["path"] for s in tree["dataset"]["subsets"]] == [str(root / "input" / "set1"), str(root / "input" / "set2")]
+    assert [s["path"] for s in tree["dataset"]["subsets"]] == [str(root / "input" / s) for s in ("set1", "set2")]
     assert tree["dataset"]["caption"]["protected_tags_file"] == str(root / "input" / "tags.txt")
 
     out = str(elsewhere)
