@@ -178,9 +178,10 @@ def describe_holder(info: dict | None) -> str:
     return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
 
 
-def lock_holder(run_dir: str | os.PathLike) -> dict | None:
-    """Who trains into run_dir now (their lock info; `{}` when it is not written yet), or None when nobody does."""
-    path = Path(run_dir) / LOCK_NAME
+def lock_holder(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> dict | None:
+    """Who trains into run_dir now (their lock info; `{}` when it is not written yet), or None when nobody does.
+    `name`: another lock file of the folder (the ComfyUI node's job lock)."""
+    path = Path(run_dir) / name
     if not path.exists():
         return None
     try:
@@ -200,11 +201,13 @@ class RunLock:
     """An exclusive lock on a run folder, with the holder's pid/host/start time in the lock file for others to read.
 
     The OS drops the lock when its process ends, however it ends; the file itself is removed on release. The file
-    is checked to be the one still at the path after locking (a releasing holder may have just removed it)."""
+    is checked to be the one still at the path after locking (a releasing holder may have just removed it).
+    `name`: the lock file; the ComfyUI node holds its own (`.comfyui-job.lock`) from picking a folder until its worker
+    ends, as the worker takes this one only once it has started."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, name: str = LOCK_NAME):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
+        self.path = self.run_dir / name
         self._fd: int | None = None
 
     def acquire(self, say: Callable[[str], None] = print) -> None:

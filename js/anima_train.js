@@ -2,17 +2,19 @@
 // 1. ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
 // 2. The "Anima: Train" node gets a live loss chart fed by the `anima_train.progress` websocket events that the
 //    node relays from the trainer (one per trainer event: start/status/step/message/warning/checkpoint/done/error).
+//    A chart follows only the runs this page queued from the workflow on the canvas (js/run_follow.js says how).
 // 3. Inputs declared advanced (the rarer Training config knobs) hide behind the node's "Show Advanced" toggle on the
 //    LiteGraph canvas too, not only in Nodes 2.0 and the properties panel.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
+import { PromptBook, chartRunKey, follows, runKey } from "./run_follow.js";
 
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
 const TRAIN_NODE = "AnimaTrainTrain";
 const PROGRESS_EVENT = "anima_train.progress";
 const CHART_WIDGET = "anima_loss_chart";
-const MAX_RUNS = 32; // runs remembered per page (one per Train node id); old ones are dropped
+const MAX_RUNS = 32; // runs remembered per page (one per prompt and Train node id); old ones are dropped
 
 function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
@@ -36,9 +38,24 @@ function showText(node, text) {
 
 // ---- live loss chart -------------------------------------------------------------------------------------
 
-// Run state lives here, keyed by the node id string the server sent, not on the node: events for a node that is
-// not (or not yet) on the canvas are kept, and a chart widget created later draws them.
+// Run state lives here, keyed by prompt id and the node id string the server sent (run_follow.runKey), not on the
+// node: events for a node that is not (or not yet) on the canvas are kept, and a chart widget created later (a
+// workflow tab shown again) draws them. Map order = update order (rememberRun moves a run to the end).
 const runs = new Map();
+const prompts = new PromptBook(sessionStorageOrNull());
+
+function sessionStorageOrNull() {
+  try {
+    return window.sessionStorage ?? null;
+  } catch {
+    return null;
+  }
+}
+
+// The id of the workflow on the canvas: LiteGraph's graph id, saved in the workflow (run_follow.js).
+function currentGraphId() {
+  return String((app.rootGraph ?? app.graph)?.id ?? "");
+}
 
 function rememberRun(id, run) {
   runs.delete(id);
@@ -60,6 +77,15 @@ function findNode(id) {
     current = node.subgraph;
   }
   return node;
+}
+
+// The Train nodes of the workflow on the canvas, inside subgraphs too.
+function trainNodesOnCanvas(graph = app.rootGraph ?? app.graph, found = []) {
+  for (const node of graph?.nodes ?? graph?._nodes ?? []) {
+    if (node.comfyClass === TRAIN_NODE) found.push(node);
+    if (node.subgraph && node.subgraph !== graph) trainNodesOnCanvas(node.subgraph, found);
+  }
+  return found;
 }
 
 function chartWidget(node) {
@@ -121,7 +147,8 @@ function scheduleDraw(node) {
 }
 
 function renderChart(node, chart) {
-  const run = runs.get(chart.key ?? String(node.id)) ?? newRun();
+  const key = chartRunKey(prompts, runs, chart.key ?? String(node.id), currentGraphId());
+  const run = (key !== null && runs.get(key)) || newRun();
   const dpr = window.devicePixelRatio || 1;
   const cssWidth = Math.max(1, chart.canvas.clientWidth), cssHeight = Math.max(1, chart.canvas.clientHeight);
   const pixelWidth = Math.round(cssWidth * dpr), pixelHeight = Math.round(cssHeight * dpr);
@@ -148,7 +175,10 @@ function renderChart(node, chart) {
 function onProgress(detail) {
   if (!detail || detail.node === undefined || detail.node === null) return;
   const id = String(detail.node);
-  rememberRun(id, applyEvent(runs.get(id), detail));
+  const key = runKey(detail.prompt_id, id);
+  rememberRun(key, applyEvent(runs.get(key), detail));
+  // another workflow's run, or a prompt this page did not queue (yet: its id may arrive after its first events)
+  if (!follows(prompts, detail.prompt_id, currentGraphId())) return;
   const node = findNode(id);
   if (!node || node.comfyClass !== TRAIN_NODE) return; // not on this canvas: the state waits in `runs`
   const widget = chartWidget(node) ?? addChartWidget(node);
@@ -190,6 +220,24 @@ function hideAdvancedOnCanvas(nodeType) {
 app.registerExtension({
   name: "anima_train.ui",
   setup() {
+    // Remember which workflow each prompt this page queues came from (run_follow.js). The frontend builds the
+    // prompt from the graph on the canvas and passes that graph, serialized, as `workflow`.
+    const queuePrompt = api.queuePrompt;
+    if (typeof queuePrompt === "function") {
+      api.queuePrompt = async function (number, data, ...rest) {
+        const graphId = String(data?.workflow?.id ?? currentGraphId());
+        const response = await queuePrompt.call(this, number, data, ...rest);
+        try {
+          if (response?.prompt_id) {
+            prompts.remember(response.prompt_id, graphId);
+            for (const node of trainNodesOnCanvas()) scheduleDraw(node); // its first events may be here already
+          }
+        } catch (err) {
+          console.warn("[anima_train] queued prompt not recorded", err);
+        }
+        return response;
+      };
+    }
     api.addEventListener(PROGRESS_EVENT, ({ detail }) => {
       try {
         onProgress(detail);

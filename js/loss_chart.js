@@ -1,8 +1,8 @@
 // Anima Trainer pack: the live loss chart of the "Anima: Train" node — state and drawing, no ComfyUI imports.
 //
 // The Train node relays every trainer event (anima_train/progress.py) as the websocket message
-// `anima_train.progress` = {node, event, ...}; js/anima_train.js feeds them to applyEvent() and draws the result
-// with drawChart() and statusLines(). Plain <canvas> 2D, no libraries. Every string that comes from the server
+// `anima_train.progress` = {node, prompt_id, event, ...}; js/anima_train.js feeds them to applyEvent() and draws the
+// result with drawChart() and statusLines(). Plain <canvas> 2D, no libraries. Every string that comes from the server
 // (paths, messages) is only ever put into textContent or fillText, never into markup.
 //
 // ComfyUI loads every .js in js/ as an extension module; this one only exports, so loading it does nothing.

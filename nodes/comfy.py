@@ -49,6 +49,18 @@ def output_directory() -> str:
     return _module("folder_paths").get_output_directory()
 
 
+def comfy_folders() -> dict[str, list[str]]:
+    """ComfyUI's own folders, where nodes/paths.py lets the pack read and write: output, input, temp, and "models":
+    the models folder plus every model folder path (extra_model_paths.yaml adds some outside it). The first entry of
+    output / input / models is the base of a relative path. "custom_nodes" (code) is listed to be refused."""
+    fp = _module("folder_paths")
+    models = [fp.models_dir] + [p for name, (paths, _) in fp.folder_names_and_paths.items() if name != "custom_nodes"
+                                for p in paths]
+    return {"output": [fp.get_output_directory()], "input": [fp.get_input_directory()],
+            "temp": [fp.get_temp_directory()], "models": models,
+            "custom_nodes": list(fp.folder_names_and_paths.get("custom_nodes", ([], None))[0])}
+
+
 # -- memory, interrupts, progress, events ------------------------------------------------------------------------
 
 
@@ -66,6 +78,16 @@ def throw_if_interrupted() -> None:
 
 def progress_bar(total: int, node_id: str | None = None):
     return _module("comfy.utils").ProgressBar(total, node_id=node_id)
+
+
+def prompt_id() -> str | None:
+    """The id of the prompt now executing (call it in execute): the one the frontend got back when it queued it, and
+    that ComfyUI's own `executing` / `execution_start` messages carry. Sent with every progress event, so a chart
+    follows only its own run (js/run_follow.js)."""
+    context = _module("comfy_execution.utils").get_executing_context()
+    if context is not None and context.prompt_id:
+        return str(context.prompt_id)
+    return getattr(_module("server").PromptServer.instance, "last_prompt_id", None)
 
 
 def client_id() -> str | None:

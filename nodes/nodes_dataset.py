@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from . import comfy
+from . import paths
 from . import worker
 from .comfy import CATEGORY, io
 from .nodes_train import ConfigType
@@ -42,13 +43,16 @@ def parse_resolutions(text: str) -> list[int]:
 
 
 def dataset_args(dataset_dir: str, resolutions: str, model_path: str, config_file: str | None) -> list[str]:
-    """The DIR / --resolution / --model / --config part shared by `cache` and `audit`."""
+    """The DIR / --resolution / --model / --config part shared by `cache` and `audit`. Folders are confined
+    (nodes/paths.py: a relative one is in ComfyUI's input folder, model_path in its models folder)."""
     args = []
+    policy = paths.current_policy()
     dirs = [d.strip() for d in (dataset_dir or "").split(";") if d.strip()]
     for d in dirs:
-        if not os.path.isdir(os.path.expanduser(d)):
-            raise FileNotFoundError(f"dataset folder {d!r} does not exist")
-        args.append(os.path.expanduser(d))
+        folder = policy.resolve(d, "dataset_dir", paths.INPUT)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"dataset folder {d!r} does not exist ({folder})")
+        args.append(str(folder))
     if not dirs and config_file is None:
         raise ValueError("no dataset: set dataset_dir (several folders: separate them with ';') or connect a "
                          "training config")
@@ -56,19 +60,21 @@ def dataset_args(dataset_dir: str, resolutions: str, model_path: str, config_fil
     if tiers:
         args += ["--resolution", *map(str, tiers)]
     if model_path and model_path.strip():
-        args += ["--model", os.path.expanduser(model_path.strip())]
+        args += ["--model", str(policy.resolve(model_path.strip(), "model_path", paths.MODELS))]
     if config_file is not None:
         args += ["--config", config_file]
     return args
 
 
 def _config_file(config) -> str | None:
-    """The connected training config as a temp TOML file for `--config` (the caller deletes it)."""
+    """The connected training config as a temp TOML file for `--config` (the caller deletes it); its paths confined
+    like the Training config node's (a posted graph may give this input any value)."""
     if not config:
         return None
+    text = paths.confine_toml(config["toml"] if isinstance(config, dict) else str(config), paths.current_policy())
     fd, path = tempfile.mkstemp(prefix="anima-train-", suffix=".toml")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(config["toml"] if isinstance(config, dict) else str(config))
+        f.write(text)
     return path
 
 
@@ -117,7 +123,8 @@ class AnimaTrainConvert(io.ComfyNode):
                 io.Combo.Input("vae", options=comfy.model_files("vae"),
                                tooltip="models/vae: the Qwen-Image VAE (e.g. qwen_image_vae.safetensors)"),
                 io.String.Input("out_dir", default="",
-                                tooltip=f"where the repo goes; empty = models/{CONVERTED_SUBDIR}/<anima file name>"),
+                                tooltip=f"where the repo goes (a relative path is in ComfyUI's models folder); "
+                                        f"empty = models/{CONVERTED_SUBDIR}/<anima file name>"),
                 io.String.Input("tokenizers", default=DEFAULT_TOKENIZER_REPO,
                                 tooltip="folder with tokenizer/ and t5_tokenizer/, a Hugging Face repo id (only "
                                         "those two folders are downloaded), or none"),
@@ -130,8 +137,8 @@ class AnimaTrainConvert(io.ComfyNode):
     def _resolve(cls, anima, qwen, vae, out_dir):
         files = {"anima": comfy.model_path("diffusion_models", anima), "qwen": comfy.model_path("text_encoders", qwen),
                  "vae": comfy.model_path("vae", vae)}
-        if out_dir and out_dir.strip():
-            out = Path(out_dir.strip()).expanduser()
+        if out_dir and out_dir.strip():  # confined; a relative one is in ComfyUI's models folder
+            out = paths.current_policy().resolve(out_dir.strip(), "out_dir", paths.MODELS)
         else:
             name = Path(anima).name.removesuffix(".safetensors").replace("/", "_")
             out = Path(comfy.models_directory()) / CONVERTED_SUBDIR / name
@@ -161,8 +168,10 @@ class AnimaTrainConvert(io.ComfyNode):
                 return io.NodeOutput(str(out), ui={"text": [text]})
         except (OSError, ValueError, ModelRepoError):
             pass
+        tokenizers = paths.tokenizers_source(tokenizers, paths.current_policy()) if tokenizers and tokenizers.strip() \
+            else ""
         args = ["convert", "--anima", files["anima"], "--qwen", files["qwen"], "--vae", files["vae"],
-                "--out", str(out)] + (["--tokenizers", tokenizers.strip()] if tokenizers and tokenizers.strip() else [])
+                "--out", str(out)] + (["--tokenizers", tokenizers] if tokenizers else [])
         result = run_cli(args, "anima-train convert")
         worker.write_json_atomic(marker, {"key": key, "inputs": files})
         text = _text(result) or f"wrote {out}"
@@ -179,7 +188,9 @@ class AnimaTrainAudit(io.ComfyNode):
             description="Size distribution, a suggested resolution ladder, cache coverage, and whether the images "
                         "could be deleted (every one cached at every tier with the current settings).",
             inputs=[
-                io.String.Input("dataset_dir", default="", tooltip="image folder(s); several: separate with ';'"),
+                io.String.Input("dataset_dir", default="",
+                                tooltip="image folder(s); several: separate with ';'. A relative one is in ComfyUI's "
+                                        "input folder"),
                 io.String.Input("resolutions", default="", tooltip="tier(s), e.g. \"1024\" or \"768, 1024\"; empty "
                                                                    "= the config's, else what the caches record"),
                 io.String.Input("model_path", default="", tooltip="converted repo, to check the caches' VAE"),
@@ -217,7 +228,9 @@ class AnimaTrainCache(io.ComfyNode):
                         "so training reads latents instead of running the VAE. Dry run prints the plan and the "
                         "cache size only. Valid caches are skipped.",
             inputs=[
-                io.String.Input("dataset_dir", default="", tooltip="image folder(s); several: separate with ';'"),
+                io.String.Input("dataset_dir", default="",
+                                tooltip="image folder(s); several: separate with ';'. A relative one is in ComfyUI's "
+                                        "input folder"),
                 io.String.Input("resolutions", default="1024", tooltip="tier(s), e.g. \"1024\" or \"768, 1024\""),
                 io.String.Input("model_path", default="", tooltip="converted repo (its vae/ encodes)"),
                 io.Boolean.Input("dry_run", default=True, tooltip="print the plan and the cache size; write nothing"),

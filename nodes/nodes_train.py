@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import comfy
+from . import paths
 from . import worker
 from .comfy import CATEGORY, io
 
@@ -30,6 +31,7 @@ ConfigType = io.Custom(CONFIG_TYPE)
 OUTPUT_SUBDIR = "anima_train"  # <ComfyUI output>/anima_train/<run>/ when output_dir is left empty
 PUBLISH_SUBDIR = "anima_train"  # models/loras/anima_train/<run>.safetensors (full finetunes: diffusion_models)
 JOB_CONFIG_NAME = "comfyui-job.toml"
+JOB_LOCK_NAME = ".comfyui-job.lock"  # held by the node from picking a run folder until its worker has ended
 LOSS_PLOT_NAME = "comfyui-loss.png"
 GRACE_WITH_STATE_S = 60.0  # Cancel: time for the worker to save checkpoint + optimizer state before it is killed
 GRACE_PLAIN_S = 10.0  # ... to save just the adapter file
@@ -178,6 +180,8 @@ def default_output_dir() -> str:
 
 def config_toml(values: dict) -> str:
     """TOML text from the widget values (input name -> value) and the extra_toml text, which wins on conflicts.
+    Every path in it is confined to the folders the nodes may use and replaced by the path it resolves to
+    (nodes/paths.py; PathRefused otherwise), before anything reads it.
 
     A value of None is a linked input not known yet (validation before the graph runs): a placeholder is used."""
     import tomlkit
@@ -207,7 +211,15 @@ def config_toml(values: dict) -> str:
         _set(tree, knob.key, value)
     if not _has(tree, "train.output_dir") and not _has(extra, "train.output_dir"):
         _set(tree, "train.output_dir", default_output_dir())
-    return tomlkit.dumps(_merge(tree, extra))
+    tree = _merge(tree, extra)
+    problems = paths.confine_tree(tree, paths.current_policy(), skip=_is_linked)
+    if problems:
+        raise paths.refused(problems)
+    return tomlkit.dumps(tree)
+
+
+def _is_linked(value: str) -> bool:
+    return value.startswith("<linked")
 
 
 def check_paths(cfg) -> list[str]:
@@ -215,7 +227,7 @@ def check_paths(cfg) -> list[str]:
     here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
     from anima_train.preflight import path_problems
 
-    return path_problems(cfg, skip=lambda value: value.startswith("<linked"))
+    return path_problems(cfg, skip=_is_linked)
 
 
 def build_config(values: dict):
@@ -250,7 +262,9 @@ class AnimaTrainConfig(io.ComfyNode):
             category=CATEGORY,
             description="The training settings, checked by the same rules as `anima-train train`. The common keys "
                         "are widgets; any other key of the config (see the trainer's README) goes into extra_toml, "
-                        "which overrides the widgets. Empty output_dir = ComfyUI's output/anima_train.",
+                        "which overrides the widgets. Empty output_dir = ComfyUI's output/anima_train. Relative "
+                        "paths are in ComfyUI's input (datasets), models (model_path) or output folder (the rest); "
+                        "folders outside ComfyUI's must be allowed first (README: folders the nodes may use).",
             inputs=[knob_input(k) for k in KNOBS] + [
                 io.String.Input(EXTRA_TOML, multiline=True, default="",
                                 tooltip="more config keys as TOML, e.g.\n[dataset]\nresolutions = [768, 1024]\n"
@@ -289,10 +303,11 @@ class AnimaTrainConfig(io.ComfyNode):
 
 
 class Relay:
-    """Worker events -> ComfyUI progress bar + `anima_train.progress` websocket events; keeps the loss history."""
+    """Worker events -> ComfyUI progress bar + `anima_train.progress` websocket events; keeps the loss history.
+    Every event names the node and the prompt it runs for: a chart follows only its own run (js/run_follow.js)."""
 
-    def __init__(self, node_id: str | None, sid: str | None):
-        self.node_id, self.sid = node_id, sid
+    def __init__(self, node_id: str | None, sid: str | None, prompt_id: str | None = None):
+        self.node_id, self.sid, self.prompt_id = node_id, sid, prompt_id
         self.bar = None
         self.total = None
         self.losses: list[float] = []
@@ -300,7 +315,7 @@ class Relay:
         self.steps_seen = 0
 
     def send(self, event: dict) -> None:
-        comfy.send_event({"node": self.node_id, **event}, self.sid)
+        comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **event}, self.sid)
 
     def __call__(self, event: dict) -> None:
         kind = event.get("event")
@@ -362,27 +377,40 @@ def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
 
 
 def pick_run(cfg, toml: str, key: str):
-    """(cfg, toml, run_dir, manifest, note) of the folder this job uses: a finished run of these exact inputs
-    (re-used: manifest), the folder of the run being resumed, or else the first of run_name, run_name-2,
+    """(cfg, toml, run_dir, manifest, note, job_lock) of the folder this job uses: a finished run of these exact
+    inputs (re-used: manifest), the folder of the run being resumed, or else the first of run_name, run_name-2,
     run_name-3, ... that holds no other run and no running job — a new run never replaces another run's files.
-    When that is not run_name itself, the TOML and config get the new name and `note` says so."""
+    When that is not run_name itself, the TOML and config get the new name and `note` says so.
+
+    job_lock (None when re-used) is the node's lock on the folder, held until the caller releases it: the trainer
+    locks the folder only once its worker has started (seconds later), and in that gap another ComfyUI's node
+    (same output folder) would otherwise pick the same free name and overwrite this job's files. A folder
+    resumed while another job holds it is refused (RunRefused, naming the holder)."""
     from anima_train import runs
     from anima_train.config import load_config
 
     output_dir = Path(cfg.train.output_dir)
     resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
-    n = 1
+    n, job_lock = 1, None
     while True:
         stem = cfg.run_stem if n == 1 else f"{cfg.run_stem}-{n}"
         run_dir = output_dir / stem
         manifest = worker.reusable_result(run_dir, key)
-        if manifest is not None or (resumed is not None and resumed == run_dir.resolve()):
+        if manifest is not None:
             break
-        if not runs.run_files(run_dir, stem) and runs.lock_holder(run_dir) is None:
-            break
+        resuming = resumed is not None and resumed == run_dir.resolve()
+        if resuming or (not runs.run_files(run_dir, stem) and runs.lock_holder(run_dir) is None):
+            job_lock = runs.RunLock(run_dir, JOB_LOCK_NAME)
+            try:
+                job_lock.acquire(say=lambda _note: None)  # a lock left by a crashed ComfyUI is simply taken over
+                break
+            except runs.RunRefused:
+                job_lock = None
+                if resuming:
+                    raise
         n += 1
     if stem == cfg.run_stem:
-        return cfg, toml, run_dir, manifest, None
+        return cfg, toml, run_dir, manifest, None, job_lock
     import tomlkit
 
     doc = tomlkit.parse(toml)
@@ -390,9 +418,9 @@ def pick_run(cfg, toml: str, key: str):
         doc["train"] = tomlkit.table()
     doc["train"]["run_name"] = stem
     toml = tomlkit.dumps(doc)
-    note = (f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run, so this one is "
-            f"{stem!r} ({run_dir})")
-    return load_config(toml), toml, run_dir, manifest, note
+    note = (f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run or a running job, so this "
+            f"one is {stem!r} ({run_dir})")
+    return load_config(toml), toml, run_dir, manifest, note, job_lock
 
 
 def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None) -> str:
@@ -439,11 +467,20 @@ class AnimaTrainTrain(io.ComfyNode):
         hidden = getattr(cls, "hidden", None)
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
         toml = config["toml"] if isinstance(config, dict) else str(config)
+        toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
         cfg = load_config(toml)
         key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
-        cfg, toml, run_dir, manifest, note = pick_run(cfg, toml, key)
+        cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)
+        try:
+            return cls._run(cfg, toml, run_dir, manifest, note, key, gpus, copy_to_loras,
+                            Relay(node_id, comfy.client_id(), comfy.prompt_id()))
+        finally:
+            if job_lock is not None:
+                job_lock.release()
+
+    @classmethod
+    def _run(cls, cfg, toml, run_dir, manifest, note, key, gpus, copy_to_loras, relay):
         run_dir.mkdir(parents=True, exist_ok=True)
-        relay = Relay(node_id, comfy.client_id())
         if note:
             relay.send({"event": "message", "text": note})
         if manifest is not None:
@@ -492,7 +529,7 @@ NO_FILE = "(use lora_path)"
 
 def resolve_lora(lora_path: str, lora_name: str) -> str:
     if lora_path and lora_path.strip():
-        path = os.path.expanduser(lora_path.strip())
+        path = str(paths.current_policy().resolve(lora_path.strip(), "lora_path", paths.OUTPUT))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"lora_path {path!r}: no such file (connect Anima: Train's path output, or pick "
                                     f"a file in lora_name)")
@@ -513,7 +550,8 @@ class AnimaLoadTrainedLora(io.ComfyNode):
                         "way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
             inputs=[
                 io.Model.Input("model"),
-                io.String.Input("lora_path", default="", tooltip="a .safetensors path; empty = use lora_name"),
+                io.String.Input("lora_path", default="", tooltip="a .safetensors path (a relative one is in ComfyUI's "
+                                                                "output folder); empty = use lora_name"),
                 io.Combo.Input("lora_name", options=[NO_FILE] + comfy.model_files("loras"), default=NO_FILE,
                                tooltip="a file from models/loras"),
                 io.Float.Input("strength_model", default=1.0, min=-100.0, max=100.0, step=0.01),
@@ -589,13 +627,16 @@ class AnimaTrainTextEncode(io.ComfyNode):
             description="Encode a prompt with the Qwen3 text encoder and tokenizers of a converted Anima diffusers "
                         "repo, exactly as the trainer encodes captions; feeds KSampler like CLIPTextEncode.",
             inputs=[io.String.Input("model_path", default="", tooltip="the converted diffusers repo (as in the "
-                                                                      "training config)"),
+                                                                      "training config; a relative "
+                                                                      "one is in ComfyUI's models folder)"),
                     io.String.Input("text", multiline=True, default="")],
             outputs=[io.Conditioning.Output(display_name="CONDITIONING")],
         )
 
     @classmethod
     def execute(cls, model_path, text):
+        if model_path and model_path.strip():
+            model_path = str(paths.current_policy().resolve(model_path.strip(), "model_path", paths.MODELS))
         return io.NodeOutput(encode_conditioning(model_path, text))
 
 

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -344,18 +345,31 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
 
 
 def failure_message(result: JobResult, what: str) -> str:
-    """The worker's own error (its `error` event), then the tail of its log, then where the full log is."""
-    parts = [f"{what} failed (worker exit status {result.returncode})"]
-    error = result.last("error")
-    if error and error.get("message"):
-        parts.append(str(error["message"]))
-    tail = log_tail(result.log_path)
+    """The worker's own error (its `error` event), then the tail of its log, then where the full log is.
+
+    A user error (exit status 2, anima_train.errors: a refused run folder, a bad path, ...) is the whole story: it
+    leads the text as "<what> did not start: <message>" (or "stopped:" after the first step), with no exit status,
+    and the log lines that only repeat it are left out."""
+    from anima_train.errors import USER_ERROR_EXIT
+
+    error = result.last("error") or {}
+    message = str(error.get("message") or "")
+    if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
+        parts = [f"{what} {'stopped' if result.last('start') else 'did not start'}: {message}"]
+    else:
+        parts = [f"{what} failed (worker exit status {result.returncode})"] + ([message] if message else [])
+    said = {line.strip() for line in message.splitlines() if line.strip()}
+    tail = "\n".join(line for line in log_tail(result.log_path).splitlines()
+                     if _USER_ERROR_PREFIX.sub("", line.strip()) not in said)
     if tail:
         parts.append("last lines of the worker log:\n" + tail)
     elif result.lines:
         parts.append("last output:\n" + "\n".join(result.lines[-20:]))
     parts.append(f"full log: {result.log_path}")
     return "\n".join(parts)
+
+
+_USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: error: ")  # how cli.main prints a user error
 
 
 def raise_for_failure(result: JobResult, what: str, ok_codes: tuple[int, ...] = (0,)) -> None:

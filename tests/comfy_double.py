@@ -6,6 +6,7 @@ It records what a node declares and returns, which is all a unit test of node lo
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -154,3 +155,27 @@ def install_model_sampling(monkeypatch) -> types.ModuleType:
         setattr(module, cls.__name__, cls)
     monkeypatch.setitem(sys.modules, "comfy.model_sampling", module)
     return module
+
+
+# -- ComfyUI's folders, for the path policy (nodes/paths.py) ------------------------------------------------------
+
+
+def install_folders(monkeypatch, comfy, root, allowed=()) -> dict:
+    """ComfyUI's folders under `root`, as `comfy.comfy_folders()` (and output_directory / models_directory) report
+    them: input = root itself (so a test's dataset folder in tmp_path is inside it), output/, temp/, models/ and
+    custom_nodes/. `allowed`: the folders the user lists (ANIMA_TRAIN_ALLOWED_DIRS). The pack's own settings file
+    is replaced by root/anima_train_paths.txt (absent unless a test writes it), so a developer's file never changes
+    a test."""
+    from pathlib import Path
+
+    import nodes.paths as paths
+
+    root = Path(root)
+    folders = {"output": [str(root / "output")], "input": [str(root)], "temp": [str(root / "temp")],
+               "models": [str(root / "models")], "custom_nodes": [str(root / "custom_nodes")]}
+    monkeypatch.setattr(comfy, "comfy_folders", lambda: folders)
+    monkeypatch.setattr(comfy, "output_directory", lambda: folders["output"][0])
+    monkeypatch.setattr(comfy, "models_directory", lambda: folders["models"][0])
+    monkeypatch.setattr(paths, "settings_file", lambda: root / paths.SETTINGS_NAME)
+    monkeypatch.setenv(paths.ALLOWED_DIRS_ENV, os.pathsep.join(str(a) for a in allowed))
+    return folders

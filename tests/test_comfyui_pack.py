@@ -199,8 +199,10 @@ def comfy(tmp_path_factory):
         (models / folder / name).symlink_to(src)
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_NAME).symlink_to(ROOT, target_is_directory=True)
-    dataset = base / "dataset"
+    dataset = base / "input" / "dataset"  # ComfyUI's input folder: readable by the nodes without being allowed
     make_synthetic_dataset(dataset, n=4, sizes=[(64, 64)])
+    # the tokenizers of the tiny model live outside ComfyUI's folders: allowed as a user lists a folder
+    env = {**os.environ, "ANIMA_TRAIN_ALLOWED_DIRS": str(tiny.diffusers_dir)}
 
     port = _free_port()
     log = open(base / "server.log", "w")
@@ -208,7 +210,7 @@ def comfy(tmp_path_factory):
     server = subprocess.Popen([python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                                "--base-directory", str(base), "--database-url", "sqlite:///:memory:",
                                "--disable-api-nodes"], cwd=comfy_root, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                              start_new_session=True, env=env)
     info = None
     try:
         deadline = time.monotonic() + 180
@@ -290,7 +292,7 @@ def tiny_train_workflow(comfy, run_name: str, **config) -> dict:
     set_widgets(wf, info, 1, unet_name="anima_tiny.safetensors")
     set_widgets(wf, info, 2, vae_name="vae_tiny.safetensors")
     set_widgets(wf, info, 3, anima="anima_tiny.safetensors", qwen="qwen3_tiny.safetensors", vae="vae_tiny.safetensors",
-                out_dir=str(comfy["base"] / "anima_repo"), tokenizers=str(tiny.diffusers_dir))
+                out_dir="anima_repo", tokenizers=str(tiny.diffusers_dir))  # relative: in models/
     knobs = dict(dataset_path=str(comfy["dataset"]), run_name=run_name, epochs=2, max_steps=6, resolution=64,
                  rank=8, alpha=8.0, learning_rate=0.02, dtype="float32", source="encode", num_workers=0,
                  gradient_checkpointing=False, save_every_epochs=0)
@@ -354,6 +356,8 @@ def test_train_load_sample_streams_progress_and_changes_the_image(comfy):
     steps = [e for e in events if e["event"] == "step"]
     assert kinds[0] == "status" and "start" in kinds and kinds[-1] == "done", kinds
     assert [e["step"] for e in steps] == list(range(1, 7)) and all(e["node"] == "5" for e in events)
+    assert all(e["prompt_id"] == prompt_id for e in events)  # the chart follows only this prompt (js/run_follow.js)
+    assert (comfy["base"] / "models" / "anima_repo" / "transformer").is_dir()  # Convert's relative out_dir
     assert all(isinstance(e["loss"], float) and e["loss"] > 0 for e in steps) and steps[-1]["total"] == 6
     bar = [m["data"] for m in messages.of(prompt_id, "progress") if m["data"]["node"] == "5"]
     assert bar and bar[-1]["value"] == bar[-1]["max"] == 6
@@ -439,4 +443,35 @@ def test_cancel_mid_training_leaves_no_worker_and_a_resumable_checkpoint(comfy):
     assert ckpt.is_file() and (state / "state.json").is_file()
     print(f"\nMEASURED Cancel -> execution_interrupted {t_stop:.1f} s (graceful save of step {saved[-1]['step']} "
           f"with optimizer state included)")
+    messages.ws.close()
+
+
+def test_paths_outside_comfys_folders_are_refused(comfy, tmp_path_factory):
+    """A graph posted to the server cannot make the nodes read or write outside ComfyUI's folders and the allowed
+    ones: absolute paths, `..` and symlinks leading elsewhere are refused on the node, saying how to allow them."""
+    client = uuid.uuid4().hex
+    messages = Messages(comfy["port"], client)
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    (elsewhere / "data").mkdir()
+    link = comfy["base"] / "input" / "linked_data"
+    link.symlink_to(elsewhere / "data", target_is_directory=True)
+    refusal = "outside the folders the Anima nodes may use"
+    for knobs in ({"output_dir": str(elsewhere / "runs")}, {"output_dir": "../../" + elsewhere.name},
+                  {"dataset_path": "linked_data"},
+                  {"extra_toml": f'[train]\nresume_from = "{elsewhere}/x-state"\n'}):
+        whole = tiny_train_workflow(comfy, "outside", **knobs)
+        prompt = {i: whole[i] for i in ("4", "5")}  # Training config -> Train, on the (allowed) tiny repo
+        prompt["4"]["inputs"]["model_path"] = str(comfy["tiny"].diffusers_dir)
+        status, body = _post(comfy["port"], "/prompt", {"prompt": prompt, "client_id": client})
+        errors = body.get("node_errors", {}).get("4", {}).get("errors", [])
+        assert status == 400 and any(refusal in e["details"] and "ANIMA_TRAIN_ALLOWED_DIRS" in e["details"]
+                                     for e in errors), (knobs, body)
+    # Convert has no check before it runs: it refuses when executed, before its worker starts
+    prompt = {"1": {"class_type": "AnimaTrainConvert", "inputs": {
+        "anima": "anima_tiny.safetensors", "qwen": "qwen3_tiny.safetensors", "vae": "vae_tiny.safetensors",
+        "out_dir": "../../" + elsewhere.name + "/repo", "tokenizers": "none"}}}
+    prompt_id = queue(comfy, prompt, messages, client)
+    end = messages.wait(finished(prompt_id), 120, "the Convert prompt")
+    assert end["type"] == "execution_error" and refusal in end["data"]["exception_message"], end
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["data"], "something was written outside"
     messages.ws.close()

@@ -60,6 +60,7 @@ def env(monkeypatch, tmp_path, tiny_anima):
             raise FileNotFoundError(f"{name} not in {kind}")
         return str(native[kind])
 
+    comfy_double.install_folders(monkeypatch, comfy, tmp_path, allowed=[tiny_anima.diffusers_dir])
     monkeypatch.setattr(comfy, "model_path", model_path)
     monkeypatch.setattr(comfy, "models_directory", lambda: str(tmp_path / "models"))
     monkeypatch.setattr(comfy, "output_directory", lambda: str(tmp_path / "output"))
@@ -99,7 +100,9 @@ def test_parse_resolutions_and_dataset_args(env, images):
     assert nd.parse_resolutions("") == []
     with pytest.raises(ValueError, match="whole numbers"):
         nd.parse_resolutions("1024px")
-    assert nd.dataset_args(str(images), "64", "/m", None) == [str(images), "--resolution", "64", "--model", "/m"]
+    models = env.tmp / "models"
+    assert nd.dataset_args(str(images), "64", "m", None) == [str(images), "--resolution", "64", "--model",
+                                                            str(models / "m")]  # relative: in the models folder
     with pytest.raises(FileNotFoundError, match="nope"):
         nd.dataset_args(str(images / "nope"), "64", "", None)
     with pytest.raises(ValueError, match="no dataset"):
@@ -110,12 +113,12 @@ def test_cache_node_builds_the_cli_call_and_feeds_the_progress_bar(env, fake_cli
     nd = env.nd
     nd.AnimaTrainCache.hidden = type("H", (), {"unique_id": "7"})()
     try:
-        out = nd.AnimaTrainCache.execute(dataset_dir=str(images), resolutions="1024, 768", model_path="/repo",
+        out = nd.AnimaTrainCache.execute(dataset_dir=str(images), resolutions="1024, 768", model_path="repo",
                                          dry_run=False, batch_size=2, allow_missing_captions=True)
     finally:
         del nd.AnimaTrainCache.hidden
-    assert fake_cli() == ["cache", str(images), "--resolution", "768", "1024", "--model", "/repo", "--batch-size", "2",
-                          "--allow-missing-captions"]
+    assert fake_cli() == ["cache", str(images), "--resolution", "768", "1024", "--model",
+                          str(env.tmp / "models" / "repo"), "--batch-size", "2", "--allow-missing-captions"]
     assert env.log[0] == ("free_vram",)  # before the worker's VAE wants the GPU
     assert ("bar", 3, "7") in env.log and env.log[-1] == ("update", 3, 3)
     assert out.values[0] == "images   3 in 1 folder(s)\nwrote    3 cache file(s) in 0.1 s"  # redraws filtered out

@@ -7,6 +7,7 @@ writes the final file, honours --stop-file), so spawn, relay, publish, manifest 
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -59,14 +60,17 @@ class Bar:
 
 
 @pytest.fixture
-def comfy_env(monkeypatch, tmp_path):
-    """The pack's node modules on the test double, with every nodes/comfy.py helper recorded."""
+def comfy_env(monkeypatch, tmp_path, request):
+    """The pack's node modules on the test double, with every nodes/comfy.py helper recorded. ComfyUI's folders are
+    under tmp_path (its input folder is tmp_path itself); the tiny model's folder is allowed like a user would."""
     from tests import comfy_double
 
     comfy_double.install(monkeypatch)
     import nodes.comfy as comfy
     import nodes.nodes_train as nt
 
+    allowed = [request.getfixturevalue("tiny_anima").diffusers_dir] if "tiny_anima" in request.fixturenames else []
+    comfy_double.install_folders(monkeypatch, comfy, tmp_path, allowed)
     log = []
     folders = {"loras": tmp_path / "models" / "loras", "diffusion_models": tmp_path / "models" / "diffusion_models"}
     monkeypatch.setattr(comfy, "output_directory", lambda: str(tmp_path / "output"))
@@ -77,6 +81,7 @@ def comfy_env(monkeypatch, tmp_path):
     monkeypatch.setattr(comfy, "throw_if_interrupted", lambda: None)
     monkeypatch.setattr(comfy, "progress_bar", lambda total, node_id=None: Bar(log, total, node_id))
     monkeypatch.setattr(comfy, "client_id", lambda: "client-1")
+    monkeypatch.setattr(comfy, "prompt_id", lambda: "prompt-1")
     monkeypatch.setattr(comfy, "send_event", lambda data, sid=None: log.append(("ws", data, sid)))
     script = tmp_path / "fake_trainer.py"
     script.write_text(FAKE_TRAINER)
@@ -87,9 +92,10 @@ def comfy_env(monkeypatch, tmp_path):
         spawned.append((job, stop, gpus))
         return [sys.executable, "-u", str(script), str(job), str(stop), mode["value"]]
 
+    real_train_command = nt.train_command
     monkeypatch.setattr(nt, "train_command", command)
     return type("Env", (), dict(nt=nt, comfy=comfy, log=log, folders=folders, mode=mode, spawned=spawned,
-                                tmp=tmp_path))
+                                tmp=tmp_path, real_train_command=real_train_command))
 
 
 @pytest.fixture
@@ -261,13 +267,14 @@ def test_train_relays_events_publishes_and_records(comfy_env, tiny_anima, datase
     run_dir = Path(config["run_dir"])
     assert path == str(run_dir / "cat.safetensors") and Path(path).is_file()
     assert tuple(image.shape[:1]) == (1,) and image.shape[-1] == 3 and 0 <= float(image.min()) <= float(image.max()) <= 1
-    # VRAM freed before the worker started; progress bar and websocket events carry the node id and client
+    # VRAM freed before the worker started; progress bar and websocket events carry the node id and client, and
+    # the events the prompt id, so only the page that queued this prompt draws them (js/run_follow.js)
     assert env.log[0] == ("free_vram",)
     assert ("bar", 3, "12:5") in env.log and ("update", 3, 3) in env.log
     ws = [e for e in env.log if e[0] == "ws"]
     kinds = [d["event"] for _, d, _ in ws]
     assert kinds == ["status", "start", "step", "step", "step", "checkpoint", "done"]
-    assert all(d["node"] == "12:5" and sid == "client-1" for _, d, sid in ws)
+    assert all(d["node"] == "12:5" and d["prompt_id"] == "prompt-1" and sid == "client-1" for _, d, sid in ws)
     assert [d["loss"] for _, d, _ in ws if d["event"] == "step"] == [1.0, 0.5, pytest.approx(1 / 3)]
     # the trained file where LoraLoader lists it, the job files in the run dir
     copy = env.folders["loras"] / "anima_train" / "cat.safetensors"
@@ -285,7 +292,7 @@ def test_train_shows_the_trainers_warnings(comfy_env, tiny_anima, dataset):
     out = _train(env, config)
     warning = "tier 1024: 3/3 sources (100.0%) are smaller than this tier"
     ws = [e[1] for e in env.log if e[0] == "ws"]
-    assert {"node": "12:5", "event": "warning", "text": warning} in ws  # to the chart widget (js/loss_chart.js)
+    assert {"node": "12:5", "prompt_id": "prompt-1", "event": "warning", "text": warning} in ws  # to the chart
     assert f"warning: {warning}" in out.ui["text"][0].splitlines()  # and in the node's result text
     env.log.clear()
     again = _train(env, config)  # a re-used run still says what was wrong with its data
@@ -322,7 +329,8 @@ def test_a_changed_run_gets_a_free_name_and_never_replaces_the_earlier_one(comfy
     out_dir = Path(config["run_dir"]).parent
     assert second.values[0] == str(out_dir / "cat-2" / "cat-2.safetensors")
     assert Path(first.values[0]).read_bytes() == kept  # the earlier run's file is untouched
-    note = f"run name 'cat': {out_dir / 'cat'} holds an earlier run, so this one is 'cat-2' ({out_dir / 'cat-2'})"
+    note = (f"run name 'cat': {out_dir / 'cat'} holds an earlier run or a running job, so this one is 'cat-2' "
+            f"({out_dir / 'cat-2'})")
     assert second.ui["text"][0].splitlines()[0] == note  # shown on the node...
     assert [d["text"] for _, d, _ in (e for e in env.log if e[0] == "ws") if d["event"] == "message"] == [note]
     assert (env.folders["loras"] / "anima_train" / "cat-2.safetensors").is_file()  # ...and in the loras copy
@@ -444,3 +452,59 @@ def test_encode_prompt_gives_the_conditioning_layout_comfy_anima_consumes(comfy_
     (empty, empty_extras), = encode(model_path=str(tiny_anima.diffusers_dir), text="").values[0]
     assert empty.shape == (1, 1, hidden) and float(empty.abs().sum()) == 0.0
     assert empty_extras["t5xxl_ids"].tolist() == [1]
+
+
+def test_two_comfyui_instances_never_pick_the_same_run_folder(comfy_env, tiny_anima, dataset):
+    """Another ComfyUI (same output folder) has picked output/anima_train/cat and not started its worker yet: the
+    folder has no run files and no trainer lock, only that node's job lock. This job must take cat-2."""
+    from anima_train import runs
+
+    env = comfy_env
+    config = _config(env, tiny_anima, dataset, run_name="cat")
+    other = runs.RunLock(Path(config["run_dir"]), env.nt.JOB_LOCK_NAME)  # an OS lock: held per open file
+    other.acquire()
+    try:
+        out = _train(env, config)
+    finally:
+        other.release()
+    assert out.values[0] == str(Path(config["run_dir"]).parent / "cat-2" / "cat-2.safetensors")
+    assert env.spawned[0][0].parent.name == "cat-2" and "running job" in out.ui["text"][0].splitlines()[0]
+    assert not (Path(config["run_dir"]) / "comfyui-job.toml").exists()  # the other job's folder is untouched
+    # the lock is released after the job: the next job may use cat-2 again (re-used, unchanged inputs)
+    assert runs.lock_holder(Path(out.values[0]).parent, env.nt.JOB_LOCK_NAME) is None
+
+
+@pytest.mark.slow
+def test_a_trainer_lock_refusal_is_shown_on_the_node(comfy_env, tiny_anima, dataset, monkeypatch):
+    """The real trainer as the worker. Between the node picking a free folder and its worker starting, a CLI run
+    (`anima-train train`) starts in the same folder; the worker refuses (RunRefused) and the node says why."""
+    from anima_train import runs
+
+    env = comfy_env
+    monkeypatch.setattr(env.nt, "train_command", env.real_train_command)
+    cli = {}
+    picked = env.nt.pick_run
+
+    def pick_then_cli_starts(*args):
+        result = picked(*args)
+        cli["lock"] = runs.RunLock(result[2])  # the trainer's own lock, as the CLI run holds it
+        cli["lock"].acquire()
+        return result
+
+    monkeypatch.setattr(env.nt, "pick_run", pick_then_cli_starts)
+    config = _config(env, tiny_anima, dataset, run_name="cat", dtype="float32")
+    try:
+        with pytest.raises(Exception) as exc:
+            _train(env, config)
+    finally:
+        cli["lock"].release()
+    msg = str(exc.value)
+    run_dir = Path(config["run_dir"])
+    # what happened, first, once, in the trainer's words (holder and the ways out), without an exit status
+    assert msg.splitlines()[0].startswith(f"training cat did not start: {run_dir} is in use by another training run "
+                                          f"(pid {os.getpid()} on "), msg
+    assert "give this run another [train] run_name" in msg and msg.count("is in use by another") == 1, msg
+    assert "exit status" not in msg and msg.splitlines()[-1] == f"full log: {run_dir / 'comfyui-worker.log'}"
+    assert [e[1]["message"] for e in env.log if e[0] == "ws" and e[1]["event"] == "error"] == [
+        msg.splitlines()[0].removeprefix("training cat did not start: ")]  # the chart shows it too
+    assert not runs.run_files(run_dir, "cat") and not (run_dir / "comfyui-result.json").exists()
