@@ -74,8 +74,9 @@ def base_folder(base: Path) -> Path:
 
 
 @contextmanager
-def serve(base: Path, ready_node: str):
-    """Run ComfyUI on `base` until the block ends; yields (url, /object_info/<ready_node>)."""
+def serve(base: Path, ready_node: str, env: dict | None = None):
+    """Run ComfyUI on `base` until the block ends; yields (url, /object_info/<ready_node>). `env`: extra environment
+    variables for the server (e.g. ANIMA_TRAIN_ALLOWED_DIRS for test files outside ComfyUI's folders)."""
     comfy_root = Path(os.environ["COMFYUI_PATH"])
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
     port = free_port()
@@ -84,7 +85,7 @@ def serve(base: Path, ready_node: str):
     server = subprocess.Popen(
         [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
          "--database-url", "sqlite:///:memory:", "--disable-auto-launch", "--disable-api-nodes"],
-        cwd=comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT

@@ -67,13 +67,15 @@ def comfy(tmp_path_factory):
                               ("text_encoders", "qwen3_tiny.safetensors", tiny.qwen3_file)]:
         (base / "models" / folder).mkdir(parents=True, exist_ok=True)
         (base / "models" / folder / name).symlink_to(src)
-    dataset = base / "dataset"
+    dataset = base / "input" / "dataset"  # the nodes read datasets from ComfyUI's folders (nodes/paths.py)
     make_synthetic_dataset(dataset, n=4, sizes=[(64, 64)])
     settings = base / "user" / "default" / "comfy.settings.json"
     settings.parent.mkdir(parents=True)
     settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))  # no first-run templates dialog
     t_models = time.perf_counter() - t0
-    with comfy_browser.serve(base, "AnimaTrainConfig") as (url, _):
+    # the tiny tokenizers live outside ComfyUI's folders: listed as a user would (README, "Folders the nodes use")
+    allowed = {"ANIMA_TRAIN_ALLOWED_DIRS": str(tiny.diffusers_dir)}
+    with comfy_browser.serve(base, "AnimaTrainConfig", env=allowed) as (url, _):
         info = json.loads(comfy_browser.get(f"{url}/object_info", timeout=60))
         substitute = {
             "AnimaTrainConvert": {"qwen": "qwen3_tiny.safetensors", "tokenizers": str(tiny.diffusers_dir)},
