@@ -224,7 +224,7 @@ def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
             assert isinstance(value, str), (port.id, value)
     assert not values, f"{len(values)} widget value(s) left over"
     assert named["output_format"] == "peft" and named["num_workers"] == 2 and named["keep_last_n"] == 0
-    assert named["run_name"] == "my_first_anima_lora" and named["seed"] == 42 and named["dtype"] == "bfloat16"
+    assert named["run_name"] == "my_first_anima_lora" and named["training_seed"] == 42 and named["dtype"] == "bfloat16"
 
 
 def test_linked_inputs_are_not_known_at_validation_and_pass(comfy_env, dataset):
