@@ -9,23 +9,15 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { chromium } = require("playwright-core");
+const { launch, openPage } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
-const FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"];
 
 async function main() {
   const result = { console: [], pageErrors: [] };
-  const browser = await chromium.launchPersistentContext(cfg.userDataDir, {
-    executablePath: cfg.chromium, headless: true, args: FLAGS, viewport: { width: 1280, height: 1100 },
-    deviceScaleFactor: cfg.deviceScaleFactor ?? 1,
-  });
+  const browser = await launch(cfg, { width: 1280, height: 1100 });
   try {
-    const page = browser.pages()[0] ?? await browser.newPage();
-    page.on("console", (m) => result.console.push(`${m.type()}: ${m.text()}`));
-    page.on("pageerror", (e) => result.pageErrors.push(String(e)));
-    await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: 90000 });
+    const page = await openPage(browser, cfg, result);
     await page.waitForFunction((type) => {
       const app = window.comfyAPI?.app?.app;
       return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.[type] &&

@@ -7,11 +7,9 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { chromium } = require("playwright-core");
+const { launch, openPage } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
-const FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"];
 
 // in the page: the synthetic run. Loss decays with noise; hf is present (the mse+hf loss) unless withHf is false.
 function syntheticSteps(total, upto, withHf) {
@@ -32,16 +30,9 @@ function syntheticSteps(total, upto, withHf) {
 
 async function main() {
   const result = { console: [], pageErrors: [] };
-  // a persistent context is how Playwright takes a fresh --user-data-dir (the test passes an empty temp folder)
-  const browser = await chromium.launchPersistentContext(cfg.userDataDir, {
-    executablePath: cfg.chromium, headless: true, args: FLAGS, viewport: { width: 1280, height: 900 },
-    deviceScaleFactor: cfg.deviceScaleFactor ?? 1,
-  });
+  const browser = await launch(cfg, { width: 1280, height: 900 });
   try {
-    const page = browser.pages()[0] ?? await browser.newPage();
-    page.on("console", (m) => result.console.push(`${m.type()}: ${m.text()}`));
-    page.on("pageerror", (e) => result.pageErrors.push(String(e)));
-    await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: 90000 });
+    const page = await openPage(browser, cfg, result);
     // ready: the app is set up and our extension has registered (it listens for the progress message)
     await page.waitForFunction(() => {
       const app = window.comfyAPI?.app?.app;

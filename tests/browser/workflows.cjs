@@ -8,22 +8,15 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { chromium } = require("playwright-core");
+const { launch, openPage } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
-const FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"];
 
 async function main() {
   const result = { console: [], pageErrors: [] };
-  const browser = await chromium.launchPersistentContext(cfg.userDataDir, {
-    executablePath: cfg.chromium, headless: true, args: FLAGS, viewport: { width: 1600, height: 1000 },
-  });
+  const browser = await launch(cfg, { width: 1600, height: 1000 });
   try {
-    const page = browser.pages()[0] ?? await browser.newPage();
-    page.on("console", (m) => result.console.push(`${m.type()}: ${m.text()}`));
-    page.on("pageerror", (e) => result.pageErrors.push(String(e)));
-    await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: 90000 });
+    const page = await openPage(browser, cfg, result);
     // ready: the pack's nodes and extension are registered and the start-up workflow is on the canvas (loading
     // one earlier races the app's own start-up load, and the canvas store is not set yet)
     await page.waitForFunction(() => {

@@ -1,0 +1,24 @@
+// What every browser driver here starts with: a headless Chromium on a fresh profile, and the test's ComfyUI page
+// with its console and page errors collected into the driver's `result`.
+"use strict";
+const { chromium } = require("playwright-core");
+
+const FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+  "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"];
+
+// a persistent context is how Playwright takes a fresh --user-data-dir (the test passes an empty temp folder)
+function launch(cfg, viewport) {
+  return chromium.launchPersistentContext(cfg.userDataDir, {
+    executablePath: cfg.chromium, headless: true, args: FLAGS, viewport, deviceScaleFactor: cfg.deviceScaleFactor ?? 1,
+  });
+}
+
+async function openPage(browser, cfg, result) {
+  const page = browser.pages()[0] ?? await browser.newPage();
+  page.on("console", (m) => result.console.push(`${m.type()}: ${m.text()}`));
+  page.on("pageerror", (e) => result.pageErrors.push(String(e)));
+  await page.goto(cfg.url, { waitUntil: "domcontentloaded", timeout: 90000 });
+  return page;
+}
+
+module.exports = { launch, openPage };
