@@ -109,3 +109,23 @@ def comfy_text_encoder(tmp_path_factory, seed: int = 0):
         save_file(keymaps.qwen3_diffusers_to_native(sd), str(path), metadata={"format": "pt"})
         _CACHE[key] = path
     return _CACHE[key]
+
+
+def small_run_toml(model, data, out, *, train: str = "", tables: str = "", progress: str = "off") -> str:
+    """The TOML of a small CPU run on the tiny model over 128-px latents: fp32, no DataLoader workers, no progress bar,
+    no gradient checkpointing, a rank-4 LoRA. `train`: more [train] lines; `tables`: more tables after [adapter]."""
+    return f"""[train]
+model_path = "{model}"
+output_dir = "{out}"
+dtype = "float32"
+num_workers = 0
+progress = "{progress}"
+gradient_checkpointing = false
+{train}
+[dataset]
+path = "{data}"
+resolution = 128
+[adapter]
+rank = 4
+alpha = 4.0
+{tables}"""

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from anima_train.tiny import make_synthetic_dataset, make_synthetic_latents
+from tests.fixtures_tiny import small_run_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,21 +45,7 @@ def events(path: Path) -> list[dict]:
 
 
 def write_config(path: Path, model, data, out, extra: str = "", train_extra: str = "") -> Path:
-    path.write_text(f"""[train]
-model_path = "{model}"
-output_dir = "{out}"
-dtype = "float32"
-num_workers = 0
-progress = "off"
-gradient_checkpointing = false
-{train_extra}
-[dataset]
-path = "{data}"
-resolution = 128
-[adapter]
-rank = 4
-alpha = 4.0
-{extra}""")
+    path.write_text(small_run_toml(model, data, out, train=train_extra, tables=extra))
     return path
 
 

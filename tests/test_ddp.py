@@ -12,6 +12,7 @@ import pytest
 
 from anima_train.dataset import steps_per_epoch
 from anima_train.tiny import make_synthetic_latents
+from tests.fixtures_tiny import small_run_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,26 +28,9 @@ def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp
     data = tmp_path / "data"
     make_synthetic_latents(data, n=20, seed=3)
     cfg = tmp_path / "ddp.toml"
-    cfg.write_text(f"""
-[train]
-model_path = "{tiny_anima.diffusers_dir}"
-output_dir = "{tmp_path / 'out'}"
-epochs = 2
-batch_size = 4
-gradient_accumulation_steps = 2
-dtype = "float32"
-num_workers = 0
-progress = "off"
-gradient_checkpointing = false
-[dataset]
-path = "{data}"
-resolution = 128
-[adapter]
-rank = 4
-alpha = 4.0
-[optimizer]
-lr = 1e-2
-""")
+    cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
+                                  train="epochs = 2\nbatch_size = 4\ngradient_accumulation_steps = 2",
+                                  tables="[optimizer]\nlr = 1e-2\n"))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",

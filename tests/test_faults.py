@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from anima_train import checkpoints as ckpt
 from anima_train.tiny import make_synthetic_latents
+from tests.fixtures_tiny import small_run_toml
 
 STEPS, SAVE_EVERY = 8, 2  # 6 latents in batches of 2: 3 steps per epoch, so the step-6 state ends an epoch
 KILLS = 10
@@ -53,32 +54,10 @@ def forkserver(tiny_anima):
 def _config(folder: Path, model: Path, data: Path, resume_from: Path | None = None) -> Path:
     resume = f'resume_from = "{resume_from}"\n' if resume_from else ""
     path = folder / ("resume.toml" if resume_from else "train.toml")
-    path.write_text(f"""[train]
-model_path = "{model}"
-output_dir = "{folder / 'out'}"
-run_name = "tiny"
-max_steps = {STEPS}
-epochs = 100
-batch_size = 2
-dtype = "float32"
-num_workers = 0
-progress = "plain"
-gradient_checkpointing = false
-save_every_epochs = 0
-save_every_steps = {SAVE_EVERY}
-save_optimizer_state = true
-{resume}
-[dataset]
-path = "{data}"
-resolution = 128
-
-[adapter]
-rank = 4
-alpha = 4.0
-
-[optimizer]
-lr = 1e-3
-""")
+    train = (f'run_name = "tiny"\nmax_steps = {STEPS}\nepochs = 100\nbatch_size = 2\n'
+             f"save_every_epochs = 0\nsave_every_steps = {SAVE_EVERY}\nsave_optimizer_state = true\n{resume}")
+    path.write_text(small_run_toml(model, data, folder / "out", train=train, tables="[optimizer]\nlr = 1e-3\n",
+                                  progress="plain"))
     return path
 
 
