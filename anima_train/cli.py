@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -159,6 +160,12 @@ def _report(name: str, exc: Exception) -> int:
     if message is not None:
         if errors.is_main_process():  # every DDP process hits the same user error: one of them says it
             print(f"anima-train {name}: error: {message}", file=sys.stderr)
+        else:
+            # the launcher ends every process as soon as one exits: a rank that got here first must not take the main
+            # process down before it has printed the message. The main process exits at once and the launcher ends
+            # this one; if it is still alive after the grace period, the error was its own, so it says it.
+            time.sleep(errors.QUIET_RANK_GRACE_S)
+            print(f"[rank {os.environ.get('RANK')}] anima-train {name}: error: {message}", file=sys.stderr)
         return errors.USER_ERROR_EXIT
     rank = "" if errors.is_main_process() else f"[rank {os.environ.get('RANK')}] "
     print(f"{rank}anima-train {name}: internal error: {type(exc).__name__}: {exc}\n"

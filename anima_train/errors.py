@@ -28,6 +28,7 @@ import sys
 USER_ERROR_EXIT = 2
 INTERNAL_ERROR_EXIT = 1
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
+QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 
 # OSErrors that describe the user's machine, not a bug: the message (with its file name) is the whole story.
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EMFILE}
