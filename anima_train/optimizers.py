@@ -184,10 +184,6 @@ class FP32MasterWeights:
                 master.copy_(saved)
                 p.copy_(saved)
 
-    def master_params(self) -> list[torch.Tensor]:
-        """What the optimizer really holds, in param-group order (masters where kept, else the tensor itself)."""
-        return [p for g in self.param_groups for p in g["params"]]
-
 
 def needs_master(p: torch.Tensor) -> bool:
     return p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16) and not _is_sdnq_tensor(p)
