@@ -111,6 +111,10 @@ class TrainConfig:
         type_desc="an integer or a table of integers keyed by tier (e.g. { 768 = 16, 1024 = 12 })")
     gradient_accumulation_steps: int = _key(1, ge=1, help="micro-batches per optimizer step")
     gradient_checkpointing: bool = _key(True, help="recompute activations in backward to save memory")
+    checkpoint_blocks: int | str = _key(
+        "auto", ge=0, help="with gradient_checkpointing: DiT blocks that recompute: auto = the fewest that fit the "
+        "card (measured on the first step; all off CUDA), all, or a number",
+        type_desc='"auto", "all" or an integer >= 0')
     dtype: str = _key("bfloat16", choices=("bfloat16", "float16", "float32"),
                       help="the only precision control: modules load in this dtype")
     seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")
@@ -127,9 +131,10 @@ class TrainConfig:
     log_every: int = _key(1, ge=1, help="report cadence in optimizer steps")
     progress: str = _key("auto", choices=("auto", "bar", "plain", "off"),
                          help="auto = bar on a terminal, plain line otherwise")
-    compile: str | None = _key(None, choices=("default", "reduce-overhead", "max-autotune",
-                                              "max-autotune-no-cudagraphs"),
-                               help="torch.compile mode (unset = eager)")
+    compile: str = _key("auto", choices=("auto", "off", "default", "reduce-overhead", "max-autotune",
+                                         "max-autotune-no-cudagraphs"),
+                        help="torch.compile mode; auto = \"default\" on CUDA with Triton for runs of 200+ steps, "
+                             "else eager; off = eager")
     compile_dynamic: bool = _key(True, help="compile with dynamic shapes (recompile limit 32)")
     compile_regional: bool = _key(True, help="compile the repeated block once, not the whole trunk")
 
@@ -747,6 +752,10 @@ def _check_train_and_tiers(cfg: Config, raw: dict, p: _Problems) -> None:
                     f"per-side cap); lower the tier or raise max_bucket_reso", f"dataset.{key}")
             tiers_ok = False
 
+    blocks = cfg.train.checkpoint_blocks
+    if isinstance(blocks, str) and blocks not in ("auto", "all") and p.ok("train.checkpoint_blocks"):
+        p.error(f"[train] checkpoint_blocks = {_fmt(blocks)}: choose \"auto\", \"all\" or a number of blocks",
+                "train.checkpoint_blocks")
     bs = cfg.train.batch_size
     if isinstance(bs, dict) and p.ok("train.batch_size"):
         small = {k: v for k, v in bs.items() if v < 1}

@@ -824,6 +824,11 @@ class BucketBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches())
 
+    def largest_batch_tokens(self) -> int:
+        """DiT tokens x images of the largest batch any epoch can hold (what sizes the activation memory)."""
+        return max(min(len(self.groups[k]), self.batch_sizes[k]) * (k[0][0] // 16) * (k[0][1] // 16)
+                   for k in self.keys)
+
 
 def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:
     """Optimizer steps per epoch: ceil(ceil(batches / processes) / accum); a partial accumulation group still

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
-from anima_train import errors, parent_watch, preflight, runs
+from anima_train import checkpointing, errors, parent_watch, preflight, runs
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -164,12 +164,18 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         say(line)
     train_conditioner = any(p.requires_grad for p in conditioner.parameters())
     train_text_encoder = any(p.requires_grad for p in text_encoder.parameters())
-    if cfg.train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-        if train_conditioner and hasattr(conditioner, "enable_gradient_checkpointing"):
-            conditioner.enable_gradient_checkpointing()
-    if cfg.train.compile:
-        _compile(transformer, cfg)
+    # which DiT blocks recompute their activations in backward: a count, or "auto" = measured on the first step
+    blocks = list(transformer.transformer_blocks)
+    recompute = checkpointing.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks,
+                                            len(blocks), device)
+    block_ckpt = checkpointing.BlockCheckpointing(blocks)
+    block_ckpt.set_recomputed(len(blocks) if recompute is None else recompute)
+    if recompute is None:
+        block_ckpt.measure = checkpointing.Measure(tokens=0)
+    if block_ckpt.recomputed:
+        transformer.enable_gradient_checkpointing(block_ckpt)
+    if cfg.train.gradient_checkpointing and train_conditioner and hasattr(conditioner, "enable_gradient_checkpointing"):
+        conditioner.enable_gradient_checkpointing()
     transformer.train()
     conditioner.train(train_conditioner)
     text_encoder.train(train_text_encoder)
@@ -190,6 +196,11 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if dry_run:
         total = 1
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
+    compile_mode = resolve_compile(cfg.train.compile, device, total)
+    if compile_mode:
+        _compile(transformer, cfg, compile_mode)
+    ckpt_text = "auto (decided after the first step)" if recompute is None else f"{recompute} of {len(blocks)} blocks"
+    say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}")
 
     trainable = [m for m, on in ((transformer, True), (conditioner, train_conditioner),
                                  (text_encoder, train_text_encoder)) if on]
@@ -236,6 +247,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         else:
             x0 = batch["latents"].to(device, dtype)
         b, _, _, h, w = x0.shape
+        if block_ckpt.measure is not None:
+            block_ckpt.measure.tokens = max(block_ckpt.measure.tokens, b * (h // 2) * (w // 2))
         noise = torch.randn(x0.shape, generator=gens["noise"], device=device, dtype=torch.float32).to(dtype)
         moved = None
         if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
@@ -257,7 +270,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- the loop --------------------------------------------------------------------------------------------
     watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
     done = global_step >= total
-    loss_sum, mse_sum, hf_sum, ot_sum, micro = 0.0, 0.0, 0.0, 0.0, 0
+    stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
     epoch = start_epoch
     while not done and epoch < cfg.train.epochs:
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
@@ -285,24 +298,28 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach().float().item()
-            mse_sum += float(loss_parts.get("mse", loss.detach()))
-            hf_sum += float(loss_parts.get("hf", 0.0))
-            ot_sum += float(loss_parts.get("ot", 0.0))
+            # summed on the device: the host reads them once per optimizer step, not once per micro-batch
+            values = torch.stack([loss.detach().float()] + [torch.as_tensor(loss_parts.get(k, d), device=device,
+                                                                            dtype=torch.float32).detach()
+                                                           for k, d in (("mse", loss.detach()), ("hf", 0.0),
+                                                                        ("ot", 0.0))])
+            stats_sum = values if stats_sum is None else stats_sum + values
             micro += 1
             if not accelerator.sync_gradients:
                 continue
             # -- one optimizer step done ---------------------------------------------------------------------
             global_step += 1
-            stats = torch.tensor([loss_sum, mse_sum, hf_sum, ot_sum], device=device) / micro
-            stats = accelerator.reduce(stats, reduction="mean")
-            loss_sum, mse_sum, hf_sum, ot_sum, micro = 0.0, 0.0, 0.0, 0.0, 0
-            result.losses.append(float(stats[0]))
+            if block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide now
+                parked = _plan_checkpointing(block_ckpt, data.sampler.largest_batch_tokens(), parked, device, say)
+            stats = accelerator.reduce(stats_sum / micro, reduction="mean")
+            stats_sum, micro = None, 0
+            stats = stats.tolist()
+            result.losses.append(stats[0])
             result.global_step = global_step
-            progress.step(StepStats(step=global_step, epoch=epoch + 1, loss=float(stats[0]),
-                                    mse=float(stats[1]) if cfg.flow.hf_scale > 0 else None,
-                                    hf=float(stats[2]) if cfg.flow.hf_scale > 0 else None,
-                                    ot=float(stats[3]) if cfg.flow.use_ot else None,
+            progress.step(StepStats(step=global_step, epoch=epoch + 1, loss=stats[0],
+                                    mse=stats[1] if cfg.flow.hf_scale > 0 else None,
+                                    hf=stats[2] if cfg.flow.hf_scale > 0 else None,
+                                    ot=stats[3] if cfg.flow.use_ot else None,
                                     lrs=used_lrs, peak_gb=_peak_gb(accelerator)),
                           report=global_step % cfg.train.log_every == 0 or global_step == total)
             if global_step >= total:
@@ -383,7 +400,49 @@ class ParkedWeights:
             self.park()
 
 
-def _compile(transformer, cfg: Config) -> None:
+COMPILE_MIN_STEPS = 200  # compile = "auto": a shorter run would spend longer compiling (~1.5 min cold) than it saves
+
+
+def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str | None:
+    """The torch.compile mode to use, or None for eager. "auto" compiles on CUDA (Triton present) when the run is
+    long enough to repay the compile; "off" never compiles."""
+    import importlib.util
+
+    if setting == "off":
+        return None
+    if setting != "auto":
+        return setting
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None or total_steps < COMPILE_MIN_STEPS:
+        return None
+    return "default"
+
+
+def _plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
+    """checkpoint_blocks = "auto", after the first optimizer step: keep the activations of as many blocks as fit;
+    with every block kept and room to spare, keep the frozen Qwen3 on the GPU too (no copy-in per step). Returns
+    the ParkedWeights still in use (None once the text encoder stays on the GPU)."""
+    measure, block_ckpt.measure = block_ckpt.measure, None
+    n = len(block_ckpt.blocks)
+    budget = checkpointing.budget_bytes(device)
+    steady, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    scale = max(1.0, largest_tokens / max(measure.tokens, 1))
+    keep, predicted = checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
+                                                   scale=scale, budget=budget)
+    block_ckpt.set_recomputed(n - keep)
+    kept_text_encoder = ""
+    if parked is not None and keep == n:
+        host = sum(h.numel() * h.element_size() for h in parked.host)
+        if checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak + host, steady=steady + host,
+                                        scale=scale, budget=budget)[0] == n:
+            parked.restore()
+            parked, kept_text_encoder = None, "; Qwen3 stays on the GPU"
+    gib = checkpointing.GIB
+    say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
+        f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB){kept_text_encoder}")
+    return parked
+
+
+def _compile(transformer, cfg: Config, mode: str) -> None:
     """torch.compile, lazily (each new shape compiles on first use). Regional: each of the identical DiT blocks is
     compiled (one graph, reused 28 times) instead of the whole trunk, which takes minutes to compile. Dynamic shapes
     keep mixed buckets and per-tier batch sizes from exhausting dynamo's recompile limit (raised 8 -> 32)."""
@@ -395,7 +454,7 @@ def _compile(transformer, cfg: Config) -> None:
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
     targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
-        module.compile(mode=cfg.train.compile, dynamic=cfg.train.compile_dynamic)
+        module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
 
 
 def _stop_requested(stop_file: str | None, accelerator) -> bool:

@@ -1,22 +1,32 @@
-"""GPU benchmark of the real trainer (`anima_train.train.train`) on a full-size random-init Anima.
+"""GPU benchmark of the real trainer (`anima_train.train.train`) on a full-size random-init Anima, beside the naive
+baseline and the seed trainer, in one call, with the ratios.
 
-Same settings as the naive baseline (shared/bench/gpu_baseline.py): 1024x1024 (4096 tokens), bf16, gradient
-checkpointing, AdamW; LoRA r32 on attention + MLP at batch 8 and a full finetune of the DiT at batch 4. Unlike the
-baseline, each of our steps also tokenises and encodes its captions with Qwen3 and runs the LLM adapter, because
-that is what training does. Run the baseline in the same call and compare:
+1024x1024 (4096 tokens), bf16, AdamW; LoRA r32 on attention + MLP and a full finetune of the DiT. Ours runs the
+configuration a user gets by default: `gradient_checkpointing = true` with `checkpoint_blocks = "auto"` (the fewest
+recomputed blocks that fit the card, decided after the first step) and `compile = "auto"` (here "default": auto
+compiles runs of 200+ steps, and the bench stops a long run early). Each of our steps also tokenises and encodes
+its captions with Qwen3 and runs the LLM adapter, because that is what training does.
 
-    python3 bench/bench_train_gpu.py --work /tmp/bench [--steps 14] [--only lora_b8,full_b4] [--compile]
+    python3 bench/bench_train_gpu.py --work /tmp/bench --only lora_b8,full_b4 \
+        --baseline shared/bench/gpu_baseline.py --seed-bench shared/bench/peers/seed_bench.py \
+        --seed-tar shared/bench/peers/seed-*.tar.gz [--cap-gib 24] [--steps 12]
 
-Prints one JSON line per configuration (s/step median after warm-up, s/image, peak GiB) and a table.
+Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
+lean full finetune). `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
+torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -26,16 +36,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
 from anima_train.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
-from anima_train.train import train  # noqa: E402
+from anima_train.train import resolve_compile, train  # noqa: E402
 
-RUNS = {
-    # name: (batch, extra TOML)
-    "lora_b8": (8, '[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'),
-    "full_b4": (4, '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\nlr = 1e-5\n'),
-    # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
-    "full_b4_8bit": (4, '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
-                        'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n'),
-}
+LORA = '[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'
+FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\nlr = 1e-5\n'
+# the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
+FULL_8BIT = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
+             'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n')
+KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT}
+SEED_MODES = {"lora": "lora", "full": "full"}  # our kind -> seed_bench.py --mode
+BASELINE_NAMES = {"lora": "lora_b{b}_ckpt", "full": "full_b{b}_ckpt"}
+
+
+def parse_run(name: str) -> tuple[str, int]:
+    m = re.fullmatch(r"(lora|full|full8bit)_b(\d+)", name)
+    if not m:
+        raise SystemExit(f"--only: unknown run {name!r}; use lora_bN, full_bN or full8bit_bN")
+    return m.group(1), int(m.group(2))
+
+
+RUNS = {n: (parse_run(n)[1], KINDS[parse_run(n)[0]]) for n in ("lora_b8", "full_b4", "full8bit_b4")}
 
 
 def build_repo(repo: Path) -> None:
@@ -73,10 +93,16 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
-                    resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2) -> tuple[str, str]:
-    """(label, TOML text) of one RUNS configuration; bench/profile_train_gpu.py trains the same text."""
-    batch, extra = RUNS[name]
-    label = name + ("_compiled" if compile_mode else "")
+                    resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
+                    checkpoint_blocks: str | None = None) -> tuple[str, str]:
+    """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
+    compile = "auto" picks for a long run on this device."""
+    kind, batch = parse_run(name)
+    if compile_mode is None:
+        compile_mode = resolve_compile("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), 10**6) \
+            or "off"
+    label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
+                                                                       if checkpoint_blocks else "")
     text = f"""
 [train]
 model_path = "{repo}"
@@ -89,19 +115,22 @@ dtype = "{dtype}"
 num_workers = {num_workers}
 progress = "off"
 gradient_checkpointing = true
+{f'checkpoint_blocks = {json.dumps(int(checkpoint_blocks) if checkpoint_blocks.isdigit() else checkpoint_blocks)}'
+ if checkpoint_blocks else ''}
 save_every_epochs = 0
 skip_final_save = true
-{f'compile = "{compile_mode}"' if compile_mode else ''}
+compile = "{compile_mode}"
 [dataset]
 path = "{data}"
 resolution = {resolution}
-{extra}"""
+{KINDS[kind]}"""
     return label, text
 
 
-def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None) -> dict:
-    batch = RUNS[name][0]
-    label, text = run_config_text(name, repo, data, work, steps, compile_mode)
+def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
+          checkpoint_blocks: str | None = None, cap_gib: float | None = None) -> dict:
+    batch = parse_run(name)[1]
+    label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks)
     events = work / f"{label}.jsonl"
     cfg = load_config(text)
     torch.cuda.empty_cache()
@@ -112,11 +141,14 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     stamps = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
     times = [r["time"] for r in stamps if r["event"] == "step"]  # only the main process writes events
-    deltas = [b - a for a, b in zip(times, times[1:])][3:]  # skip warm-up (first steps, compile)
+    deltas = [b - a for a, b in zip(times, times[1:])][3:]  # skip warm-up (first steps, compile, the plan)
     med = statistics.median(deltas) if deltas else float("nan")
     trainable = sum(p.numel() for m in (result.components.transformer, result.components.text_conditioner)
                     for p in m.parameters() if p.requires_grad)
-    rec = dict(name=label, rank=rank, processes=world, batch=batch, steps=len(result.losses), trainable=trainable,
+    recomputed = result.components.transformer._gradient_checkpointing_func.recomputed \
+        if getattr(result.components.transformer, "gradient_checkpointing", False) else 0
+    rec = dict(who="ours", name=label, run=name, cap_gib=cap_gib, rank=rank, processes=world, batch=batch,
+               steps=len(result.losses), trainable=trainable, recomputed_blocks=recomputed,
                s_per_step=round(med, 4), s_per_image=round(med / (batch * world), 4),
                images_per_s=round(batch * world / med, 2) if deltas else None,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
@@ -128,32 +160,132 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     return rec
 
 
+def capped_python(cap_gib: float | None) -> list[str]:
+    """python3 that caps its CUDA memory to cap_gib (as a card of that size would) before running the script."""
+    if not cap_gib:
+        return [sys.executable]
+    code = ("import sys, runpy, torch; "
+            f"torch.cuda.set_per_process_memory_fraction({cap_gib} * 2**30 / torch.cuda.mem_get_info()[1]); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    return [sys.executable, "-c", code]
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def run_peer(cmd: list[str], log: Path) -> list[dict]:
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log.write_text(proc.stdout + proc.stderr)
+    rows = json_lines(proc.stdout)
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if proc.returncode:
+        print(json.dumps({"peer_failed": cmd[-1], "rc": proc.returncode, "tail": proc.stderr[-1500:]}), flush=True)
+    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def baseline_rows(script: str, names: list[str], steps: int, cap_gib: float | None, work: Path) -> dict:
+    """{our run name: baseline JSON} for the runs the baseline has (it checkpoints every block, eager)."""
+    wanted = {}
+    for n in names:
+        kind, b = parse_run(n)
+        if kind in BASELINE_NAMES:
+            wanted[BASELINE_NAMES[kind].format(b=b)] = n
+    if not wanted:
+        return {}
+    rows = run_peer(capped_python(cap_gib) + [script, "--steps", str(steps), "--only", ",".join(wanted)],
+                    work / "baseline.log")
+    return {wanted[r["name"]]: dict(r, who="naive") for r in rows if r.get("name") in wanted}
+
+
+def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[str], steps: int,
+              compile_mode: str | None, cap_gib: float | None, work: Path) -> dict:
+    """{our run name: seed JSON}: the seed's own trainer, unmodified, checkpointing every block (its default)."""
+    src = work / "seed_src"
+    if not src.exists():
+        with tarfile.open(tar) as t:
+            t.extractall(src, filter="data")
+    roots = [p.parent for p in src.glob("*/anima")] or [src]
+    out = {}
+    for n in names:
+        kind, b = parse_run(n)
+        if kind not in SEED_MODES:
+            continue
+        cmd = capped_python(cap_gib) + [bench_script, "--seed-src", str(roots[0]), "--repo", str(repo),
+                                        "--data", str(data), "--work", str(work / "seed_work"),
+                                        "--mode", SEED_MODES[kind], "--batch", str(b), "--steps", str(steps)]
+        if compile_mode and compile_mode != "off":
+            cmd += ["--compile", compile_mode]
+        rows = run_peer(cmd, work / f"seed_{n}.log")
+        if rows:
+            out[n] = dict(rows[-1], who="seed")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/anima-bench")
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--only", default="lora_b8,full_b4")
-    ap.add_argument("--compile", default=None, help="also run with train.compile = MODE (e.g. default)")
-    ap.add_argument("--skip-eager", action="store_true", help="with --compile: only the compiled runs")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--only", default="lora_b8,full_b4", help="runs: lora_bN, full_bN, full8bit_bN")
+    ap.add_argument("--compile", default=None, help="our train.compile (default: what compile = \"auto\" picks)")
+    ap.add_argument("--checkpoint-blocks", default=None, help="our train.checkpoint_blocks (default: auto)")
+    ap.add_argument("--cap-gib", type=float, default=None, help="cap every process's CUDA memory to this many GiB")
+    ap.add_argument("--baseline", default=None, help="gpu_baseline.py: run it in this call (same steps and cap)")
+    ap.add_argument("--seed-bench", default=None, help="seed_bench.py: run the seed in this call (needs --seed-tar)")
+    ap.add_argument("--seed-tar", default=None, help="the seed's source tarball (a glob is fine)")
+    ap.add_argument("--seed-only", default=None, help="runs for the seed (default: --only)")
+    ap.add_argument("--seed-compile", default="default", help="the seed's compile mode (off = eager)")
+    ap.add_argument("--twice", action="store_true", help="run ours twice: the second first step is warm-compiled")
     args = ap.parse_args()
+    work = Path(args.work)
     t0 = time.perf_counter()
-    repo, data = prepare(Path(args.work))
+    repo, data = prepare(work)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "setup_s": round(time.perf_counter() - t0, 1)}), flush=True)
-    rows = []
+                      "setup_s": round(time.perf_counter() - t0, 1), "cap_gib": args.cap_gib}), flush=True)
     names = args.only.split(",")
-    plan = ([] if args.skip_eager and args.compile else [(n, None) for n in names]) \
-        + [(n, args.compile) for n in names if args.compile]
-    for name, mode in plan:  # eager first: the essential numbers come out even if a compiled run fails
-        try:
-            rows.append(bench(name, repo, data, work, args.steps, mode))
-        except Exception as exc:  # report and go on with the next configuration
-            print(json.dumps({"name": name, "compile": mode, "error": f"{type(exc).__name__}: {exc}"[:2000]}),
-                  flush=True)
-            torch.cuda.empty_cache()
-    print(f"\n{'config':<20}{'batch':>6}{'s/step':>10}{'s/image':>10}{'peakGiB':>9}")
-    for r in rows:
-        print(f"{r['name']:<20}{r['batch']:>6}{r['s_per_step']:>10.3f}{r['s_per_image']:>10.4f}{r['peak_gib']:>9.1f}")
+    for n in names:
+        parse_run(n)
+    naive = baseline_rows(args.baseline, names, args.steps, args.cap_gib, work) if args.baseline else {}
+    seed = {}
+    if args.seed_bench:
+        tar = sorted(glob.glob(args.seed_tar or ""))
+        if not tar:
+            raise SystemExit("--seed-bench needs --seed-tar (the seed's source tarball)")
+        seed = seed_rows(args.seed_bench, tar[-1], repo, data, (args.seed_only or args.only).split(","),
+                         args.steps, args.seed_compile, args.cap_gib, work)
+    if args.cap_gib:
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
+    ours = []
+    for name in names:
+        for attempt in range(2 if args.twice else 1):
+            try:
+                ours.append(bench(name, repo, data, work, args.steps, args.compile, args.checkpoint_blocks,
+                                  args.cap_gib))
+            except Exception as exc:  # report and go on with the next configuration
+                print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
+                torch.cuda.empty_cache()
+    print(f"\n{'run':<16}{'who':<7}{'batch':>6}{'s/image':>10}{'peakGiB':>9}{'1st step s':>11}"
+          f"{'seed/ours':>10}{'naive/ours':>11}")
+    for r in ours:
+        sd, nv = seed.get(r["run"]), naive.get(r["run"])
+        for row in [x for x in (nv, sd) if x]:
+            print(f"{r['run']:<16}{row['who']:<7}{row['batch']:>6}{row['s_per_image']:>10.4f}"
+                  f"{row.get('peak_gib') or 0:>9.1f}{row.get('first_step_s') or 0:>11.1f}")
+        print(f"{r['run']:<16}{'ours':<7}{r['batch']:>6}{r['s_per_image']:>10.4f}{r['peak_gib']:>9.1f}"
+              f"{r['first_step_s'] or 0:>11.1f}"
+              f"{(sd['s_per_image'] / r['s_per_image']) if sd else float('nan'):>10.2f}"
+              f"{(nv['s_per_image'] / r['s_per_image']) if nv else float('nan'):>11.2f}")
     return 0
 
 

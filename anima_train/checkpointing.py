@@ -1,0 +1,112 @@
+"""Gradient checkpointing per DiT block: recompute only as many blocks as the card's memory needs.
+
+Recomputing a block's forward in backward costs about a third of its step time; keeping its activations costs
+memory that grows with tokens x batch (a 1024x1024 image at batch 8 holds ~2.7 GiB per Anima block). The seed
+checkpoints all 28 blocks or none. Here `train.checkpoint_blocks` picks how many:
+
+- an integer k: the first k blocks recompute, the rest keep their activations;
+- "all": every block (the seed's `gradient_checkpointing = true`);
+- "auto" (default): on CUDA, the fewest that fit. The first optimizer step runs with every block checkpointed
+  and measures, with the real shapes, dtype, adapter and compile mode: the activations one block holds for its
+  backward (the memory a block's recompute allocates and keeps), the step's peak and the steady memory after the
+  step (weights, gradients' end state, optimizer state). From then on `plan_unchecked` decides. Off CUDA, "all".
+
+Which blocks recompute never changes the numbers: a recomputed forward is the same computation (the same compiled
+graph, when compiled), so losses and weights are identical to the all-checkpointed run and resume stays bit-exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+GIB = 2**30
+# Left free under the budget: allocator fragmentation, cuDNN/cuBLAS workspaces, the loss and the output tensors.
+MARGIN_FRACTION = 0.08
+MARGIN_BYTES = 1 * GIB
+
+
+@dataclass
+class Measure:
+    """What the first step saw (bytes). `act` = activations one block keeps for backward at that step's shape."""
+    tokens: int  # tokens x batch of the measured step
+    act: int = 0
+    peak: int = 0
+    steady: int = 0
+
+
+@dataclass
+class BlockCheckpointing:
+    """The transformer's gradient-checkpointing function (diffusers calls it as `func(block, *args)`): blocks in
+    `recompute` run under torch.utils.checkpoint, the others directly."""
+    blocks: list
+    recompute: set = field(default_factory=set)  # ids of the blocks that recompute
+    measure: Measure | None = None
+
+    def __call__(self, block, *args):
+        if id(block) not in self.recompute:
+            return block(*args)
+        if self.measure is None:
+            return checkpoint(block.__call__, *args, use_reentrant=False)
+        return checkpoint(self._measured(block), *args, use_reentrant=False)
+
+    def _measured(self, block):
+        # Runs outside the compiled region (checkpoint calls it eagerly, in forward and again in backward). In the
+        # forward it keeps only its output; in the backward's recompute it keeps what the block's backward needs:
+        # the largest growth seen is one block's activations.
+        measure = self.measure
+
+        def run(*args):
+            before = torch.cuda.memory_allocated()
+            try:
+                return block(*args)
+            finally:  # also when the recompute stops early (torch raises through here once it has what it needs)
+                measure.act = max(measure.act, torch.cuda.memory_allocated() - before)
+
+        return run
+
+    def set_recomputed(self, count: int) -> None:
+        """The first `count` blocks recompute (which ones does not matter for memory: all are alike)."""
+        self.recompute = {id(b) for b in self.blocks[:count]}
+
+    @property
+    def recomputed(self) -> int:
+        return sum(id(b) in self.recompute for b in self.blocks)
+
+
+def parse_setting(gradient_checkpointing: bool, checkpoint_blocks: int | str, n_blocks: int,
+                  device: torch.device) -> int | None:
+    """Blocks to recompute from the config: a count, or None for "auto" (decided after the first step)."""
+    if not gradient_checkpointing:
+        return 0
+    if checkpoint_blocks == "all":
+        return n_blocks
+    if checkpoint_blocks == "auto":
+        return None if device.type == "cuda" else n_blocks
+    return min(int(checkpoint_blocks), n_blocks)
+
+
+def budget_bytes(device: torch.device) -> int:
+    """What this process may use: the card (or the per-process fraction set on it), and no more than is free now
+    plus what it holds already (ComfyUI or another program may hold part of the card)."""
+    free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
+    cap = int(total * fraction)
+    return min(cap, free + torch.cuda.memory_reserved(device))
+
+
+def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: float, budget: int) -> tuple[int, int]:
+    """(blocks that may keep their activations, predicted peak in bytes) for the largest batch.
+
+    The all-checkpointed peak is the steady memory plus a step's transient part; the transient part and a block's
+    activations grow linearly with tokens x batch (`scale` = the largest batch's tokens over the measured step's).
+    Each block that keeps its activations adds them to the peak (they are all alive when backward starts)."""
+    usable = budget - max(int(budget * MARGIN_FRACTION), MARGIN_BYTES)
+    base = steady + int(max(peak - steady, 0) * scale)
+    per_block = max(int(act * scale), 1)
+    keep = max(0, min(n_blocks, math.floor((usable - base) / per_block)))
+    return keep, base + keep * per_block

@@ -1,0 +1,83 @@
+"""Per-block gradient checkpointing (`train.checkpoint_blocks`) and the compile = "auto" choice."""
+
+from __future__ import annotations
+
+import torch
+from test_train import latents_dir, make_cfg  # noqa: F401 (a fixture)
+
+from anima_train import checkpointing
+from anima_train.checkpointing import GIB, plan_unchecked
+from anima_train.train import COMPILE_MIN_STEPS, resolve_compile, train
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _count_recomputes(monkeypatch) -> list:
+    calls = []
+    real = checkpointing.checkpoint
+
+    def counting(fn, *args, **kw):
+        calls.append(fn)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(checkpointing, "checkpoint", counting)
+    return calls
+
+
+def test_recomputing_some_blocks_changes_no_number(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    """0, 1 and all blocks recomputed train to the same bits, and exactly the asked number of blocks goes through
+    torch.utils.checkpoint in each forward."""
+    calls = _count_recomputes(monkeypatch)
+    n_blocks = None
+    runs = {}
+    for setting in ("0", "1", '"all"'):
+        calls.clear()
+        result = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / setting.strip('"'), max_steps=3,
+                                gradient_checkpointing="true", checkpoint_blocks=setting), cpu=True, no_save=True)
+        n_blocks = len(result.components.transformer.transformer_blocks)
+        runs[setting] = (result.losses, result.trainable_digest, len(calls))
+    assert n_blocks >= 2
+    assert runs["0"][2] == 0 and runs["1"][2] == 3 and runs['"all"'][2] == 3 * n_blocks  # 3 forwards each
+    assert runs["0"][:2] == runs["1"][:2] == runs['"all"'][:2]
+
+
+def test_gradient_checkpointing_false_wins_over_checkpoint_blocks(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    calls = _count_recomputes(monkeypatch)
+    train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=1, gradient_checkpointing="false",
+                   checkpoint_blocks='"all"'), cpu=True, no_save=True)
+    assert calls == []
+
+
+def test_auto_recomputes_every_block_off_cuda():
+    assert checkpointing.parse_setting(True, "auto", 28, CPU) == 28
+    assert checkpointing.parse_setting(True, "auto", 28, CUDA) is None  # measured on the first step
+    assert checkpointing.parse_setting(True, 40, 28, CUDA) == 28
+    assert checkpointing.parse_setting(False, "all", 28, CUDA) == 0
+
+
+def test_plan_keeps_as_many_blocks_as_fit():
+    # 24 GiB card: steady 6 GiB, all-checkpointed peak 10 GiB, a block keeps 1 GiB at the measured batch
+    keep, peak = plan_unchecked(n_blocks=28, act=1 * GIB, peak=10 * GIB, steady=6 * GIB, scale=1.0, budget=24 * GIB)
+    usable = 24 * GIB - max(int(24 * GIB * checkpointing.MARGIN_FRACTION), checkpointing.MARGIN_BYTES)
+    assert keep == (usable - 10 * GIB) // GIB and peak <= usable < peak + GIB
+    # a batch twice as large somewhere in the epoch: transient part and block activations double
+    keep2, peak2 = plan_unchecked(n_blocks=28, act=1 * GIB, peak=10 * GIB, steady=6 * GIB, scale=2.0,
+                                  budget=24 * GIB)
+    assert peak2 <= usable and keep2 == (usable - 14 * GIB) // (2 * GIB)
+    # a large card keeps them all; a card already full keeps none
+    assert plan_unchecked(n_blocks=28, act=GIB, peak=10 * GIB, steady=6 * GIB, scale=1.0, budget=140 * GIB)[0] == 28
+    assert plan_unchecked(n_blocks=28, act=GIB, peak=23 * GIB, steady=6 * GIB, scale=1.0, budget=24 * GIB)[0] == 0
+
+
+def test_compile_auto_only_where_it_pays(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+    assert resolve_compile("auto", CUDA, COMPILE_MIN_STEPS) == "default"
+    assert resolve_compile("auto", CUDA, COMPILE_MIN_STEPS - 1) is None  # compiling would cost more than it saves
+    assert resolve_compile("auto", CPU, 10**6) is None
+    assert resolve_compile("off", CUDA, 10**6) is None
+    assert resolve_compile("max-autotune", CPU, 1) == "max-autotune"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert resolve_compile("auto", CUDA, 10**6) is None  # no Triton (e.g. Windows without triton-windows)
