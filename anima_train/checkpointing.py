@@ -89,14 +89,16 @@ def parse_setting(gradient_checkpointing: bool, checkpoint_blocks: int | str, n_
     return min(int(checkpoint_blocks), n_blocks)
 
 
-def budget_bytes(device: torch.device) -> int:
-    """What this process may use: the card (or the per-process fraction set on it), and no more than is free now
-    plus what it holds already (ComfyUI or another program may hold part of the card)."""
-    free, total = torch.cuda.mem_get_info(device)
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(device) if get_fraction is not None else 1.0
-    cap = int(total * fraction)
-    return min(cap, free + torch.cuda.memory_reserved(device))
+def memory_now(device: torch.device) -> tuple[int, int, int]:
+    """(allocated now, peak so far, budget) in bytes. The budget is what this process may use: the card (or the
+    per-process fraction set on it), and no more than is free now plus what it holds already (ComfyUI or another
+    program may hold part of the card)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has no index
+    free, total = torch.cuda.mem_get_info(index)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.9
+    fraction = get_fraction(index) if get_fraction is not None else 1.0
+    budget = min(int(total * fraction), free + torch.cuda.memory_reserved(index))
+    return torch.cuda.memory_allocated(index), torch.cuda.max_memory_allocated(index), budget
 
 
 def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: float, budget: int) -> tuple[int, int]:

@@ -423,8 +423,7 @@ def _plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
     the ParkedWeights still in use (None once the text encoder stays on the GPU)."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
-    budget = checkpointing.budget_bytes(device)
-    steady, peak = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+    steady, peak, budget = checkpointing.memory_now(device)
     scale = max(1.0, largest_tokens / max(measure.tokens, 1))
     keep, predicted = checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
                                                    scale=scale, budget=budget)

@@ -256,14 +256,6 @@ def main() -> int:
     names = args.only.split(",")
     for n in names:
         parse_run(n)
-    naive = baseline_rows(args.baseline, names, args.steps, args.cap_gib, work) if args.baseline else {}
-    seed = {}
-    if args.seed_bench:
-        tar = sorted(glob.glob(args.seed_tar or ""))
-        if not tar:
-            raise SystemExit("--seed-bench needs --seed-tar (the seed's source tarball)")
-        seed = seed_rows(args.seed_bench, tar[-1], repo, data, (args.seed_only or args.only).split(","),
-                         args.steps, args.seed_compile, args.cap_gib, work)
     if args.cap_gib:
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     ours = []
@@ -275,6 +267,15 @@ def main() -> int:
             except Exception as exc:  # report and go on with the next configuration
                 print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
                 torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # ours first: the peers run in their own processes after it
+    naive = baseline_rows(args.baseline, names, args.steps, args.cap_gib, work) if args.baseline else {}
+    seed = {}
+    if args.seed_bench:
+        tar = sorted(glob.glob(args.seed_tar or ""))
+        if not tar:
+            raise SystemExit("--seed-bench needs --seed-tar (the seed's source tarball)")
+        seed = seed_rows(args.seed_bench, tar[-1], repo, data, (args.seed_only or args.only).split(","),
+                         args.steps, args.seed_compile, args.cap_gib, work)
     print(f"\n{'run':<16}{'who':<7}{'batch':>6}{'s/image':>10}{'peakGiB':>9}{'1st step s':>11}"
           f"{'seed/ours':>10}{'naive/ours':>11}")
     for r in ours:

@@ -81,3 +81,72 @@ def test_compile_auto_only_where_it_pays(monkeypatch):
     assert resolve_compile("max-autotune", CPU, 1) == "max-autotune"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     assert resolve_compile("auto", CUDA, 10**6) is None  # no Triton (e.g. Windows without triton-windows)
+
+
+class StrictCuda:
+    """torch.cuda's memory functions as the real ones behave on a 24 GiB card: a device index is required where
+    torch requires one (a bare "cuda" device raised ValueError on the GPU once)."""
+
+    def __init__(self, monkeypatch, *, allocated, peak, total=24 * GIB, fraction=1.0):
+        def index_only(device):
+            if not isinstance(device, int):
+                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+            return device
+
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (index_only(d), (total - allocated, total))[1])
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: (index_only(d), fraction)[1])
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: (index_only(d), allocated)[1])
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: (index_only(d), peak)[1])
+
+
+def test_auto_plan_after_the_first_step(monkeypatch):
+    """The decision the trainer makes after its first step, with torch.cuda's memory readings faked as a 24 GiB
+    card (12 GiB of which a ComfyUI process holds): blocks kept, the Qwen3 kept parked, the message."""
+    from anima_train.train import _plan_checkpointing
+
+    StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=36 * GIB, fraction=2 / 3)  # cap 24 GiB
+    blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
+    plan = checkpointing.BlockCheckpointing(blocks)
+    plan.set_recomputed(28)
+    plan.measure = checkpointing.Measure(tokens=4096 * 8, act=GIB)
+    said = []
+
+    class Parked:
+        host = [torch.zeros(2**20)]  # 4 MiB
+        restored = False
+
+        def restore(self):
+            self.restored = True
+
+    parked = Parked()
+    left = _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
+    usable = 24 * GIB - max(int(24 * GIB * checkpointing.MARGIN_FRACTION), checkpointing.MARGIN_BYTES)
+    keep = (usable - 10 * GIB) // GIB
+    assert plan.recomputed == 28 - keep and plan.measure is None
+    assert left is parked and not parked.restored  # blocks still recompute: no room for the text encoder
+    assert said == [f"checkpointing auto: {28 - keep} of 28 blocks recompute (a block keeps 1.00 GiB at the largest "
+                    f"batch; predicted peak {(10 * GIB + keep * GIB) / GIB:.1f} of 24.0 GiB)"]
+
+
+def test_auto_plan_on_a_large_card_keeps_everything(monkeypatch):
+    from anima_train.train import _plan_checkpointing
+
+    StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=140 * GIB)
+    blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
+    plan = checkpointing.BlockCheckpointing(blocks)
+    plan.set_recomputed(28)
+    plan.measure = checkpointing.Measure(tokens=4096 * 8, act=GIB)
+
+    class Parked:
+        host = [torch.zeros(2**20)]
+        restored = False
+
+        def restore(self):
+            self.restored = True
+
+    parked = Parked()
+    said = []
+    assert _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append) is None
+    assert parked.restored and plan.recomputed == 0 and said[0].endswith("; Qwen3 stays on the GPU")
