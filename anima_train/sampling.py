@@ -228,8 +228,11 @@ class Previewer:
                     image.save(tmp, format="PNG")
                 paths.append(path)
             preview = Preview(step=step, paths=paths, images=pil, seconds=time.perf_counter() - t0)
+            allocated = None  # what stays on the GPU after a round: flat across rounds = nothing leaks
+            if torch.device(self.device).type == "cuda":
+                allocated = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
             self.progress.event("samples", step=step, paths=[str(p) for p in paths], prompts=self.prompts,
-                                seconds=round(preview.seconds, 3))
+                                seconds=round(preview.seconds, 3), gpu_allocated_gib=allocated)
             self.progress.message(f"previews: {len(paths)} image(s) at step {step} in {preview.seconds:.1f} s "
                                   f"-> {self.samples_dir}")
             if self.on_images is not None:

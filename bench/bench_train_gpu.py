@@ -6,8 +6,12 @@ baseline, each of our steps also tokenises and encodes its captions with Qwen3 a
 that is what training does. Run the baseline in the same call and compare:
 
     python3 bench/bench_train_gpu.py --work /tmp/bench [--steps 14] [--only lora_b8,full_b4] [--compile]
+    python3 bench/bench_train_gpu.py --work /tmp/bench --only lora_b8 --steps 40 --previews 4   # + [sample] rounds
 
-Prints one JSON line per configuration (s/step median after warm-up, s/image, peak GiB) and a table.
+Prints one JSON line per configuration (s/step median after warm-up, s/image, peak GiB) and a table. With
+`--previews N` each run also renders 2 preview images (1024x1024, --preview-steps Euler steps, CFG 4) every N steps
+and at the end; its line adds the preview rounds, seconds per round and the GPU memory still allocated after each
+round (flat = no growth). Compare its peak with the same run without --previews.
 """
 
 from __future__ import annotations
@@ -73,10 +77,14 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
-                    resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2) -> tuple[str, str]:
+                    resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2, previews: int = 0,
+                    preview_steps: int = 20) -> tuple[str, str]:
     """(label, TOML text) of one RUNS configuration; bench/profile_train_gpu.py trains the same text."""
     batch, extra = RUNS[name]
-    label = name + ("_compiled" if compile_mode else "")
+    label = name + ("_compiled" if compile_mode else "") + (f"_previews{previews}" if previews else "")
+    if previews:
+        extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
+                  f'every_n_steps = {previews}\nsteps = {preview_steps}\nwidth = 1024\nheight = 1024\n')
     text = f"""
 [train]
 model_path = "{repo}"
@@ -99,9 +107,11 @@ resolution = {resolution}
     return label, text
 
 
-def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None) -> dict:
+def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
+          previews: int = 0, preview_steps: int = 20) -> dict:
     batch = RUNS[name][0]
-    label, text = run_config_text(name, repo, data, work, steps, compile_mode)
+    label, text = run_config_text(name, repo, data, work, steps, compile_mode, previews=previews,
+                                  preview_steps=preview_steps)
     events = work / f"{label}.jsonl"
     cfg = load_config(text)
     torch.cuda.empty_cache()
@@ -122,6 +132,10 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
                first_step_s=round(times[0] - stamps[0]["time"], 1) if times else None, wall_s=round(wall, 1),
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4))
+    rounds = [r for r in stamps if r["event"] == "samples"]
+    if rounds:
+        rec.update(preview_rounds=len(rounds), preview_s=[r["seconds"] for r in rounds],
+                   allocated_gib_after_round=[r.get("gpu_allocated_gib") for r in rounds])
     print(json.dumps(rec), flush=True)
     del result
     torch.cuda.empty_cache()
@@ -135,9 +149,13 @@ def main() -> int:
     ap.add_argument("--only", default="lora_b8,full_b4")
     ap.add_argument("--compile", default=None, help="also run with train.compile = MODE (e.g. default)")
     ap.add_argument("--skip-eager", action="store_true", help="with --compile: only the compiled runs")
+    ap.add_argument("--previews", type=int, default=0, metavar="N",
+                    help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
+    ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    repo, data = prepare(Path(args.work))
+    work = Path(args.work)
+    repo, data = prepare(work)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "setup_s": round(time.perf_counter() - t0, 1)}), flush=True)
     rows = []
@@ -146,7 +164,7 @@ def main() -> int:
         + [(n, args.compile) for n in names if args.compile]
     for name, mode in plan:  # eager first: the essential numbers come out even if a compiled run fails
         try:
-            rows.append(bench(name, repo, data, work, args.steps, mode))
+            rows.append(bench(name, repo, data, work, args.steps, mode, args.previews, args.preview_steps))
         except Exception as exc:  # report and go on with the next configuration
             print(json.dumps({"name": name, "compile": mode, "error": f"{type(exc).__name__}: {exc}"[:2000]}),
                   flush=True)
