@@ -163,7 +163,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
 
     done = r["done"]
     assert done["phase"] == "done" and "done: 300/300 steps in 9m12s → /runs/x/anima.safetensors" in done["status"]
-    assert done["orange"] == mid["orange"]  # the finished chart stays up
+    assert done["orange"] == r["withPreviews"]["orange"]  # the finished chart stays up (previews under it)
 
     reset = r["reset"]  # a new "start" clears the chart
     assert reset["phase"] == "running" and reset["orange"] == 0 and reset["blue"] == 0 and "step " not in reset["status"]
