@@ -328,6 +328,40 @@ class CurriculumPhase:
     lr_mul: float = _key(1.0, gt=0.0, help="multiplies the scheduler's current LR")
 
 
+SAMPLE_SHIFT = 3.0  # ComfyUI's Anima model_sampling (supported_models.Anima: shift 3.0, multiplier 1.0)
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = _key(factory=list, help="preview prompts, one image each (with prompts_file: both)")
+    prompts_file: str | None = _key(None, nonempty=True,
+                                    help="file of preview prompts, one per line, # comments; relative to the "
+                                         "config's folder")
+    negative_prompt: str = _key("", help="negative prompt of every preview (the uncond side of CFG)")
+    every_n_steps: int | None = _key(None, ge=1, help="render the previews every N optimizer steps")
+    every_n_epochs: int | None = _key(None, ge=1, help="render the previews every N epochs")
+    before_first_step: bool = _key(False, help="render them once before training starts (the base model)")
+    at_end: bool = _key(True, help="render them once after the last step")
+    width: int = _key(1024, ge=16, help="preview width in px (a multiple of 16)")
+    height: int = _key(1024, ge=16, help="preview height in px (a multiple of 16)")
+    steps: int = _key(30, ge=1, help="Euler steps (ComfyUI KSampler: sampler euler, scheduler simple)")
+    cfg_scale: float = _key(4.0, ge=1.0, help="classifier-free guidance scale; 1 = no negative pass")
+    seed: int = _key(0, ge=0, help="noise seed of every preview (ComfyUI's noise for that seed)")
+    shift: float = _key(SAMPLE_SHIFT, gt=0.0, help="sigma shift of the schedule; 3.0 = ComfyUI's Anima setting")
+    # Not a key: the prompts read from prompts_file at load.
+    file_prompts: list[str] = field(default_factory=list, compare=False, repr=False, metadata={"key": False})
+
+    def all_prompts(self) -> list[str]:
+        """The inline prompts, then the file's."""
+        return list(self.prompts) + list(self.file_prompts)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _key(False, help="TensorBoard event files under <run_dir>/logs/<run start time>/ "
+                                         "(needs the tensorboard package: pip install tensorboard)")
+
+
 @dataclass
 class Config:
     train: TrainConfig = _table(TrainConfig, "run, batching, saving")
@@ -339,6 +373,8 @@ class Config:
     adapter: AdapterConfig = _table(AdapterConfig, "LoRA / LoKr / full finetune")
     quant: QuantConfig = _table(QuantConfig, "SDNQ quantization")
     curriculum: list[CurriculumPhase] = _array(CurriculumPhase, "curriculum phases, sorted by at")
+    sample: SampleConfig = _table(SampleConfig, "preview images rendered while training")
+    logging: LoggingConfig = _table(LoggingConfig, "TensorBoard logging")
     # Where the config came from, so the run can copy it verbatim (comments kept). Not part of equality.
     source_path: Path | None = field(default=None, compare=False, repr=False, metadata={"key": False})
     source_text: str | None = field(default=None, compare=False, repr=False, metadata={"key": False})
@@ -380,6 +416,8 @@ TABLES: dict[str, type] = {
     "adapter": AdapterConfig,
     "quant": QuantConfig,
     "curriculum": CurriculumPhase,
+    "sample": SampleConfig,
+    "logging": LoggingConfig,
 }
 ARRAY_TABLES = ("dataset.subsets", "curriculum")
 
@@ -701,7 +739,7 @@ def _build_config(raw: dict, p: _Problems) -> Config:
         else:
             p.bad.add("dataset.subsets")  # a subset was dropped: "no training data" would be misleading
 
-    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant"):
+    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant", "sample", "logging"):
         setattr(cfg, name, _build(TABLES[name], sub(name), name, _header(name), name, p))
 
     phases = raw.get("curriculum", [])
@@ -724,6 +762,7 @@ def _check_rules(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
     _check_flow(cfg, p)
     _check_curriculum(cfg, p)
     _check_optimizer(cfg, p)
+    _check_sample(cfg, base_dir, p)
 
 
 def _check_train_and_tiers(cfg: Config, raw: dict, p: _Problems) -> None:
@@ -991,6 +1030,42 @@ def _check_optimizer(cfg: Config, p: _Problems) -> None:
         if sdnq_only:
             p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
                     f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
+
+
+def _check_sample(cfg: Config, base_dir: Path, p: _Problems) -> None:
+    s = cfg.sample
+    for name in ("width", "height"):
+        if p.ok(f"sample.{name}") and getattr(s, name) % 16:
+            value = getattr(s, name)
+            p.error(f"[sample] {name} = {value}: must be a multiple of 16 (VAE factor 8 x patch 2), e.g. "
+                    f"{max(16, 16 * round(value / 16))}", f"sample.{name}")
+    if s.prompts_file is not None and p.ok("sample.prompts_file"):
+        path = Path(s.prompts_file).expanduser()
+        if not path.is_absolute():
+            path = base_dir / path
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: file not found ({path}); relative paths are "
+                    f"read from the config file's folder", "sample.prompts_file")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: cannot read {path} as UTF-8 text ({exc})",
+                    "sample.prompts_file")
+        else:
+            s.file_prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            if not s.file_prompts:
+                p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: {path} has no prompt (one per line; "
+                        f"lines starting with # are comments)", "sample.prompts_file")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        p.error("[logging] tensorboard = true needs the tensorboard package, which is not installed: pip install "
+                "tensorboard (or the extra: pip install 'comfyui-anima-train[tensorboard]'), or set "
+                "tensorboard = false", "logging.tensorboard")
+    if p.ok("sample.prompts", "sample.prompts_file") and not s.all_prompts():
+        when = [k for k in ("every_n_steps", "every_n_epochs") if getattr(s, k) is not None]
+        when += [k for k in ("before_first_step",) if getattr(s, k)]
+        if when:
+            p.error(f"[sample] {', '.join(when)} set, but there is no prompt to render: add prompts = [\"...\"] "
+                    f"or prompts_file = \"prompts.txt\"")
 
 
 # --------------------------------------------------------------------------------------------------- gate

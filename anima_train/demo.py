@@ -76,9 +76,8 @@ def run(args) -> int:
     from anima_train.config import load_config
     from anima_train.evaluate import cached_eval_set, evaluate
     from anima_train.models import load_components
-    from anima_train.plot import plot_losses
     from anima_train.tiny import build_tiny_anima, make_synthetic_dataset
-    from anima_train.train import train
+    from anima_train.train import LOSS_PLOT_NAME, train
 
     t0 = time.perf_counter()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="anima-train-demo-"))
@@ -108,7 +107,7 @@ def run(args) -> int:
     print(f"demo: training a rank-8 LoRA for {args.steps} steps on the {device} (anima-train train {toml})")
     result = train(cfg, cpu=not use_cuda)
     after = evaluate(result.components, latents, captions)
-    plot = plot_losses(result.losses, result.run_dir / "loss.png", title="anima-train demo: LoRA training loss")
+    plot = result.run_dir / LOSS_PLOT_NAME  # every run writes its loss plot
 
     drop = 100 * (1 - after.true_captions / before.true_captions)
     print()

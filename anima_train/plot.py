@@ -6,6 +6,7 @@ to read; the raw points show the spread.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -18,9 +19,23 @@ def ema(values: list[float], alpha: float = 0.1) -> list[float]:
     return out
 
 
+def nice_ticks(lo: float, hi: float, target: int = 5) -> tuple[list[float], int]:
+    """Round tick values covering [lo, hi] (steps of 1, 2, 2.5 or 5 x 10^k, about `target` of them) and the
+    number of decimals that prints each one exactly: 1.3, 1.4, 1.5 rather than 1.285, 1.42, 1.555."""
+    span = max(hi - lo, 1e-12)
+    raw = span / max(1, target - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first = math.ceil(lo / step - 1e-9)
+    ticks = [round(k * step, 12) for k in range(first, math.floor(hi / step + 1e-9) + 1)]
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9) + (1 if step / power == 2.5 else 0))
+    return ticks, decimals
+
+
 def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "training loss",
-                size: tuple[int, int] = (800, 450)) -> Path:
-    """Write a PNG chart of `losses` (one value per optimizer step). Atomic write."""
+                size: tuple[int, int] = (800, 450), first_step: int = 1) -> Path:
+    """Write a PNG chart of `losses` (one value per optimizer step, the first being step `first_step`).
+    Atomic write."""
     from PIL import Image, ImageDraw
 
     if not losses:
@@ -43,17 +58,21 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
 
     # axes, grid and labels
     d.rectangle([left, top, w - right, h - bottom], outline="black")
-    for k in range(5):
-        v = lo + (hi - lo) * k / 4
+    ticks, decimals = nice_ticks(lo, hi)
+    for v in ticks:
         _, y = xy(0, v)
         d.line([left, y, w - right, y], fill=(225, 225, 225))
-        d.text((5, y - 6), f"{v:.4g}", fill="black")
-    for k in range(5):
-        i = round((n - 1) * k / 4)
+        label = f"{v:.{decimals}f}"
+        d.text((left - 6 - d.textlength(label), y - 6), label, fill="black")
+    steps = sorted({round((n - 1) * k / 4) for k in range(5)})
+    for i in steps:
         x, _ = xy(i, lo)
-        d.text((x - 10, h - bottom + 8), str(i + 1), fill="black")
+        label = str(first_step + i)
+        d.line([x, h - bottom, x, h - bottom + 4], fill="black")
+        d.text((x - d.textlength(label) / 2, h - bottom + 8), label, fill="black")
     d.text((left, 12), f"{title}  ({n} steps; grey: per step, blue: EMA)", fill="black")
     d.text((w // 2 - 30, h - 18), "optimizer step", fill="black")
+    d.text((5, top - 16), "loss", fill="black")
 
     raw = [xy(i, v) for i, v in enumerate(losses)]
     if n > 1:

@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
-from anima_train import checkpointing, errors, parent_watch, preflight, runs
+from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LOSS_PLOT_NAME = "loss.png"  # <run_dir>/loss.png, written at the end of every run that saves
 
 
 @dataclass
@@ -87,7 +88,8 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision="no", cpu=cpu,
-                              gradient_accumulation_steps=cfg.train.gradient_accumulation_steps)
+                              gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+                              **tracking.accelerator_kwargs(cfg, Path(cfg.train.output_dir) / cfg.run_stem))
     progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
     try:
         with contextlib.ExitStack() as cleanup:
@@ -239,6 +241,13 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
     vae = parts.vae if cfg.dataset.source == "encode" else None
+    tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
+    cleanup.callback(tracker.close)
+    previews = sampling.Previewer(
+        cfg, accelerator, progress, run_dir, parts=parts, device=device, dtype=dtype, parked=parked,
+        models=lambda: (accelerator.unwrap_model(transformer_ddp), accelerator.unwrap_model(conditioner_run),
+                        accelerator.unwrap_model(text_encoder_run)),
+        keep_vae_on_device=vae is not None, enabled=not dry_run, on_images=tracker.images)
 
     def micro_step(batch, phase) -> tuple[torch.Tensor, dict]:
         if vae is not None:  # source = "encode": the VAE runs here, without autograd
@@ -271,7 +280,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
     done = global_step >= total
     stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
+    step_images, grad_norm = 0, None
     epoch = start_epoch
+    if not done:
+        previews.before_training(global_step)
     while not done and epoch < cfg.train.epochs:
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
         # Accelerate's loader re-applies its own iteration counter to the sampler/dataset when iterated, so it
@@ -284,13 +296,16 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         for batch in batches:
             batch_index += 1
             result.batches_seen.append([int(i) for i in batch["index"]])
+            step_images += len(batch["index"])
             # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
             phase = active_phase(cfg.curriculum, global_step / total) if cfg.curriculum else None
             with accelerator.accumulate(*trainable):
                 loss, loss_parts = micro_step(batch, phase)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
+                    norm = accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
+                    # pre-clip, for TensorBoard only: reading it is a host sync
+                    grad_norm = float(norm) if norm is not None and tracker.on else None
                 if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
                     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                         group["lr"] = lr * phase.lr_mul
@@ -316,12 +331,16 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             stats = stats.tolist()
             result.losses.append(stats[0])
             result.global_step = global_step
-            progress.step(StepStats(step=global_step, epoch=epoch + 1, loss=stats[0],
-                                    mse=stats[1] if cfg.flow.hf_scale > 0 else None,
-                                    hf=stats[2] if cfg.flow.hf_scale > 0 else None,
-                                    ot=stats[3] if cfg.flow.use_ot else None,
-                                    lrs=used_lrs, peak_gb=_peak_gb(accelerator)),
-                          report=global_step % cfg.train.log_every == 0 or global_step == total)
+            step_stats = StepStats(step=global_step, epoch=epoch + 1, loss=stats[0],
+                                   mse=stats[1] if cfg.flow.hf_scale > 0 else None,
+                                   hf=stats[2] if cfg.flow.hf_scale > 0 else None,
+                                   ot=stats[3] if cfg.flow.use_ot else None,
+                                   lrs=used_lrs, peak_gb=_peak_gb(accelerator))
+            progress.step(step_stats, report=global_step % cfg.train.log_every == 0 or global_step == total)
+            tracker.step(step_stats, group_names=[g["name"] for g in groups], grad_norm=grad_norm,
+                         images=step_images * world)
+            step_images, grad_norm = 0, None
+            previews.after_step(global_step)
             if global_step >= total:
                 done = True
                 break
@@ -340,6 +359,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                       trainable, optimizer, scheduler, gens, step=global_step)
         else:
             epoch += 1
+            previews.after_epoch(epoch, global_step)
             every = cfg.train.save_every_epochs
             if every and epoch % every == 0 and epoch < cfg.train.epochs and not no_save and not done:
                 _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 0,
@@ -347,12 +367,19 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             continue
         break
 
+    if not result.stopped:
+        previews.at_end(global_step)
     if not no_save and not cfg.train.skip_final_save and not result.stopped:
         epoch_for_state = epoch + (1 if batch_index >= len(loader) else 0)
         result.final = _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch_for_state,
                              0 if batch_index >= len(loader) else batch_index, trainable, optimizer, scheduler,
                              gens, final=True)
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process and not no_save and result.losses:
+        from anima_train.plot import plot_losses
+
+        plot_losses(result.losses, run_dir / LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
+                    first_step=start_step + 1)
     if parked is not None:
         parked.restore()  # in-process callers (eval, demo) get a normal model back
     result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)

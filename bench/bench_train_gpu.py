@@ -14,6 +14,10 @@ its captions with Qwen3 and runs the LLM adapter, because that is what training 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
 lean full finetune). `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
 torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
+
+`--previews N`: each of our runs also renders 2 preview images (1024x1024, --preview-steps Euler steps, CFG 4)
+every N steps and at the end; its line adds the preview rounds, seconds per round and the GPU memory still
+allocated after each round (flat = no growth). Compare its peak with the same run without --previews.
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
-                    checkpoint_blocks: str | None = None) -> tuple[str, str]:
+                    checkpoint_blocks: str | None = None, previews: int = 0,
+                    preview_steps: int = 20) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
     kind, batch = parse_run(name)
@@ -102,7 +107,12 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
         compile_mode = resolve_compile("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), 10**6) \
             or "off"
     label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
-                                                                       if checkpoint_blocks else "")
+                                                                       if checkpoint_blocks else "") \
+        + (f"_previews{previews}" if previews else "")
+    extra = KINDS[kind]
+    if previews:
+        extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
+                  f'every_n_steps = {previews}\nsteps = {preview_steps}\nwidth = 1024\nheight = 1024\n')
     text = f"""
 [train]
 model_path = "{repo}"
@@ -123,15 +133,18 @@ compile = "{compile_mode}"
 [dataset]
 path = "{data}"
 resolution = {resolution}
-{KINDS[kind]}"""
+{extra}"""
     return label, text
 
 
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
-          checkpoint_blocks: str | None = None, cap_gib: float | None = None) -> dict:
+          checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
+          preview_steps: int = 20) -> dict:
     batch = parse_run(name)[1]
-    label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks)
+    label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
+                                  previews=previews, preview_steps=preview_steps)
     events = work / f"{label}.jsonl"
+    events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = load_config(text)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -154,6 +167,10 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
                first_step_s=round(times[0] - stamps[0]["time"], 1) if times else None, wall_s=round(wall, 1),
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4))
+    rounds = [r for r in stamps if r["event"] == "samples"]
+    if rounds:
+        rec.update(preview_rounds=len(rounds), preview_s=[r["seconds"] for r in rounds],
+                   allocated_gib_after_round=[r.get("gpu_allocated_gib") for r in rounds])
     print(json.dumps(rec), flush=True)
     del result
     torch.cuda.empty_cache()
@@ -247,6 +264,9 @@ def main() -> int:
     ap.add_argument("--seed-only", default=None, help="runs for the seed (default: --only)")
     ap.add_argument("--seed-compile", default="default", help="the seed's compile mode (off = eager)")
     ap.add_argument("--twice", action="store_true", help="run ours twice: the second first step is warm-compiled")
+    ap.add_argument("--previews", type=int, default=0, metavar="N",
+                    help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
+    ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
     args = ap.parse_args()
     work = Path(args.work)
     t0 = time.perf_counter()
@@ -263,7 +283,7 @@ def main() -> int:
         for attempt in range(2 if args.twice else 1):
             try:
                 ours.append(bench(name, repo, data, work, args.steps, args.compile, args.checkpoint_blocks,
-                                  args.cap_gib))
+                                  args.cap_gib, args.previews, args.preview_steps))
             except Exception as exc:  # report and go on with the next configuration
                 print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
                 torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 // Anima Trainer pack: front-end extension.
 // 1. ComfyUI delivers a node's `ui.text` but draws it only for its own text nodes; this shows it on ours.
 // 2. The "Anima: Train" node gets a live loss chart fed by the `anima_train.progress` websocket events that the
-//    node relays from the trainer (one per trainer event: start/status/step/message/warning/checkpoint/done/error).
+//    node relays from the trainer (one per trainer event: start/status/step/message/warning/checkpoint/samples/
+//    done/error), and under it the latest [sample] previews as a small grid of thumbnails ("samples" events).
 //    A chart follows only the runs this page queued from the workflow on the canvas (js/run_follow.js says how).
 // 3. Inputs declared advanced (the rarer Training config knobs) hide behind the node's "Show Advanced" toggle on the
 //    LiteGraph canvas too, not only in Nodes 2.0 and the properties panel.
@@ -15,6 +16,7 @@ const TRAIN_NODE = "AnimaTrainTrain";
 const PROGRESS_EVENT = "anima_train.progress";
 const CHART_WIDGET = "anima_loss_chart";
 const MAX_RUNS = 32; // runs remembered per page (one per prompt and Train node id); old ones are dropped
+const PREVIEW_HEIGHT = 120; // px: the thumbnail row under the chart
 
 function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
@@ -107,17 +109,20 @@ function addChartWidget(node) {
   status.className = "anima-train-chart-status";
   // room for three lines from the start, so the canvas does not shrink when the first step arrives
   status.style.cssText = "flex:0 0 auto;min-height:4.1em;white-space:pre-wrap;overflow-wrap:anywhere;";
-  root.append(canvas, status);
+  const previews = document.createElement("div");
+  previews.className = "anima-train-previews";
+  previews.style.cssText = `flex:0 0 auto;display:none;gap:3px;height:${PREVIEW_HEIGHT}px;overflow:hidden;`;
+  root.append(canvas, previews, status);
 
   const widget = node.addDOMWidget(CHART_WIDGET, "anima_loss_chart", root, {
     serialize: false,
     hideOnZoom: false,
-    getMinHeight: () => 210,
+    getMinHeight: () => 210 + (widget.chart?.previewsShown ? PREVIEW_HEIGHT + 3 : 0),
   });
   widget.serialize = false; // not part of the saved workflow's widgets_values (options.serialize: not in the prompt)
   // key: the id the server uses for this node, set by the first event — "5:12" inside subgraph node 5; until then
   // the node's own id (not known yet here: onNodeCreated runs before graph.add assigns it)
-  widget.chart = { root, canvas, status, frame: 0, key: null };
+  widget.chart = { root, canvas, status, previews, frame: 0, key: null, previewsKey: "", previewsShown: false };
   // redraw on any size change (node resized, first layout); the 2D canvas needs its pixel size set explicitly
   if (typeof ResizeObserver !== "undefined") {
     const observer = new ResizeObserver(() => scheduleDraw(node));
@@ -166,10 +171,35 @@ function renderChart(node, chart) {
     return line;
   });
   chart.status.replaceChildren(...lines);
+  renderPreviews(node, chart, run.samples);
   chart.status.title = run.phase === "error" ? String(run.error?.traceback ?? "") : "";
   chart.root.dataset.phase = run.phase;
   chart.root.dataset.step = run.last?.step ?? "";
   node.setDirtyCanvas(true, false);
+}
+
+// The latest preview set as a row of thumbnails (rebuilt only when a new set arrives); the prompt is the tooltip.
+function renderPreviews(node, chart, samples) {
+  const key = samples ? `${samples.step}|${samples.images.length}|${samples.images.map((u) => u?.length ?? 0)}` : "";
+  if (key === chart.previewsKey) return;
+  chart.previewsKey = key;
+  const cells = (samples?.images ?? []).map((url, i) => {
+    const img = document.createElement("img");
+    img.className = "anima-train-preview";
+    img.style.cssText = "height:100%;flex:0 1 auto;min-width:0;object-fit:contain;border-radius:3px;";
+    if (url) img.src = url; // a data: URL checked by applyEvent, never a path or a remote address
+    img.title = `step ${samples.step}: ${samples.prompts[i] ?? ""}`;
+    img.alt = img.title;
+    return img;
+  });
+  chart.previews.replaceChildren(...cells);
+  chart.previews.style.display = cells.length ? "flex" : "none";
+  chart.root.dataset.previewStep = samples?.step ?? "";
+  const shown = cells.length > 0;
+  if (shown !== chart.previewsShown) {
+    chart.previewsShown = shown;
+    if (shown && node.computeSize) node.setSize([node.size[0], Math.max(node.size[1], node.computeSize()[1])]);
+  }
 }
 
 function onProgress(detail) {

@@ -29,6 +29,7 @@ export function newRun() {
     last: null, // the latest step event
     note: "", // latest status / message / checkpoint line
     warnings: [], // the trainer's dataset warnings ("warning" events), shown until the next run
+    samples: null, // the latest preview set: {step, images: [data URL], prompts: [text]} ("samples" events)
     done: null, error: null,
   };
 }
@@ -98,6 +99,13 @@ export function applyEvent(run, ev) {
     case "checkpoint":
       run.note = `saved step ${ev.step}: ${ev.path}`;
       break;
+    case "samples": {
+      // only inline images the node made (data:image/jpeg|png;base64): nothing else ever becomes an <img> source
+      const images = Array.isArray(ev.images) ? ev.images.map((u) => (isImageDataUrl(u) ? u : null)) : [];
+      const prompts = Array.isArray(ev.prompts) ? ev.prompts.map((t) => String(t ?? "")) : [];
+      if (images.some((u) => u)) run.samples = { step: finite(ev.step) ? ev.step : null, images, prompts };
+      break;
+    }
     case "done":
       if (ev.reused) run = newRun(); // the node re-used a finished run: nothing was trained, no curve to show
       run.phase = "done";
@@ -111,6 +119,10 @@ export function applyEvent(run, ev) {
       break;
   }
   return run;
+}
+
+export function isImageDataUrl(value) {
+  return typeof value === "string" && /^data:image\/(jpeg|png);base64,[A-Za-z0-9+/]+=*$/.test(value);
 }
 
 export function formatDuration(seconds) {

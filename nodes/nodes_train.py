@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import comfy
 from . import paths
+from . import previews
 from . import worker
 from .comfy import CATEGORY, io
 
@@ -332,6 +333,8 @@ class Relay:
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
         elif kind == "warning":
             self.warnings.append(str(event.get("text", "")))
+        elif kind == "samples":  # preview images: sent inline, as small thumbnails
+            event = previews.with_thumbnails(event)
         self.send(event)
 
     def after_stop(self, event: dict) -> None:

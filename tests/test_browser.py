@@ -62,8 +62,41 @@ def comfy_server(browser_tools, tmp_path_factory):
         yield {"url": url, "base": base, "settings": settings, "info": info, **browser_tools}
 
 
+@pytest.fixture(scope="module")
+def preview_events(tiny_anima, tmp_path_factory):
+    """Two `samples` events as the Train node relays them: previews rendered by the trainer's sampler on the tiny
+    model (step 0 = the base model, then with a LoRA), written as the trainer writes them, thumbnails inline."""
+    import torch
+    from peft import LoraConfig
+
+    from anima_train import sampling
+    from anima_train.models import load_components
+    from nodes.previews import with_thumbnails
+
+    parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
+    prompts = ["red circle, white background", "blue square, black background", "yellow triangle, gray background"]
+    out = tmp_path_factory.mktemp("samples")
+    events = []
+    for step in (0, 120):
+        if step:
+            torch.manual_seed(0)
+            parts.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4.0, target_modules=["to_q", "to_v"],
+                                                     init_lora_weights=False))
+        images = sampling.render(prompts, "", width=128, height=128, steps=6, cfg_scale=4.0, seed=3, shift=3.0,
+                                 transformer=parts.transformer, conditioner=parts.text_conditioner,
+                                 text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
+                                 t5_tokenizer=parts.t5_tokenizer, vae=parts.vae, device="cpu", dtype=torch.float32)
+        paths = []
+        for i, image in enumerate(images):
+            paths.append(sampling.sample_path(out, step, i))
+            sampling.to_pil(image).save(paths[-1])
+        events.append(with_thumbnails({"event": "samples", "step": step, "paths": [str(p) for p in paths],
+                                       "prompts": prompts, "seconds": 0.5}))
+    return events
+
+
 @pytest.mark.parametrize("renderer, dpr", [("litegraph", 2), ("vue", 1)])
-def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path):
+def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_events):
     # a fresh user: no first-run templates dialog over the canvas; the renderer is a user setting
     comfy_server["settings"].write_text(json.dumps(
         {"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": renderer == "vue"}))
@@ -71,7 +104,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path):
     shot_path = tmp_path / "train_node.png"
     cfg = {"url": comfy_server["url"] + "/", "chromium": comfy_server["chromium"], "userDataDir": str(tmp_path / "chrome"),
            "outDir": str(tmp_path), "screenshot": str(shot_path), "relay": "/anima_train_test/relay",
-           "deviceScaleFactor": dpr}
+           "deviceScaleFactor": dpr, "samples": preview_events}
     t0 = time.perf_counter()
     run = subprocess.run([comfy_server["node"], str(DRIVER), json.dumps(cfg)], cwd=BROWSER_DIR, capture_output=True,
                          text=True, timeout=240)
@@ -120,9 +153,17 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path):
                  "peak VRAM 11.6/11.4 GB", "saved step 100: /runs/x/anima-step00100.safetensors"):
         assert part in status, f"{part!r} not in status {status!r}"
 
+    # the latest preview set, under the chart: every thumbnail loaded, the prompt as its tooltip; the chart stays
+    previews = r["previews"]
+    assert previews["step"] == "120" and len(previews["titles"]) == 3, previews
+    assert previews["titles"][1] == "step 120: blue square, black background", previews
+    assert previews["natural"] == [[128, 128]] * 3, previews
+    assert all(90 <= h <= 130 and w == h for w, h in previews["shown"]), previews
+    assert previews["canvasHeight"] > 80 and r["withPreviews"]["orange"] > 150, (previews, r["withPreviews"])
+
     done = r["done"]
     assert done["phase"] == "done" and "done: 300/300 steps in 9m12s → /runs/x/anima.safetensors" in done["status"]
-    assert done["orange"] == mid["orange"]  # the finished chart stays up
+    assert done["orange"] == r["withPreviews"]["orange"]  # the finished chart stays up (previews under it)
 
     reset = r["reset"]  # a new "start" clears the chart
     assert reset["phase"] == "running" and reset["orange"] == 0 and reset["blue"] == 0 and "step " not in reset["status"]

@@ -508,3 +508,29 @@ def test_a_trainer_lock_refusal_is_shown_on_the_node(comfy_env, tiny_anima, data
     assert [e[1]["message"] for e in env.log if e[0] == "ws" and e[1]["event"] == "error"] == [
         msg.splitlines()[0].removeprefix("training cat did not start: ")]  # the chart shows it too
     assert not runs.run_files(run_dir, "cat") and not (run_dir / "comfyui-result.json").exists()
+
+
+def test_relay_sends_previews_as_small_inline_images(comfy_env, tmp_path):
+    """A trainer `samples` event (PNG paths) reaches the page with one small JPEG data URL per image, in order; an
+    unreadable file is a null, not a failed run."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    paths = []
+    for i, colour in enumerate(((220, 30, 30), (30, 60, 220))):
+        path = tmp_path / "samples" / f"step000010-prompt{i:02d}.png"
+        path.parent.mkdir(exist_ok=True)
+        Image.new("RGB", (1024, 768), colour).save(path)
+        paths.append(str(path))
+    relay = comfy_env.nt.Relay("7", "client-1", "prompt-1")
+    relay({"event": "samples", "step": 10, "paths": paths + [str(tmp_path / "gone.png")], "prompts": ["a", "b", "c"]})
+    (kind, sent, sid), = [entry for entry in comfy_env.log if entry[0] == "ws"]
+    assert sid == "client-1" and sent["node"] == "7" and sent["prompt_id"] == "prompt-1" and sent["step"] == 10
+    assert sent["images"][2] is None and len(sent["images"]) == 3
+    for url, colour in zip(sent["images"][:2], ((220, 30, 30), (30, 60, 220))):
+        assert url.startswith("data:image/jpeg;base64,") and len(url) < 20_000
+        image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert image.size == (256, 192)
+        assert all(abs(a - b) <= 3 for a, b in zip(image.getpixel((128, 96)), colour))

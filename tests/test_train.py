@@ -162,8 +162,9 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
     result = train(cfg, cpu=True, events=str(events))
     run = tmp_path / "my-run"
     names = sorted(p.name for p in run.iterdir())
-    # steps 2, 4, 6 were saved; keep_last_n = 2 pruned step 2 (file and state together); final + TOML untouched
-    assert names == ["my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors", "my-run-step000006-state",
+    # steps 2, 4, 6 were saved; keep_last_n = 2 pruned step 2 (file and state together); final + TOML untouched;
+    # the loss chart of the run
+    assert names == ["loss.png", "my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors", "my-run-step000006-state",
                      "my-run-step000006.safetensors", "my-run.safetensors", "my-run.toml"]
     assert (run / "my-run.toml").read_text() == cfg.source_text  # verbatim, comments kept
     assert result.final == run / "my-run.safetensors"
@@ -214,7 +215,7 @@ def test_resumed_run_never_prunes_the_checkpoint_it_resumed_from(tiny_anima, lat
     train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=10, resume_from=f'"{resume}"',
                    **keys), cpu=True)
     assert sorted(p.name for p in run.iterdir()) == [
-        "tiny-state", "tiny-step000004-state", "tiny-step000004.safetensors", "tiny-step000008-state",
+        "loss.png", "tiny-state", "tiny-step000004-state", "tiny-step000004.safetensors", "tiny-step000008-state",
         "tiny-step000008.safetensors", "tiny.safetensors", "tiny.toml"]
 
 

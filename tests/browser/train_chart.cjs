@@ -129,6 +129,25 @@ async function main() {
     await settle();
     result.midRun = await measure();
     result.lastStep = steps[steps.length - 1];
+    if (cfg.samples) {
+      // [sample] previews as the Train node relays them (thumbnails inline), through the server's websocket
+      await relay(cfg.samples.map((e) => ({ node: id, ...e })));
+      await page.waitForFunction((n) => {
+        const imgs = [...document.querySelectorAll(".anima-train-chart .anima-train-preview")];
+        return imgs.length === n && imgs.every((i) => i.complete && i.naturalWidth > 0);
+      }, cfg.samples[cfg.samples.length - 1].images.length, { timeout: 20000, polling: 50 });
+      await settle();
+      result.previews = await page.evaluate(() => {
+        const root = document.querySelector(".anima-train-chart");
+        const imgs = [...root.querySelectorAll(".anima-train-preview")];
+        const canvas = root.querySelector("canvas").getBoundingClientRect();
+        return { step: root.dataset.previewStep, titles: imgs.map((i) => i.title),
+                 natural: imgs.map((i) => [i.naturalWidth, i.naturalHeight]),
+                 shown: imgs.map((i) => { const r = i.getBoundingClientRect(); return [r.width, r.height]; }),
+                 canvasHeight: canvas.height };
+      });
+      result.withPreviews = await measure();
+    }
     if (cfg.screenshot) {
       const box = await page.evaluate(() => {
         const app = window.comfyAPI.app.app;
