@@ -405,6 +405,7 @@ class ParkedWeights:
 
     def __init__(self, module: torch.nn.Module, device: torch.device):
         self.device = device
+        self.resident = False  # stay_on_device() was called: on_device() no longer parks
         self.params = [p for p in module.parameters()]
         pin = torch.cuda.is_available()
         self.host = [p.detach().to("cpu").pin_memory() if pin else p.detach().to("cpu").clone() for p in self.params]
@@ -418,8 +419,16 @@ class ParkedWeights:
         for p, h in zip(self.params, self.host):
             p.data = h.to(self.device, non_blocking=True)
 
+    def stay_on_device(self) -> None:
+        """From now on the weights live on the device (there is room): every holder's on_device() keeps them."""
+        self.restore()
+        self.resident = True
+
     @contextlib.contextmanager
     def on_device(self):
+        if self.resident:
+            yield
+            return
         self.restore()
         try:
             yield
@@ -447,7 +456,7 @@ def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str
 def _plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
     """checkpoint_blocks = "auto", after the first optimizer step: keep the activations of as many blocks as fit;
     with every block kept and room to spare, keep the frozen Qwen3 on the GPU too (no copy-in per step). Returns
-    the ParkedWeights still in use (None once the text encoder stays on the GPU)."""
+    the ParkedWeights (resident once the text encoder stays on the GPU)."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
     steady, peak, budget = checkpointing.memory_now(device)
@@ -460,8 +469,8 @@ def _plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
         host = sum(h.numel() * h.element_size() for h in parked.host)
         if checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak + host, steady=steady + host,
                                         scale=scale, budget=budget)[0] == n:
-            parked.restore()
-            parked, kept_text_encoder = None, "; Qwen3 stays on the GPU"
+            parked.stay_on_device()  # the previewer holds the same object: it must not park it again
+            kept_text_encoder = "; Qwen3 stays on the GPU"
     gib = checkpointing.GIB
     say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB){kept_text_encoder}")

@@ -146,7 +146,35 @@ def test_auto_plan_on_a_large_card_keeps_everything(monkeypatch):
         def restore(self):
             self.restored = True
 
+        def stay_on_device(self):
+            self.restored = True
+
     parked = Parked()
     said = []
-    assert _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append) is None
+    assert _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append) is parked
     assert parked.restored and plan.recomputed == 0 and said[0].endswith("; Qwen3 stays on the GPU")
+
+
+def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
+    """Seen on the GPU: after the plan kept Qwen3 on the GPU, the preview renderer (which holds the same parked
+    weights) parked them again after its round, and the next training step met Qwen3 on the CPU (index_select:
+    tensors on cuda:0 and cpu). Here park/restore record where the weights are."""
+    from anima_train.train import ParkedWeights
+
+    class Recorded(ParkedWeights):
+        where = "host"
+
+        def park(self):
+            self.where = "host"
+
+        def restore(self):
+            self.where = "device"
+
+    parked = Recorded(torch.nn.Embedding(4, 2), torch.device("cpu"))
+    with parked.on_device():
+        assert parked.where == "device"
+    assert parked.where == "host"  # parked between uses
+    parked.stay_on_device()
+    with parked.on_device():  # the previewer's round
+        pass
+    assert parked.where == "device"
