@@ -447,3 +447,35 @@ def test_windows_check_report_says_what_is_missing_and_what_works(monkeypatch):
     multi = next(i for i in report.items if i.name.startswith("multi-GPU"))
     assert not multi.ok and not multi.required and "Linux-only" in multi.detail and "one GPU" in multi.detail
     assert report.ok  # neither is required: single-GPU training works without them
+
+
+# -- confinement of Windows paths (nodes/paths.py judges resolved paths with pathlib's Windows rules) ----------------
+
+
+@pytest.mark.parametrize("path, root, inside", [
+    (r"c:\comfyui\OUTPUT\run 1", r"C:\ComfyUI\output", True),  # Windows paths compare case-insensitively
+    (r"C:\ComfyUI\output-evil\x", r"C:\ComfyUI\output", False),  # a prefix of the name is not inside
+    (r"D:\ComfyUI\output\x", r"C:\ComfyUI\output", False),  # another drive
+    (r"\\NAS\Share\datasets\set 1", r"\\nas\share\datasets", True),  # UNC share
+    (r"\\nas\other\datasets", r"\\nas\share\datasets", False),
+])
+def test_confinement_follows_windows_path_rules(path, root, inside):
+    from nodes import paths
+
+    assert paths._under(PureWindowsPath(path), (PureWindowsPath(root),)) is inside
+
+
+# -- install.ps1 is install.sh's twin --------------------------------------------------------------------------
+
+
+def test_install_ps1_mirrors_install_sh_and_the_readme_documents_windows():
+    root = worker.pack_dir()
+    sh, ps1, readme = ((root / name).read_text() for name in ("install.sh", "install.ps1", "README.md"))
+    for shared in ("ANIMA_PYTHON", "ANIMA_TORCH_SPEC", ".anima-train-install", "torch.ones(1) + 1",
+                   "import anima_train, anchor, pytest", "dependencies up to date", "check"):
+        assert shared in sh and shared in ps1, shared
+    assert '"install", "-q", "-e", ".[dev]"' in ps1 and "-Recreate" in ps1 and "py\", \"-3.11\"" in ps1
+    section = readme[readme.index("### Windows and ComfyUI portable"):readme.index("## Headless CLI")]
+    for needle in ("python_embeded\\python.exe -m pip install -r", "triton-windows", "install.ps1",
+                   "taskkill /T /F", "\\\\server\\share", "'D:\\My Datasets\\set 1'"):
+        assert needle in section, needle
