@@ -5,7 +5,9 @@ starts the watch before anything heavy is imported. A shell-started `anima-train
 watched (`nohup anima-train train …` must survive its terminal).
 
 When the parent is gone — noticed at once on Linux (PR_SET_PDEATHSIG delivers a signal that wakes the watch thread),
-within POLL_S elsewhere (the thread polls the parent pid and our own parent pid) — the watch thread:
+within POLL_S elsewhere (the thread polls the parent pid and our own parent pid; on Windows a handle to the parent
+opened at start, since Windows re-uses a dead process's pid at once and a pid check would then see a stranger alive)
+— the watch thread:
 
 * points stdout at the null device: it was a pipe to the dead parent, and the next progress write would otherwise
   end the process with BrokenPipeError before anything is saved;
@@ -29,6 +31,10 @@ PARENT_PID_ENV = "ANIMA_TRAIN_PARENT_PID"
 POLL_S = 0.5
 SAVE_GRACE_S = 60.0  # time for the loop to finish its step and save (the node's Cancel grace with state is 60 s)
 EXIT_PARENT_GONE = 3
+IS_WINDOWS = os.name == "nt"
+_SYNCHRONIZE = 0x00100000
+_PROCESS_QUERY_LIMITED_INFORMATION = 0x1000
+_WAIT_TIMEOUT = 0x102
 _PR_SET_PDEATHSIG = 1
 _DEATH_SIGNAL = getattr(signal, "SIGUSR1", None)
 
@@ -52,20 +58,36 @@ def save_before_exit() -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    if os.name == "nt":
-        import ctypes
+def _kernel32():
+    import ctypes
 
-        kernel32 = ctypes.windll.kernel32
-        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-        if not handle:
-            return False
+    return ctypes.windll.kernel32
+
+
+class _WindowsProcess:
+    """Windows: a handle to a process, opened once. While it is open the process object, and so its pid, stays
+    reserved; the handle is signalled when the process ends (WaitForSingleObject with timeout 0 is the test)."""
+
+    def __init__(self, pid: int):
+        self.handle = _kernel32().OpenProcess(_SYNCHRONIZE | _PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
+
+    def alive(self) -> bool:
+        # no handle: the parent had ended before we looked (or is not ours to see): gone
+        return bool(self.handle) and _kernel32().WaitForSingleObject(self.handle, 0) == _WAIT_TIMEOUT
+
+    def close(self) -> None:
+        if self.handle:
+            _kernel32().CloseHandle(self.handle)
+            self.handle = None
+
+
+def _pid_alive(pid: int) -> bool:
+    if IS_WINDOWS:
+        process = _WindowsProcess(pid)
         try:
-            code = ctypes.c_ulong()
-            ok = kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
-            return bool(ok) and code.value == 259  # STILL_ACTIVE
+            return process.alive()
         finally:
-            kernel32.CloseHandle(handle)
+            process.close()
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -96,6 +118,7 @@ class Watch:
     def __init__(self, parent_pid: int, *, death_signal: bool = True):
         self.parent_pid = parent_pid
         self.ppid = os.getppid()  # our direct parent: the parent itself, or accelerate's launcher under DDP
+        self.windows_parent = _WindowsProcess(parent_pid) if IS_WINDOWS else None
         self.death_signal = False
         # signal handlers can only be installed from the main thread (where `python -m anima_train` starts this)
         if death_signal and _DEATH_SIGNAL is not None and threading.current_thread() is threading.main_thread():
@@ -105,6 +128,8 @@ class Watch:
 
     def parent_alive(self) -> bool:
         # The death signal also fires when only the spawning *thread* of the parent ends: always re-check here.
+        if self.windows_parent is not None:  # Windows keeps a child's parent pid when the parent ends
+            return self.windows_parent.alive()
         return os.getppid() == self.ppid and _pid_alive(self.parent_pid)
 
     def _run(self) -> None:

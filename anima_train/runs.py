@@ -34,6 +34,7 @@ from anima_train.errors import UserError
 LOCK_NAME = ".anima-train.lock"
 IS_WINDOWS = os.name == "nt"
 _WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
+_O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation in the holder info os.write puts there
 
 
 class RunRefused(UserError, ValueError):
@@ -185,7 +186,7 @@ def lock_holder(run_dir: str | os.PathLike, name: str = LOCK_NAME) -> dict | Non
     if not path.exists():
         return None
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | _O_BINARY)
     except OSError:
         return None
     try:
@@ -214,7 +215,7 @@ class RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_BINARY, 0o666)
             except OSError as exc:
                 say(f"note: cannot create the lock file {self.path} ({exc}); nothing stops a second run from "
                     f"writing into {self.run_dir}")

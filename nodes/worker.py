@@ -18,6 +18,13 @@ thread feeds a queue read with a timeout, so a silent worker — model loading, 
 out the worker is asked to stop gracefully (the stop file: it saves a checkpoint, plus the optimizer state when the
 config keeps it, and exits), then its whole process group (DataLoader workers, accelerate ranks) gets SIGTERM and,
 after `term_wait_s`, SIGKILL. The worker runs in its own session (POSIX) / process group (Windows) for that.
+On Windows the same three steps are: the stop file, CTRL_BREAK_EVENT to the worker's console process group, then
+`taskkill /T /F` on its process tree and a sweep (psutil, which ComfyUI ships) for children whose parent already
+ended, which `taskkill /T` can no longer reach.
+
+ComfyUI portable's `python_embeded\\python.exe` is an embeddable Python: its `._pth` file makes it ignore PYTHONPATH
+(and every other PYTHON* variable) and the current folder, so there the worker is started through a `-c` bootstrap
+that puts the pack on sys.path itself (`anima_train_command`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for w
 POLL_S = 0.25  # interrupt-check cadence; COMFYUI.md §3 asks for at least every 0.5 s
 TERM_WAIT_S = 5.0  # SIGTERM -> SIGKILL
 IS_WINDOWS = os.name == "nt"
+# The Windows constants, spelled out so the Windows branches also run (under test) where the module lacks them.
+CREATE_NEW_PROCESS_GROUP = getattr(subprocess, "CREATE_NEW_PROCESS_GROUP", 0x00000200)
+CTRL_BREAK_EVENT = getattr(signal, "CTRL_BREAK_EVENT", 1)
 
 # Files that make up a dataset for the digest: images, captions, latent caches.
 DATASET_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".txt", ".caption",
@@ -92,17 +102,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ignores_environment(python: str | os.PathLike) -> bool:
+    """Is `python` an embeddable Python (ComfyUI portable's python_embeded) that ignores PYTHONPATH, PYTHONIOENCODING
+    and the current folder? CPython does so whenever a `._pth` file sits next to its executable or DLL."""
+    try:
+        return any(Path(python).parent.glob("*._pth"))
+    except OSError:
+        return False
+
+
+def _bootstrap(pack: Path) -> str:
+    """`python -c` code equivalent to `-m anima_train` that finds the pack without PYTHONPATH (sys.argv[0] becomes
+    anima_train/__main__.py, as with -m)."""
+    return (f"import runpy, sys; sys.path.insert(0, {str(pack)!r}); "
+            f"runpy.run_module('anima_train', run_name='__main__', alter_sys=True)")
+
+
 def anima_train_command(args: list[str], processes: int = 1, python: str | None = None) -> list[str]:
     """`python -u -m anima_train ARGS`, or accelerate's launcher with one process per GPU for processes >= 2.
 
     ComfyUI's own python runs it (sys.executable), so the worker sees ComfyUI's torch. `python -m
-    accelerate.commands.launch` is `accelerate launch` without relying on the script being on PATH.
+    accelerate.commands.launch` is `accelerate launch` without relying on the script being on PATH. On Windows,
+    `-X utf8`: the event pipe and the log are UTF-8 even where PYTHONIOENCODING is ignored (embeddable Python), so a
+    non-ASCII path in an event cannot end the worker with UnicodeEncodeError on a cp1252 console encoding.
     """
     python = python or sys.executable
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
+    embedded = ignores_environment(python)
+    flags = ["-u", "-X", "utf8"] if (IS_WINDOWS or embedded) else ["-u"]
     if processes == 1:
-        return [python, "-u", "-m", "anima_train", *args]
+        if embedded:
+            return [python, *flags, "-c", _bootstrap(pack_dir()), *args]
+        return [python, *flags, "-m", "anima_train", *args]
     return [python, "-u", "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), "-m", "anima_train", *args]
@@ -117,17 +149,29 @@ def spawn(cmd: list[str], *, log_path: str | os.PathLike, env: dict | None = Non
     """Start `cmd` in its own process group; stdout is a text pipe, stderr appends to `log_path`."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    args = [os.fspath(c) for c in cmd]
     log = open(log_path, "ab")
-    log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(map(str, cmd))}\n".encode())
+    log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {command_line(args)}\n".encode())
     log.flush()
-    kw = {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if IS_WINDOWS else {"start_new_session": True}
+    kw = {"creationflags": CREATE_NEW_PROCESS_GROUP} if IS_WINDOWS else {"start_new_session": True}
+    started = time.time()
     try:
-        proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=log, env=env, cwd=cwd, text=True, encoding="utf-8", errors="replace",
                                 bufsize=1, **kw)
     finally:
         log.close()  # the child holds its own copy of the descriptor
+    proc.anima_started = started  # what the Windows orphan sweep compares children's creation times with
     return proc
+
+
+def command_line(args: list[str]) -> str:
+    """`args` as the platform's shell would need it typed (the log's header line can be pasted to re-run it)."""
+    if IS_WINDOWS:
+        return subprocess.list2cmdline(args)
+    import shlex
+
+    return shlex.join(args)
 
 
 def group_alive(pgid: int) -> bool:
@@ -166,15 +210,7 @@ def kill_group(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> None
 
     Also run after a normal exit: DataLoader workers or ranks left behind by a crashed leader are orphans."""
     if IS_WINDOWS:
-        if proc.poll() is None:
-            try:
-                proc.send_signal(signal.CTRL_BREAK_EVENT)  # the group's console Ctrl+Break
-                proc.wait(term_wait_s)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if proc.poll() is None:
-            subprocess.run(["taskkill", "/F", "/T", "/PID", str(proc.pid)], capture_output=True)
-            proc.wait()
+        kill_tree_windows(proc, term_wait_s)
         return
     pgid = proc.pid  # start_new_session: the worker leads its own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -194,6 +230,58 @@ def kill_group(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> None
         proc.wait(5.0)
     except subprocess.TimeoutExpired:
         pass
+
+
+def kill_tree_windows(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> None:
+    """Windows: CTRL_BREAK_EVENT to the worker's process group (every console process in it ends, like SIGTERM),
+    then `taskkill /T /F` on the tree that is left, then kill the worker's children that outlived it.
+
+    CTRL_BREAK needs a console shared with ComfyUI (the portable build's console window); without one it raises
+    OSError and the tree kill follows at once. `taskkill /T` walks the tree from a live leader only, so a child
+    whose parent already ended (the normal exit of a crashed leader) is found by psutil: a process whose parent
+    pid is the worker's and which started after it (a pid re-used by an older process does not match)."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(CTRL_BREAK_EVENT)
+            proc.wait(term_wait_s)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    if proc.poll() is None:
+        try:
+            subprocess.run(["taskkill", "/T", "/F", "/PID", str(proc.pid)], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        try:
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            pass
+    started = getattr(proc, "anima_started", None)  # set by spawn(); without it no child can be told from a stranger
+    for child in _orphans(proc.pid, started) if started is not None else ():
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001 (gone meanwhile, or not ours to end: nothing more to do)
+            pass
+
+
+def _orphans(pid: int, started: float) -> list:
+    """The live descendants of the (ended) process `pid`, found by parent pid (psutil); [] without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    children: dict[int, list] = {}
+    try:
+        for p in psutil.process_iter(["ppid", "create_time"]):
+            children.setdefault(p.info["ppid"], []).append(p)
+    except Exception:  # noqa: BLE001 (psutil.Error and access errors: sweep nothing rather than fail the cleanup)
+        return []
+    found, todo = [], [pid]
+    while todo:
+        for p in children.get(todo.pop(), []):
+            if (p.info["create_time"] or 0.0) + 1.0 >= started and p.pid != os.getpid() and p not in found:
+                found.append(p)
+                todo.append(p.pid)
+    return found
 
 
 # ----------------------------------------------------------------------------------------------------------
