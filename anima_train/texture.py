@@ -290,7 +290,15 @@ class TextureSchedule:
         return draw_canvas(self.tcfg.canvases, [self.sizes[i] for i in batch], self.tcfg.fit_aware, rng)
 
     def mark(self, batches: list[list[int]], epoch: int) -> list[list]:
-        """The epoch's batches with texture batches as [(index, canvas), ...] (the rest unchanged)."""
+        """The epoch's batches with texture batches as [(index, canvas), ...] (the rest unchanged).
+
+        On several processes the epoch is first padded to a multiple of the process count with its own first
+        batches, as Accelerate's even_batches would pad it: done here, each repeat is decided at the position it is
+        trained at (Accelerate's repeat would carry the decision of the epoch's first batches into its last step)."""
+        processes = self.run[2] if self.run is not None else 1
+        if processes > 1 and batches and len(batches) % processes:
+            need = processes - len(batches) % processes
+            batches = batches + [list(batches[i % len(batches)]) for i in range(need)]
         out = []
         for position, batch in enumerate(batches):
             canvas = self.canvas(epoch, position, batch)

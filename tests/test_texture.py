@@ -423,7 +423,7 @@ def test_torchrun_two_processes_refuse_a_texture_phase_with_the_reason(tiny_anim
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode != 0
     assert out.stderr.count("a texture-mode [[curriculum]] phase on 2 processes is refused") == 1, out.stderr
-    assert "allow_multi_gpu_texture = true" in out.stderr and "Traceback" not in out.stderr
+    assert "allow_multi_gpu_texture = true" in out.stderr  # (torchrun adds its own ChildFailedError traceback)
     assert not (tmp_path / "out" / "tex").exists()  # refused before anything was written
     # the deliberate override: the same run goes through on two processes
     cfg.write_text(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path / "out", max_steps=2,
