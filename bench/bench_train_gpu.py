@@ -8,6 +8,13 @@ that is what training does. Run the baseline in the same call and compare:
     python3 bench/bench_train_gpu.py --work /tmp/bench [--steps 14] [--only lora_b8,full_b4] [--compile]
 
 Prints one JSON line per configuration (s/step median after warm-up, s/image, peak GiB) and a table.
+
+Texture mode (CONFIG.md §B.10) needs images, not latents (source = "encode": the VAE runs every step). The runs
+`encode_b4` (full-resolution 1024x1024 buckets, encoded in the loop) and `texture_b4` (one texture phase over the
+whole run, 1024x1024 canvases cut from 1536x1536 sources) train the same LoRA on the same synthetic images, built on
+first use under --work/images; their s/step difference is the per-step cost of texture mode:
+
+    python3 bench/bench_train_gpu.py --work /tmp/bench --only encode_b4,texture_b4
 """
 
 from __future__ import annotations
@@ -35,7 +42,12 @@ RUNS = {
     # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
     "full_b4_8bit": (4, '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
                         'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n'),
+    # on images (IMAGE_RUNS): the extra TOML starts inside [dataset]
+    "encode_b4": (4, 'source = "encode"\n[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'),
+    "texture_b4": (4, 'source = "encode"\n[dataset.texture]\ncanvases = [[1024, 1024]]\n[[curriculum]]\nat = 0.0\n'
+                      'mode = "texture"\n[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'),
 }
+IMAGE_RUNS = ("encode_b4", "texture_b4")
 
 
 def build_repo(repo: Path) -> None:
@@ -72,6 +84,16 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return repo, data
 
 
+def prepare_images(work: Path) -> Path:
+    """48 synthetic 1536x1536 images with captions (for the encode/texture runs), built on first use."""
+    from anima_train.tiny import make_synthetic_dataset
+
+    images = work / "images"
+    if not images.exists():
+        make_synthetic_dataset(images, n=48, sizes=[(1536, 1536)], jpeg_every=0)
+    return images
+
+
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2) -> tuple[str, str]:
     """(label, TOML text) of one RUNS configuration; bench/profile_train_gpu.py trains the same text."""
@@ -101,6 +123,8 @@ resolution = {resolution}
 
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None) -> dict:
     batch = RUNS[name][0]
+    if name in IMAGE_RUNS:
+        data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode)
     events = work / f"{label}.jsonl"
     cfg = load_config(text)
