@@ -178,8 +178,9 @@ class TextureConfig:
     canvases: list[list[int]] = _key(factory=_default_canvases,
                                      help="[w, h] crop canvases, duplicates are weights; one per batch")
     trigger: str = _key("", help="sole caption of texture crops (\"\" = unconditional)")
-    oversize: str = _key("pad", choices=("pad", "cover", "skip"), help="a source smaller than the canvas beyond cover_max_scale: pad (rungs 3-4), cover (upscale), "
-                                       "skip (covered too: a batch must stack)")
+    oversize: str = _key("pad", choices=("pad", "cover", "skip"),
+                         help="a source smaller than the canvas beyond cover_max_scale: pad (rungs 3-4), cover "
+                              "(upscale), skip (covered too: a batch must stack)")
     fit_aware: bool = _key(True, help="draw the batch canvas from those its images can hold")
     cover_max_scale: float = _key(1.15, ge=1.0, help="max gentle upscale before padding; 1.0 disables")
     pad_mode: str = _key("reflect", choices=("reflect", "black"), help="how padding pixels are invented")
