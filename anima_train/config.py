@@ -51,11 +51,7 @@ ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond 
 # Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
 # whole table / every phase.
-NOT_IMPLEMENTED: dict[str, str] = {
-    "train.allow_multi_gpu_texture": "texture-mode curriculum",
-    "dataset.texture": "texture-mode curriculum",
-    "curriculum.texture": "texture-mode curriculum phases",  # any [[curriculum]] phase with mode = "texture"
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 class ConfigError(UserError, ValueError):
@@ -187,7 +183,9 @@ class TextureConfig:
     canvases: list[list[int]] = _key(factory=_default_canvases,
                                      help="[w, h] crop canvases, duplicates are weights; one per batch")
     trigger: str = _key("", help="sole caption of texture crops (\"\" = unconditional)")
-    oversize: str = _key("pad", choices=("pad", "cover", "skip"), help="terminal fallback for small sources")
+    oversize: str = _key("pad", choices=("pad", "cover", "skip"),
+                         help="a source smaller than the canvas beyond cover_max_scale: pad (rungs 3-4), cover "
+                              "(upscale), skip (covered too: a batch must stack)")
     fit_aware: bool = _key(True, help="draw the batch canvas from those its images can hold")
     cover_max_scale: float = _key(1.15, ge=1.0, help="max gentle upscale before padding; 1.0 disables")
     pad_mode: str = _key("reflect", choices=("reflect", "black"), help="how padding pixels are invented")
@@ -217,7 +215,8 @@ class DatasetConfig:
     source: str = _key("auto", choices=("images", "latents", "encode", "auto"),
                        help="images (cached latents), latents (caches only), encode (VAE in the loop), auto")
     caption: CaptionConfig = _table(CaptionConfig, "caption handling")
-    texture: TextureConfig = _table(TextureConfig, "texture-mode crops")
+    texture: TextureConfig = _table(TextureConfig, "texture-mode crops, read only when a [[curriculum]] phase has "
+                                                   "mode = \"texture\" (which needs source = \"encode\")")
 
     @property
     def tiers(self) -> list[int]:
@@ -755,6 +754,7 @@ def _build_config(raw: dict, p: _Problems) -> Config:
 
 def _check_rules(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
     """Every load-time and cross-field rule of CONFIG.md; appends to `p`, never raises."""
+    _check_texture_source(cfg, p)
     _check_train_and_tiers(cfg, raw, p)
     _check_dataset(cfg, raw, base_dir, p)
     _check_adapter_and_lrs(cfg, raw, p)
@@ -982,6 +982,16 @@ def _check_flow(cfg: Config, p: _Problems) -> None:
                 "scipy or set use_ot = false")
 
 
+def _check_texture_source(cfg: Config, p: _Problems) -> None:
+    # First of all texture rules: a texture phase is impossible without per-step encoding, whatever else is set.
+    for i, ph in enumerate(cfg.curriculum):
+        if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
+                and "curriculum.texture" not in NOT_IMPLEMENTED and cfg.dataset.source != "encode"):
+            p.error(f'{_header("curriculum", i)} mode = "texture" needs [dataset] source = "encode" (a crop is '
+                    f'chosen per sample per step, so no cached latent can express it); it is '
+                    f'{_fmt(cfg.dataset.source)}')
+
+
 def _check_curriculum(cfg: Config, p: _Problems) -> None:
     phases = cfg.curriculum
     for i, ph in enumerate(phases):
@@ -996,11 +1006,6 @@ def _check_curriculum(cfg: Config, p: _Problems) -> None:
                         f"t_range = {_fmt(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
             elif not (0 <= tr[0] < tr[1] <= 1):
                 p.error(f"{where} t_range = {_fmt(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
-        # (while texture mode is gated, its refusal is the only message: no detour through source = "encode")
-        if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
-                and "curriculum.texture" not in NOT_IMPLEMENTED and cfg.dataset.source != "encode"):
-            p.error(f'{where} mode = "texture" needs [dataset] source = "encode" (a crop is chosen per sample '
-                    f'per step, so no cached latent can express it); it is {_fmt(cfg.dataset.source)}')
     if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:
         return
     ats = [ph.at for ph in phases]

@@ -38,7 +38,8 @@ path = "/data/my_set"
 which trains a rank-32 LoRA. Every problem in a file is reported at once, naming the table, the key and the fix; an
 unknown key names the closest real one (also for sd-scripts' names, listed at the end).
 `anima-train config CFG.toml` checks a config and the paths it names without loading a model.
-
+"""
+GATED_INTRO = """
 Features that have not landed yet are refused at load when their keys are set to anything but the default:
 """
 
@@ -103,7 +104,8 @@ def _gated_name(dotted: str) -> str:
 def reference_markdown() -> str:
     """docs/config.md: every table and key with its type, default, bounds/choices and help."""
     helps = _table_help()
-    lines = [INTRO + "\n".join(f"- {_gated_name(k)} ({feature})" for k, feature in C.NOT_IMPLEMENTED.items()) + "\n"]
+    gated = "".join(f"- {_gated_name(k)} ({feature})\n" for k, feature in C.NOT_IMPLEMENTED.items())
+    lines = [INTRO + (GATED_INTRO + gated if gated else "")]
     with _without_env([C.MODEL_PATH_ENV]):
         for name in C.TABLES:
             header = f"[[{name}]]" if name in C.ARRAY_TABLES else f"[{name}]"

@@ -732,11 +732,14 @@ class Item:
 
 class AnimaDataset:
     """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
-    index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG."""
+    index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG. A texture sample
+    (the sampler yields (index, canvas) in texture phases, see anima_train/texture.py) is a canvas crop of the
+    source with a loss_mask, captioned with `texture_options.trigger`."""
 
     def __init__(self, items: Sequence[Item], mode: str, caption_options, seed: int = 0,
-                 uncaptioned: Iterable[Path] = ()):
+                 uncaptioned: Iterable[Path] = (), texture_options=None):
         self.items = list(items)
+        self.texture_options = texture_options
         self.uncaptioned = frozenset(uncaptioned)  # stems allowed to have no <stem>.txt: an empty caption
         self.mode = mode
         self.caption_options = caption_options
@@ -749,8 +752,14 @@ class AnimaDataset:
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> dict:
+    def __getitem__(self, key) -> dict:
+        from anima_train.texture import split_key, texture_sample
+
+        index, canvas = split_key(key)
         it = self.items[index]
+        if canvas is not None:
+            out = texture_sample(it.image, canvas, self.texture_options, self.seed, self.epoch, index)
+            return {**out, "index": index, "tier": it.tier, "texture": True}
         tags, nl = ("", None) if it.stem in self.uncaptioned else read_caption_files(it.stem)
         out = {
             "caption": build_caption(tags, nl, self.caption_options, self.seed, self.epoch, index),
@@ -778,6 +787,8 @@ def collate(batch: Sequence[dict]) -> dict:
            "texture": [b["texture"] for b in batch]}
     key = "pixels" if "pixels" in batch[0] else "latents"
     out[key] = torch.stack([b[key] for b in batch])
+    if "loss_mask" in batch[0]:  # a texture batch: [B, 1, 1, h, w]
+        out["loss_mask"] = torch.stack([b["loss_mask"] for b in batch])
     return out
 
 
@@ -803,6 +814,7 @@ class BucketBatchSampler:
         self.batch_sizes = {k: int(batch_sizes[k]) for k in self.keys}
         self.seed = int(seed)
         self.epoch = 0
+        self.texture = None  # a texture.TextureSchedule when the curriculum has texture phases
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -811,7 +823,8 @@ class BucketBatchSampler:
         return sum(math.ceil(len(self.groups[k]) / self.batch_sizes[k]) for k in self.keys)
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
-        rng = random.Random(f"anima-sampler/{self.seed}/{self.epoch if epoch is None else int(epoch)}")
+        epoch = self.epoch if epoch is None else int(epoch)
+        rng = random.Random(f"anima-sampler/{self.seed}/{epoch}")
         out = []
         for k in self.keys:
             idx = list(self.groups[k])
@@ -819,7 +832,8 @@ class BucketBatchSampler:
             bs = self.batch_sizes[k]
             out += [idx[i:i + bs] for i in range(0, len(idx), bs)]
         rng.shuffle(out)
-        return out
+        # texture phases: the same batches, the texture ones as (index, canvas) pairs (own RNG: order unchanged)
+        return self.texture.mark(out, epoch) if self.texture is not None else out
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches())
@@ -871,6 +885,11 @@ class TrainingData:
         self.sampler.set_epoch(epoch)
         self.dataset.set_epoch(epoch)
 
+    def set_run(self, total: int, steps_per_epoch: int, processes: int = 1, accum: int = 1) -> None:
+        """The run's shape, which the sampler needs to place texture phases (no-op without them)."""
+        if self.sampler.texture is not None:
+            self.sampler.texture.set_run(total, steps_per_epoch, processes, accum)
+
 
 def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
                      warn: list[str]) -> tuple[list[Source], Plan, CacheCheck]:
@@ -918,6 +937,10 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     warn: list[str] = []
     scan = scan_folders(d.resolved_subsets())
     mode = resolve_modes(scan, d.source)
+    if mode != "encode" and any(ph.mode == "texture" for ph in getattr(cfg, "curriculum", ())):
+        # load_config refuses this; a Config changed in code must not get as far as the cache check
+        raise DatasetError(f'a texture [[curriculum]] phase needs [dataset] source = "encode" (crops are chosen '
+                           f'per step), but the dataset resolved to {mode!r}')
     vae_id = None
     if mode != "encode" and model_path is not None:
         vae_id = vae_identity(model_path)
@@ -969,14 +992,29 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     per_bucket = bucket_batch_sizes(tiers_by_bucket, cfg.train.batch_size)
     sampler = BucketBatchSampler(keys, {k: per_bucket[k[0]] for k in set(keys)}, seed=cfg.train.seed)
     dataset = AnimaDataset(items, mode, d.caption, seed=cfg.train.seed,
-                           uncaptioned=(p.with_name(p.name[:-len(".txt")]) for p in uncaptioned))
+                           uncaptioned=(p.with_name(p.name[:-len(".txt")]) for p in uncaptioned),
+                           texture_options=d.texture)
+    texture_lines = _attach_texture(cfg, items, sampler)
 
     n_sized = sum(1 for s in plan.sources if s.size is not None)
     sized_entries = [e for e in entries if plan.sources[e.source].size is not None]
     lines = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)[0]
-    report = startup_report(scan, plan, entries, items, sampler, mode) + lines
+    report = startup_report(scan, plan, entries, items, sampler, mode) + lines + texture_lines
     warn += plan_warnings(plan, settings, check, vae_id) + scan.notes
     return TrainingData(mode, plan.sources, entries, dataset, sampler, report, warn, settings, scan)
+
+
+def _attach_texture(cfg, items: Sequence[Item], sampler: BucketBatchSampler) -> list[str]:
+    """Texture phases: give the sampler its TextureSchedule; the startup lines (canvas feasibility)."""
+    from anima_train.texture import TextureSchedule, feasibility_report, texture_phases
+
+    phases = texture_phases(cfg)
+    if not phases:
+        return []
+    sampler.texture = TextureSchedule(cfg.curriculum, cfg.dataset.texture, [it.plan.source for it in items],
+                                      [it.texture for it in items], cfg.train.seed)
+    sizes = sorted({(it.stem, it.plan.source) for it in items if it.texture}, key=str)
+    return feasibility_report([s for _, s in sizes], cfg.dataset.texture.canvases)
 
 
 def plan_warnings(plan: Plan, settings: BucketSettings, check: CacheCheck | None = None,

@@ -123,6 +123,17 @@ def active_phase(phases: Sequence[CurriculumPhase], progress: float) -> Curricul
     return current
 
 
+def phase_summary(phases: Sequence[CurriculumPhase], phase: CurriculumPhase | None) -> dict | None:
+    """The active phase as the progress report shows it: {"index": 1-based in `at` order, "count", "mode",
+    "t_range", "lr_mul"}; None without a curriculum."""
+    if phase is None or not phases:
+        return None
+    ordered = sorted(phases, key=lambda p: p.at)
+    index = next(i for i, p in enumerate(ordered) if p is phase) + 1
+    return {"index": index, "count": len(ordered), "mode": phase.mode, "t_range": list(phase.t_range),
+            "lr_mul": phase.lr_mul}
+
+
 # ------------------------------------------------------------------------------------------------ noising
 
 

@@ -12,7 +12,8 @@ differ in token count, so the last interval would swing the estimate several-fol
 
 Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the ComfyUI node and other tools:
   {"event": "start", ...} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
-  "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...]} {"event": "message", "text"}
+  "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...], "phase": {"index", "count", "mode",
+  "t_range", "lr_mul"} (with a curriculum only)} {"event": "message", "text"}
   {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}
   {"event": "error", "message", "traceback"}
 Only the main process reports; the trainer passes `enabled=False` on other ranks.
@@ -66,6 +67,7 @@ class StepStats:
     hf: float | None = None  # present only when the hf loss is on
     ot: float | None = None  # fraction of noise rows moved, only with use_ot
     peak_gb: list[float] = field(default_factory=list)  # one per rank; empty on CPU
+    phase: dict | None = None  # the curriculum phase of the step (flow.phase_summary); None without a curriculum
 
 
 def describe_step(stats: StepStats) -> str:
@@ -73,6 +75,8 @@ def describe_step(stats: StepStats) -> str:
     parts = [f"loss {stats.loss:.4f}" + (f" (mse {stats.mse:.4f} + hf {stats.hf:.4f})" if stats.hf is not None else "")]
     if stats.ot is not None:
         parts.append(f"ot {stats.ot:.2f}")
+    if stats.phase:
+        parts.append(f"phase {stats.phase['index']}/{stats.phase['count']} {stats.phase['mode']}")
     distinct = []
     for lr in stats.lrs:
         if f"{lr:.2e}" not in distinct:
@@ -181,7 +185,8 @@ class Progress:
         s_per_step = self.seconds_per_step(stats.step)
         eta = self.eta_seconds(stats.step)
         self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, mse=stats.mse,
-                   hf=stats.hf, ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb)
+                   hf=stats.hf, ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb,
+                   **({"phase": stats.phase} if stats.phase else {}))
         if not report or self.mode == "off":
             if self._bar is not None:
                 self._bar.n = stats.step

@@ -112,17 +112,20 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
     from anima_train.adapters import build_param_groups, inject_adapters
     from anima_train.dataset import build_training_data, collate, encode_latents, steps_per_epoch
-    from anima_train.flow import active_phase, flow_loss, noisy_latents, ot_pair_noise, sample_timesteps
+    from anima_train.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
+                                  sample_timesteps)
     from anima_train.models import load_components
     from anima_train.optimizers import build_optimizer
     from anima_train.schedules import build_scheduler
     from anima_train.text import encode_prompts
+    from anima_train.texture import check_batch_phase, refuse_multi_process
 
     t_start = time.perf_counter()
     say = progress.message
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     dtype = DTYPES[cfg.train.dtype]
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
+    refuse_multi_process(cfg, world)  # texture phases: one process unless allow_multi_gpu_texture (CONFIG.md §1)
     if note := _precision_note():
         say(note)
     # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
@@ -198,6 +201,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if dry_run:
         total = 1
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
+    data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
     compile_mode = resolve_compile(cfg.train.compile, device, total)
     if compile_mode:
         _compile(transformer, cfg, compile_mode)
@@ -270,8 +274,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                      train_text_encoder=train_text_encoder)
         pred = transformer_ddp(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
                                padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
+        mask = batch["loss_mask"].to(device) if "loss_mask" in batch else None  # texture crops only
         loss, loss_parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=cfg.flow.hf_scale,
-                                     hf_exponent=cfg.flow.hf_exponent)
+                                     hf_exponent=cfg.flow.hf_exponent, mask=mask)
         if moved is not None:
             loss_parts["ot"] = moved
         return loss, loss_parts
@@ -299,6 +304,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             step_images += len(batch["index"])
             # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
             phase = active_phase(cfg.curriculum, global_step / total) if cfg.curriculum else None
+            check_batch_phase(batch, phase)
             with accelerator.accumulate(*trainable):
                 loss, loss_parts = micro_step(batch, phase)
                 accelerator.backward(loss)
@@ -335,7 +341,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                    mse=stats[1] if cfg.flow.hf_scale > 0 else None,
                                    hf=stats[2] if cfg.flow.hf_scale > 0 else None,
                                    ot=stats[3] if cfg.flow.use_ot else None,
-                                   lrs=used_lrs, peak_gb=_peak_gb(accelerator))
+                                   lrs=used_lrs, peak_gb=_peak_gb(accelerator),
+                                   phase=phase_summary(cfg.curriculum, phase))
             progress.step(step_stats, report=global_step % cfg.train.log_every == 0 or global_step == total)
             tracker.step(step_stats, group_names=[g["name"] for g in groups], grad_norm=grad_norm,
                          images=step_images * world)

@@ -15,6 +15,13 @@ Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + q
 lean full finetune). `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
 torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
 
+Texture mode (CONFIG.md §B.10) needs images, not latents (source = "encode": the VAE runs every step). `encode_bN`
+(full-resolution 1024x1024 buckets, encoded in the loop) and `texture_bN` (one texture phase over the whole run,
+1024x1024 canvases cut from 1536x1536 sources) train the same LoRA on the same synthetic images, built on first use
+under --work/images; their s/step difference is the per-step cost of texture mode:
+
+    python3 bench/bench_train_gpu.py --work /tmp/bench --only encode_b4,texture_b4
+
 `--previews N`: each of our runs also renders 2 preview images (1024x1024, --preview-steps Euler steps, CFG 4)
 every N steps and at the end; its line adds the preview rounds, seconds per round and the GPU memory still
 allocated after each round (flat = no growth). Compare its peak with the same run without --previews.
@@ -47,15 +54,20 @@ FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[op
 # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
 FULL_8BIT = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
              'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n')
-KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT}
+KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT,
+         # on images: the extra TOML starts inside [dataset]
+         "encode": 'source = "encode"\n' + LORA,
+         "texture": ('source = "encode"\n[dataset.texture]\ncanvases = [[1024, 1024]]\n[[curriculum]]\nat = 0.0\n'
+                     'mode = "texture"\n' + LORA)}
+IMAGE_KINDS = ("encode", "texture")
 SEED_MODES = {"lora": "lora", "full": "full"}  # our kind -> seed_bench.py --mode
 BASELINE_NAMES = {"lora": "lora_b{b}_ckpt", "full": "full_b{b}_ckpt"}
 
 
 def parse_run(name: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(lora|full|full8bit)_b(\d+)", name)
+    m = re.fullmatch(r"(lora|full|full8bit|encode|texture)_b(\d+)", name)
     if not m:
-        raise SystemExit(f"--only: unknown run {name!r}; use lora_bN, full_bN or full8bit_bN")
+        raise SystemExit(f"--only: unknown run {name!r}; use lora_bN, full_bN, full8bit_bN, encode_bN or texture_bN")
     return m.group(1), int(m.group(2))
 
 
@@ -94,6 +106,16 @@ def prepare(work: Path) -> tuple[Path, Path]:
     if not data.exists():
         make_synthetic_latents(data, n=96, latent_hw=(128, 128))  # 1024x1024 buckets, 4096 tokens
     return repo, data
+
+
+def prepare_images(work: Path) -> Path:
+    """48 synthetic 1536x1536 images with captions (for the encode/texture runs), built on first use."""
+    from anima_train.tiny import make_synthetic_dataset
+
+    images = work / "images"
+    if not images.exists():
+        make_synthetic_dataset(images, n=48, sizes=[(1536, 1536)], jpeg_every=0)
+    return images
 
 
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
@@ -140,7 +162,9 @@ resolution = {resolution}
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
           preview_steps: int = 20) -> dict:
-    batch = parse_run(name)[1]
+    kind, batch = parse_run(name)
+    if kind in IMAGE_KINDS:
+        data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
                                   previews=previews, preview_steps=preview_steps)
     events = work / f"{label}.jsonl"

@@ -153,6 +153,20 @@ export function statusLines(run) {
   return lines;
 }
 
+// The curriculum phase of a step event (anima_train/flow.py phase_summary), e.g. "phase 2/3 texture (t 0–0.6, LR
+// ×0.5)"; "" without a curriculum.
+function phaseText(phase) {
+  if (!phase || typeof phase !== "object" || !finite(phase.index)) return "";
+  let text = `phase ${phase.index}/${finite(phase.count) ? phase.count : "?"} ${String(phase.mode ?? "")}`.trim();
+  const extra = [];
+  const range = Array.isArray(phase.t_range) ? phase.t_range : [];
+  if (range.length === 2 && finite(range[0]) && finite(range[1]) && (range[0] !== 0 || range[1] !== 1)) {
+    extra.push(`t ${range[0]}–${range[1]}`);
+  }
+  if (finite(phase.lr_mul) && phase.lr_mul !== 1) extra.push(`LR ×${phase.lr_mul}`);
+  return extra.length ? `${text} (${extra.join(", ")})` : text;
+}
+
 function mainStatusLines(run) {
   const lines = [];
   const ev = run?.last;
@@ -167,6 +181,8 @@ function mainStatusLines(run) {
     parts.push(loss);
     if (run.ema.length) parts.push(`EMA ${fmtLoss(run.ema[run.ema.length - 1])}`);
     if (finite(ev.ot)) parts.push(`ot ${ev.ot.toFixed(2)}`);
+    const phase = phaseText(ev.phase);
+    if (phase) parts.push(phase);
     lines.push({ text: parts.join(" · "), kind: "main" });
 
     const rate = [];

@@ -466,12 +466,14 @@ class AnimaTrainTrain(io.ComfyNode):
     @classmethod
     def execute(cls, config, gpus=1, copy_to_loras=True):
         from anima_train.config import load_config
+        from anima_train.texture import refuse_multi_process
 
         hidden = getattr(cls, "hidden", None)
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
         toml = config["toml"] if isinstance(config, dict) else str(config)
         toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
         cfg = load_config(toml)
+        refuse_multi_process(cfg, gpus)  # the trainer refuses it too, but only after accelerate launched the workers
         key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
         cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)
         try:

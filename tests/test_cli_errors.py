@@ -65,7 +65,7 @@ def latents(tmp_path_factory):
      ["[train] unknown key 'learning_rate' (did you mean [optimizer] lr?)"]),
     ('[train]\nepochs = "3"\n[dataset]\npath = "/d"\n', ['[train] epochs = "3": expected an integer']),
     ('[dataset]\npath = "/d"\n[[curriculum]]\nat = 0.0\nmode = "texture"\n',
-     ['`[[curriculum]] mode = "texture"` is not implemented yet']),
+     ['[[curriculum]] #1 mode = "texture" needs [dataset] source = "encode"']),
 ], ids=["bad-toml", "unknown-key", "wrong-type", "texture"])
 def test_config_errors_are_one_message_naming_the_file(tmp_path, text, parts):
     cfg = tmp_path / "my run.toml"

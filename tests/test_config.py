@@ -441,11 +441,9 @@ def test_rule(text, expected):
     assert "not implemented yet" not in msg
 
 
-def test_texture_phase_is_refused_first_without_a_detour_through_encode():
-    # Texture mode is not implemented: its refusal must be the message, not "set source = encode" first (issue 11).
+def test_texture_phase_without_encode_is_told_to_set_source_encode():
     msg = _errors(D + '[[curriculum]]\nat = 0.0\nmode = "texture"\n')
-    assert '`[[curriculum]] mode = "texture"` is not implemented yet' in msg
-    assert "source" not in msg
+    assert 'mode = "texture" needs [dataset] source = "encode"' in msg and "not implemented" not in msg
 
 
 def test_texture_phase_needs_encode_once_implemented(no_gate):
@@ -540,10 +538,7 @@ def test_default_config_is_silent():
 
 # --------------------------------------------------------------------------------------------- gate
 
-GATED = {  # one case per key still in NOT_IMPLEMENTED (implemented features leave both)
-    "train.allow_multi_gpu_texture": D + "[train]\nallow_multi_gpu_texture = true\n",
-    "dataset.texture": D + '[dataset.texture]\ntrigger = "texture"\n',
-    "curriculum.texture": D + 'source = "encode"\n[[curriculum]]\nat = 0.0\nmode = "texture"\n',
+GATED: dict[str, str] = {  # one case per key still in NOT_IMPLEMENTED (implemented features leave both)
 }
 
 
@@ -578,6 +573,7 @@ def _gated_keys_of(text: str) -> set[str]:
 
 
 def test_gate_message_quotes_the_default(monkeypatch):
+    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
     msg = _errors(D + "[train]\nallow_multi_gpu_texture = true\n")
     assert ("`[train] allow_multi_gpu_texture` is not implemented yet (texture-mode curriculum); remove it or set "
             "it back to its default false") in msg
@@ -585,12 +581,15 @@ def test_gate_message_quotes_the_default(monkeypatch):
     assert "(it is unset by default)" in _errors(D + "[adapter]\ntext_encoder_rank = 8\n")
 
 
-def test_gate_applies_only_after_validation():
+def test_gate_applies_only_after_validation(monkeypatch):
+    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
     msg = _errors(D + "[train]\nallow_multi_gpu_texture = true\n[flow]\nhf_exponent = 0\n")
     assert "hf_exponent = 0.0: must be > 0.0" in msg and "not implemented" not in msg
 
 
-def test_gate_lists_every_gated_key():
+def test_gate_lists_every_gated_key(monkeypatch):
+    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
+    monkeypatch.setitem(C.NOT_IMPLEMENTED, "dataset.texture", "texture-mode curriculum")
     with pytest.raises(ConfigError) as exc:
         load_config(D + "[train]\nallow_multi_gpu_texture = true\n[dataset.texture]\ntrigger = \"t\"\n")
     assert len(exc.value.errors) == 2

@@ -534,3 +534,24 @@ def test_relay_sends_previews_as_small_inline_images(comfy_env, tmp_path):
         image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
         assert image.size == (256, 192)
         assert all(abs(a - b) <= 3 for a, b in zip(image.getpixel((128, 96)), colour))
+
+
+def test_a_texture_curriculum_goes_in_extra_toml_and_two_gpus_are_refused_before_a_worker(comfy_env, tiny_anima,
+                                                                                         dataset):
+    from anima_train.texture import TextureError
+
+    env = comfy_env
+    extra = ('[dataset]\nsource = "encode"\n[dataset.texture]\ncanvases = [[64, 64], [64, 64], [128, 64]]\n'
+             'trigger = "tex"\n[[curriculum]]\nat = 0.0\n[[curriculum]]\nat = 0.5\nmode = "texture"\n'
+             't_range = [0.0, 0.6]\nlr_mul = 0.5\n')
+    values = widgets(env.nt, tiny_anima.diffusers_dir, dataset, run_name="tex", extra_toml=extra)
+    assert env.nt.AnimaTrainConfig.validate_inputs(**values) is True
+    config = env.nt.AnimaTrainConfig.execute(**values).values[0]
+    cfg = load_config(config["toml"])
+    assert [p.mode for p in cfg.curriculum] == ["fullres", "texture"] and cfg.dataset.texture.trigger == "tex"
+    assert cfg.dataset.texture.canvases == [[64, 64], [64, 64], [128, 64]] and cfg.dataset.source == "encode"
+    with pytest.raises(TextureError, match="on 2 processes is refused: run it on one process"):
+        _train(env, config, gpus=2)
+    assert env.spawned == []  # refused on the node, before a worker (and accelerate launch) started
+    _train(env, config, gpus=1)
+    assert env.spawned[0][2] == 1
