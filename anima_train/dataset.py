@@ -839,9 +839,15 @@ class BucketBatchSampler:
         return iter(self.batches())
 
     def largest_batch_tokens(self) -> int:
-        """DiT tokens x images of the largest batch any epoch can hold (what sizes the activation memory)."""
-        return max(min(len(self.groups[k]), self.batch_sizes[k]) * (k[0][0] // 16) * (k[0][1] // 16)
-                   for k in self.keys)
+        """DiT tokens x images of the largest batch any epoch can hold (what sizes the activation memory); a
+        texture-eligible group may be cut to its largest canvas instead of its bucket."""
+        canvases = [(int(w), int(h)) for w, h in self.texture.tcfg.canvases] if self.texture is not None else []
+
+        def tokens(key) -> int:
+            sizes = [key[0]] + (canvases if key[1] else [])
+            return max((w // 16) * (h // 16) for w, h in sizes)
+
+        return max(min(len(self.groups[k]), self.batch_sizes[k]) * tokens(k) for k in self.keys)
 
 
 def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:

@@ -178,3 +178,15 @@ def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
     with parked.on_device():  # the previewer's round
         pass
     assert parked.where == "device"
+
+
+def test_largest_batch_counts_texture_canvases():
+    from types import SimpleNamespace
+
+    from anima_train.dataset import BucketBatchSampler
+
+    keys = [((512, 512), True)] * 6 + [((768, 512), False)] * 3
+    sampler = BucketBatchSampler(keys, {((512, 512), True): 4, ((768, 512), False): 4})
+    assert sampler.largest_batch_tokens() == 4 * 32 * 32  # 4 x 512x512 beats 3 x 768x512
+    sampler.texture = SimpleNamespace(tcfg=SimpleNamespace(canvases=[[1024, 1024], [512, 512]]))
+    assert sampler.largest_batch_tokens() == 4 * 64 * 64  # a texture batch may be cut at 1024x1024
