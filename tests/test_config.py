@@ -24,10 +24,11 @@ SPEC_DEFAULTS = {
     "train": {
         "model_path": "../anima-diffusers", "output_dir": "output", "run_name": "anima", "epochs": 1,
         "max_steps": None, "batch_size": 1, "gradient_accumulation_steps": 1, "gradient_checkpointing": True,
+        "checkpoint_blocks": "auto",  # ours (the speed issue): CONFIG.md has only the all-or-nothing switch
         "dtype": "bfloat16", "seed": 42, "num_workers": 2, "vae_encode_chunk": 1, "save_every_steps": None,
         "save_every_epochs": 1, "save_native": True, "save_optimizer_state": False, "keep_last_n": None,
         "resume_from": None, "skip_final_save": False, "allow_multi_gpu_texture": False, "log_every": 1,
-        "progress": "auto", "compile": None, "compile_dynamic": True, "compile_regional": True,
+        "progress": "auto", "compile": "auto", "compile_dynamic": True, "compile_regional": True,
     },
     "dataset": {
         "path": None, "resolution": 1024, "resolutions": None, "tier_collapse": "dedup",
@@ -127,7 +128,8 @@ def test_fields_carry_help_and_choices_for_generators():
     choices = {f.name: f.choices for f in iter_fields("train")}
     assert choices["dtype"] == ("bfloat16", "float16", "float32")
     assert choices["progress"] == ("auto", "bar", "plain", "off")
-    assert set(choices["compile"]) == {"default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"}
+    assert set(choices["compile"]) == {"auto", "off", "default", "reduce-overhead", "max-autotune",
+                                       "max-autotune-no-cudagraphs"}
     assert choices["epochs"] is None
     types = {f.name: f.type for f in iter_fields("train")}
     assert types["epochs"] is int and types["max_steps"] == int | None  # real types, not annotation strings
