@@ -129,3 +129,23 @@ resolution = 128
 rank = 4
 alpha = 4.0
 {tables}"""
+
+
+def torchrun(args: list, *, cwd, timeout: int = 600):
+    """`python -m torch.distributed.run --nproc_per_node 2 ARGS...` on CPU (gloo), with the repository first on the
+    path and a free local port (parallel test runs must not collide); returns the CompletedProcess (text)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from anima_train.tiny import make_synthetic_dataset, make_synthetic_latents
-from tests.fixtures_tiny import small_run_toml
+from tests.fixtures_tiny import small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,11 +223,7 @@ def test_only_the_main_process_reports_a_user_error(tmp_path):
 def test_torchrun_prints_a_user_error_once(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[train]\nlearning_rate = 1\n")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29547", "-m", "anima_train", "train", str(cfg)], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=300)
+    out = torchrun(["-m", "anima_train", "train", cfg], cwd=tmp_path, timeout=300)
     assert out.returncode != 0
     assert out.stderr.count("anima-train train: error:") == 1, out.stderr
     assert "unknown key 'learning_rate' (did you mean [optimizer] lr?)" in out.stderr

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from anima_train.dataset import steps_per_epoch
 from anima_train.tiny import make_synthetic_latents
-from tests.fixtures_tiny import small_run_toml
+from tests.fixtures_tiny import small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,11 +28,8 @@ def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp
     cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
                                   train="epochs = 2\nbatch_size = 4\ngradient_accumulation_steps = 2",
                                   tables="[optimizer]\nlr = 1e-2\n"))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           str(ROOT / "tests" / "ddp_worker.py"), str(cfg), str(tmp_path), "save"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    args = [ROOT / "tests" / "ddp_worker.py", cfg, tmp_path, "save"]
+    out = torchrun(args, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = tmp_path / "out" / "anima"
     assert (run_dir / "anima.safetensors").is_file()  # the main process held the folder lock...
@@ -51,7 +45,7 @@ def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}
     for r in (0, 1):
         (tmp_path / f"rank{r}.json").unlink()
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    again = torchrun(args, cwd=ROOT, timeout=300)
     assert again.returncode != 0
     refused = [json.loads((tmp_path / f"rank{r}.json").read_text())["refused"] for r in (0, 1)]
     assert refused[0] == refused[1] and f"{run_dir} already holds a run named 'anima'" in refused[0]

@@ -230,12 +230,11 @@ def test_previews_leave_the_training_rng_alone(tmp_path, tiny_anima, latents_dir
 def test_two_processes_only_the_main_one_samples_and_logs(tiny_anima, tmp_path):
     """Under torchrun (2 CPU processes): one preview set per round, written by the main process while the other
     waits; the adapters stay identical, and one TensorBoard run folder holds the curve."""
-    import os
     from pathlib import Path
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.fixtures_tiny import small_run_toml
+    from tests.fixtures_tiny import small_run_toml, torchrun
 
     root = Path(__file__).resolve().parents[1]
     data = tmp_path / "data"
@@ -244,11 +243,7 @@ def test_two_processes_only_the_main_one_samples_and_logs(tiny_anima, tmp_path):
     cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
                                   train="epochs = 2\nbatch_size = 2",
                                   tables=SAMPLE + "\n[logging]\ntensorboard = true\n"))
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
-           str(root / "tests" / "ddp_worker.py"), str(cfg), str(tmp_path), "save"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    out = torchrun([root / "tests" / "ddp_worker.py", cfg, tmp_path, "save"], cwd=root)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["steps"] == r1["steps"] == 4 and r0["digest"] == r1["digest"]

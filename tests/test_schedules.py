@@ -279,21 +279,13 @@ acc.end_training()
 def test_two_real_processes_see_the_single_process_curve(tmp_path):
     """The same check with a real 2-process gloo launch (torch.distributed.run), no patching (~10 s)."""
     import json
-    import os
-    import socket
-    import subprocess
-    import sys
     from pathlib import Path
 
-    with socket.socket() as s:  # a free port, so parallel test runs do not collide
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.fixtures_tiny import torchrun
+
     (tmp_path / "worker.py").write_text(DDP_WORKER)
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(tmp_path / "worker.py"), str(tmp_path / "out.json")]
-    run = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=120)
+    run = torchrun([tmp_path / "worker.py", tmp_path / "out.json"], cwd=Path(__file__).resolve().parents[1],
+                   timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["n"] == 2

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ from PIL import Image
 
 from anima_train import texture as T
 from anima_train.config import ConfigError, CurriculumPhase, TextureConfig, load_config
+from tests.fixtures_tiny import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = shutil.which("node")
@@ -416,11 +415,8 @@ def test_a_texture_phase_on_a_cached_dataset_built_in_code_is_refused(tiny_anima
 def test_torchrun_two_processes_refuse_a_texture_phase_with_the_reason(tiny_anima, images, tmp_path):
     cfg = tmp_path / "tex.toml"
     cfg.write_text(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path / "out", max_steps=2))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
-           "-m", "anima_train", "train", str(cfg), "--cpu"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    cmd = ["-m", "anima_train", "train", cfg, "--cpu"]
+    out = torchrun(cmd, cwd=tmp_path, timeout=300)
     assert out.returncode != 0
     assert out.stderr.count("a texture-mode [[curriculum]] phase on 2 processes is refused") == 1, out.stderr
     assert "allow_multi_gpu_texture = true" in out.stderr  # (torchrun adds its own ChildFailedError traceback)
@@ -428,7 +424,7 @@ def test_torchrun_two_processes_refuse_a_texture_phase_with_the_reason(tiny_anim
     # the deliberate override: the same run goes through on two processes
     cfg.write_text(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path / "out", max_steps=2,
                                      allow_multi_gpu_texture="true"))
-    ok = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    ok = torchrun(cmd, cwd=tmp_path)
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert (tmp_path / "out" / "tex" / "tex.safetensors").is_file()
 
