@@ -274,6 +274,20 @@ def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[s
     return out
 
 
+def set_torch_config(item: str) -> None:
+    """MODULE.ATTR=VALUE (VALUE a Python literal) on an importable torch config module; printed with the run."""
+    import ast
+    import importlib
+
+    target, _, text = item.partition("=")
+    module_name, _, attr = target.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise SystemExit(f"--torch-set: {module_name} has no {attr}")
+    setattr(module, attr, ast.literal_eval(text))
+    print(json.dumps({"torch_set": target, "value": getattr(module, attr)}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/anima-bench")
@@ -288,6 +302,10 @@ def main() -> int:
     ap.add_argument("--seed-only", default=None, help="runs for the seed (default: --only)")
     ap.add_argument("--seed-compile", default="default", help="the seed's compile mode (off = eager)")
     ap.add_argument("--twice", action="store_true", help="run ours twice: the second first step is warm-compiled")
+    ap.add_argument("--torch-set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                    help="set a torch config before our runs (experiments), e.g. "
+                         "torch._functorch.config.activation_memory_budget=0.5 or "
+                         "torch._inductor.config.coordinate_descent_tuning=True")
     ap.add_argument("--previews", type=int, default=0, metavar="N",
                     help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
     ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
@@ -300,6 +318,8 @@ def main() -> int:
     names = args.only.split(",")
     for n in names:
         parse_run(n)
+    for item in args.torch_set:
+        set_torch_config(item)
     if args.cap_gib:
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     ours = []
