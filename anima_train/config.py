@@ -1158,21 +1158,17 @@ def load_config(source: str | os.PathLike) -> Config:
     return cfg
 
 
-def _atomic_write_text(dest: Path, text: str) -> None:
-    from anima_train.atomic import write_text
-
-    write_text(dest, text)
-
-
 def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
     """Write the config exactly as it was read (comments kept) to dest_path, atomically.
 
     A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
     """
+    from anima_train.atomic import write_text
+
     dest = Path(dest_path)
     if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
         raise ValueError(f"refusing to copy the config onto its own source file {dest}")
-    _atomic_write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
+    write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
     return dest
 
 
