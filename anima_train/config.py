@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 from anima_train import config_aliases
+from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS, parse_protected_tags
 from anima_train.errors import UserError
 
 DEFAULT_MODEL_PATH = "../anima-diffusers"
@@ -41,7 +42,6 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
-CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")
 LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
@@ -144,7 +144,7 @@ class SubsetConfig:
 
 @dataclass
 class CaptionConfig:
-    caption_mode: str = _key("tags", choices=("tags", "nl", "tags_nl", "nl_tags", "mixed"),
+    caption_mode: str = _key("tags", choices=CAPTION_MODES,
                              help="which caption variant to train on")
     mixed_weights: dict[str, float] = _key(
         factory=lambda: {v: 1.0 for v in CAPTION_VARIANTS}, choices=CAPTION_VARIANTS,
@@ -870,8 +870,7 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None
             p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: cannot read "
                     f"{tag_path} as UTF-8 text ({exc})")
         else:
-            c.file_protected_tags = [ln.strip().lower() for ln in lines
-                                     if ln.strip() and not ln.strip().startswith("#")]
+            c.file_protected_tags = parse_protected_tags(lines)
 
     t = d.texture
     if p.ok("dataset.texture.canvases"):
