@@ -42,11 +42,13 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES maps them to torch dtypes
 LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
 ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
+TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
 
 # Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
@@ -111,7 +113,7 @@ class TrainConfig:
         "auto", ge=0, help="with gradient_checkpointing: DiT blocks that recompute: auto = the fewest that fit the "
         "card (measured on the first step; all off CUDA), all, or a number",
         type_desc='"auto", "all" or an integer >= 0')
-    dtype: str = _key("bfloat16", choices=("bfloat16", "float16", "float32"),
+    dtype: str = _key("bfloat16", choices=DTYPE_NAMES,
                       help="the only precision control: modules load in this dtype")
     seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")
     num_workers: int = _key(2, ge=0, help="data-loader worker processes (re-forked every epoch)")
@@ -203,7 +205,7 @@ class DatasetConfig:
     subsets: list[SubsetConfig] = _array(SubsetConfig, "several source directories")
     resolution: int = _key(1024, gt=0, help="area budget (about r x r pixels), not a side length")
     resolutions: list[int] | None = _key(None, help="several area budgets (tiers); unset = [resolution]")
-    tier_collapse: str = _key("dedup", choices=("dedup", "repeat"),
+    tier_collapse: str = _key("dedup", choices=TIER_COLLAPSE_MODES,
                               help="a tier above a source's size: keep one entry (dedup) or all (repeat)")
     min_source_area: float = _key(0.0, ge=0.0, help="drop sources with w*h < value * (smallest tier)^2")
     min_bucket_reso: int = _key(256, gt=0, help="smallest bucket side (inert when bucket_no_upscale)")
@@ -886,7 +888,7 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None
                             "multiple of 16 (VAE factor 8 x patch 2)")
                 elif side > ROPE_SIDE_LIMIT:
                     p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > {ROPE_SIDE_LIMIT}, past "
-                            "the model's RoPE position table; use sides <= 1920")
+                            f"the model's RoPE position table; use sides <= {ROPE_SIDE_DECLARED}")
                 elif side > ROPE_SIDE_DECLARED:
                     p.warnings.append(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > "
                                       f"{ROPE_SIDE_DECLARED}; RoPE extrapolates past the declared range")

@@ -45,6 +45,7 @@ import numpy as np
 
 from anima_train.buckets import (
     BUCKET_KEYS,
+    DATASET_DEFAULTS,
     BucketError,
     BucketPlan,
     below_min_source_area,
@@ -83,16 +84,17 @@ class CacheUnreadable(DatasetError):
 
 @dataclass(frozen=True)
 class BucketSettings:
-    """The `[dataset]` keys that decide buckets. Field names are the config keys."""
+    """The `[dataset]` keys that decide buckets, as a frozen value (a cache records it; audit rebuilds it from
+    caches). Field names are the config keys and the defaults are DatasetConfig's: the config is their one source."""
 
-    tiers: tuple[int, ...] = (1024,)
-    bucket_reso_steps: int = 64
-    bucket_no_upscale: bool = True
-    max_bucket_reso: int = 1920
-    min_bucket_reso: int = 256
-    multires_training: bool = False
-    tier_collapse: str = "dedup"
-    min_source_area: float = 0.0
+    tiers: tuple[int, ...] = tuple(DATASET_DEFAULTS.tiers)
+    bucket_reso_steps: int = DATASET_DEFAULTS.bucket_reso_steps
+    bucket_no_upscale: bool = DATASET_DEFAULTS.bucket_no_upscale
+    max_bucket_reso: int = DATASET_DEFAULTS.max_bucket_reso
+    min_bucket_reso: int = DATASET_DEFAULTS.min_bucket_reso
+    multires_training: bool = DATASET_DEFAULTS.multires_training
+    tier_collapse: str = DATASET_DEFAULTS.tier_collapse
+    min_source_area: float = DATASET_DEFAULTS.min_source_area
 
     @classmethod
     def from_config(cls, dataset) -> "BucketSettings":
