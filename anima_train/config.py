@@ -655,7 +655,7 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
             p.error(f"{where} {name} = {_fmt(value)}: expected {expected}{example}, got {_toml_type(value)}",
                     dotted)
             continue
-        if not _check_value(value, f, where, name, dotted, p):
+        if not _check_value(value, f, f"{where} {name}", dotted, p):
             continue
         kwargs[name] = value
     if any(f.default is MISSING and f.default_factory is MISSING and n not in kwargs for n, f in fields.items()):
@@ -663,8 +663,9 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
     return cls(**kwargs)
 
 
-def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted: str, p: _Problems) -> bool:
-    """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed."""
+def _check_value(value: Any, f: dataclasses.Field, label: str, dotted: str, p: _Problems) -> bool:
+    """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed.
+    `label` names the key in the message ("[schedule] d", or "schedule.d" for a table built in code)."""
     m = f.metadata
     hint = f" ({m['hint']})" if m.get("hint") else ""
     choices = m.get("choices")
@@ -674,7 +675,7 @@ def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted
             if item is not None and item not in choices:
                 close = difflib.get_close_matches(str(item), [str(c) for c in choices], n=1, cutoff=0.6)
                 sugg = f"did you mean {_fmt(close[0])}? " if close else ""
-                p.error(f"{where} {name} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
+                p.error(f"{label} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
                         f"choose from {', '.join(_fmt(c) for c in choices)}", dotted)
                 return False
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -682,12 +683,46 @@ def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted
                                   ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
             b = m.get(bound)
             if b is not None and not test(value, b):
-                p.error(f"{where} {name} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
+                p.error(f"{label} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
                 return False
     if m.get("nonempty") and isinstance(value, str) and not value.strip():
-        p.error(f"{where} {name} is empty; give a path or remove the key", dotted)
+        p.error(f"{label} is empty; give a path or remove the key", dotted)
         return False
     return True
+
+
+def check_table(table: Any, name: str) -> None:
+    """load_config's per-key rules (choices and bounds, from the field metadata: their one definition) for a
+    table built in code, which never went through load_config (e.g. `ScheduleConfig(d=1.0)` passed to the
+    schedule). Raises ConfigError naming `name.key`."""
+    p = _Problems()
+    for f in dataclasses.fields(table):
+        if f.metadata.get("key", True) and "table" not in f.metadata and "array" not in f.metadata:
+            _check_value(getattr(table, f.name), f, f"{name}.{f.name}", f"{name}.{f.name}", p)
+    if p.errors:
+        raise ConfigError("\n".join(p.errors), p.errors)
+
+
+def betas_problem(kind: str, betas: list[float]) -> str | None:
+    """The [optimizer] betas rule (3 for came, 2 otherwise, each in [0, 1)), or None when they are fine; checked by
+    load_config and, for a config built in code, by build_optimizer."""
+    if kind == "came" and len(betas) != 3:
+        return (f'[optimizer] betas = {_fmt(list(betas))}: kind = "came" needs 3 betas (first moment, second '
+                f"moment, instability), e.g. betas = {_fmt(CAME_BETAS)} (CAME's defaults)")
+    if kind != "came" and len(betas) != 2:
+        return f"[optimizer] betas = {_fmt(list(betas))}: kind = {_fmt(kind)} needs 2 betas, e.g. betas = [0.9, 0.95]"
+    if any(not 0.0 <= b < 1.0 for b in betas):
+        return f"[optimizer] betas = {_fmt(list(betas))}: every beta must be in [0, 1)"
+    return None
+
+
+def shift_problem(flow: Any) -> str | None:
+    """The [flow] rule that shift and flux_shift exclude each other, or None; checked by load_config and, for a
+    config built in code, by flow.sample_timesteps."""
+    if flow.shift is not None and flow.flux_shift:
+        return ("[flow] shift and flux_shift = true are both set, but they are exclusive; use one (flux_shift picks "
+                "the shift from the resolution, shift is static)")
+    return None
 
 
 def _build_config(raw: dict, p: _Problems) -> Config:
@@ -969,9 +1004,8 @@ def _check_quant(cfg: Config, p: _Problems) -> None:
 
 def _check_flow(cfg: Config, p: _Problems) -> None:
     f = cfg.flow
-    if p.ok("flow.shift", "flow.flux_shift") and f.shift is not None and f.flux_shift:
-        p.error("[flow] shift and flux_shift = true are both set; use one (flux_shift picks the shift from the "
-                "resolution, shift is static)")
+    if p.ok("flow.shift", "flow.flux_shift") and shift_problem(f):
+        p.error(shift_problem(f))
     if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
             and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
         why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
@@ -1023,14 +1057,9 @@ def _check_curriculum(cfg: Config, p: _Problems) -> None:
 def _check_optimizer(cfg: Config, p: _Problems) -> None:
     o = cfg.optimizer
     if p.ok("optimizer.kind", "optimizer.betas"):
-        if o.kind == "came" and len(o.betas) != 3:
-            p.error(f'[optimizer] betas = {_fmt(o.betas)}: kind = "came" needs 3 betas, e.g. betas = '
-                    f"{_fmt(CAME_BETAS)} (CAME's defaults)")
-        elif o.kind != "came" and len(o.betas) != 2:
-            p.error(f"[optimizer] betas = {_fmt(o.betas)}: kind = {_fmt(o.kind)} needs 2 betas, e.g. "
-                    "betas = [0.9, 0.95]")
-        elif any(not 0.0 <= b < 1.0 for b in o.betas):
-            p.error(f"[optimizer] betas = {_fmt(o.betas)}: every beta must be in [0, 1)")
+        problem = betas_problem(o.kind, o.betas)
+        if problem:
+            p.error(problem)
     if p.ok("optimizer.kind") and o.kind == "adamw":
         sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
         if sdnq_only:

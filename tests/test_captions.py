@@ -6,13 +6,12 @@ import pytest
 
 from anima_train.captions import (
     build_caption,
-    choose_variant,
     caption_rng,
     parse_protected_tags,
     read_caption_files,
     split_tags,
 )
-from anima_train.config import CaptionConfig, ConfigError, load_config
+from anima_train.config import CaptionConfig, ConfigError, check_table, load_config
 
 TAGS = "trigger, 1girl, solo, long hair, smile, red eyes, outdoors, sky, cloud, tree, dress, hat"
 TAG_LIST = split_tags(TAGS, ", ")
@@ -112,10 +111,11 @@ def test_mixed_nl_draw_without_nl_gives_tags():
 
 
 def test_bad_mode_and_weights_raise():
+    # checked once where the values enter: load_config, or check_table for a table built in code (AnimaDataset)
     with pytest.raises(ValueError, match="caption_mode"):
-        build_caption(TAGS, NL, opts(caption_mode="tag"), 0, 0, 0)
+        check_table(opts(caption_mode="tag"), "dataset.caption")
     with pytest.raises(ValueError, match="mixed_weights"):
-        choose_variant(opts(caption_mode="mixed", mixed_weights={"tagz": 1}), random.Random(0))
+        load_config('[dataset]\npath = "/data/train"\n[dataset.caption]\nmixed_weights = { tagz = 1 }\n')
 
 
 def test_tag_dropout_count_uses_round():
