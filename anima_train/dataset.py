@@ -130,7 +130,7 @@ def _wxh(size) -> str:
     return f"{size[0]}x{size[1]}"
 
 
-def _parse_wxh(text: str) -> tuple[int, int]:
+def parse_wxh(text: str) -> tuple[int, int]:
     w, h = text.lower().split("x")
     return int(w), int(h)
 
@@ -358,7 +358,7 @@ def cache_sources(scan: Scan, metadata: dict[Path, dict]) -> list[Source]:
             continue
         for stem, paths in f.caches.items():
             sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata[p]]
-            size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
+            size = parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
             sources.append(Source(fi, f.path / stem, None, size))
     return sources
 
@@ -491,13 +491,14 @@ def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None) -> str | Non
                       ("resized", _wxh(plan.resized)), ("trim", f"{plan.trim[0]},{plan.trim[1]}")):
         if meta.get(key) != want:
             return f"{key} {meta.get(key)} != {want}"
-    made_with = _record(meta).get("vae")
+    made_with = settings_record(meta).get("vae")
     if vae_id and made_with and made_with != vae_id:
         return "made with another VAE"
     return None
 
 
-def _record(meta: dict) -> dict:
+def settings_record(meta: dict) -> dict:
+    """The bucket settings a cache was made with (its `settings` metadata, see BucketSettings.record); {} if absent."""
     try:
         return json.loads(meta.get("settings", "{}"))
     except json.JSONDecodeError:
@@ -507,7 +508,7 @@ def _record(meta: dict) -> dict:
 def explain_settings(meta: dict, settings: BucketSettings, vae_id: str | None) -> str:
     """Which settings differ between a cache's record and the current ones, e.g.
     "bucket_reso_steps=64, the config says 32"."""
-    rec = _record(meta)
+    rec = settings_record(meta)
     if not rec:
         return "no settings record (not made by anima-train cache)"
     diffs = []
