@@ -114,9 +114,6 @@ class BucketSettings:
         """The settings part of a cache's metadata (tier = the tier the cache was made for)."""
         return {"tier": tier, "resolutions": list(self.tiers), **{k: getattr(self, k) for k in BUCKET_KEYS}}
 
-    def tier_key(self) -> str:
-        return "resolution" if len(self.tiers) == 1 else "resolutions"
-
     def tier_value(self):
         return self.tiers[0] if len(self.tiers) == 1 else list(self.tiers)
 

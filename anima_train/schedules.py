@@ -17,8 +17,6 @@ import torch
 
 from anima_train.config import ScheduleConfig, check_table
 
-SCHEDULE_KINDS = ("constant", "linear", "cosine", "rex", "rerex")
-
 
 def _rex(p: float, d: float) -> float:
     """REX decay R(p, d) = (1−p) / ((1−d) + d(1−p)): 1 at p = 0, 0 at p = 1; d = 0 is linear, larger d holds

@@ -25,7 +25,6 @@ from anchor.modules import MultibandAdapter, adapter_output, build_adapters
 from anchor.sites import resolve_sites, site_names, site_width, unet_level
 
 DIT_FAMILY = "cosmos_dit"
-UNET_FAMILIES = ("sd15_unet", "sdxl_unet")
 
 
 def is_dit(diffusion_model):
