@@ -17,7 +17,7 @@ import torch
 from . import OBJECTIVE_SOURCES, AnchorError, SiteMismatch
 from .format import AnchorFile, load
 from .modules import MultibandAdapter, adapter_output, build_adapters
-from .sites import resolve_sites, unet_level
+from .sites import resolve_sites, site_width, unet_level
 
 _BLOCK_CLASSES = ("BasicTransformerBlock", "CosmosTransformerBlock")
 
@@ -75,15 +75,6 @@ def gating_objective(anchor, host_objective=None, host_name="the model", source=
     return file_objective
 
 
-def _site_width(module):
-    attn = getattr(module, "attn1", None)
-    if attn is not None and hasattr(attn, "to_q"):
-        return int(attn.to_q.in_features)
-    if hasattr(module, "in_channels"):  # Transformer2DModel: output has the input's channels
-        return int(module.in_channels)
-    raise AnchorError(f"cannot read the width of site module {type(module).__name__}")
-
-
 def host_sites(model, family=None, n_sites=None):
     """[(name, module, width, channel_axis)] of a diffusers trunk's candidate sites in training order
     (named_modules order). UNets: BasicTransformerBlocks, or Transformer2DModels for an 11-site SDXL file;
@@ -99,8 +90,8 @@ def host_sites(model, family=None, n_sites=None):
     module_level = (unet_level(family, n_sites) == "module" if family
                     else (not is_cosmos and n_sites != len(blocks) and n_sites == len(modules)))
     if module_level:
-        return [(n, m, _site_width(m), 1) for n, m in modules]  # Transformer2DModel output is [B, C, H, W]
-    return [(n, m, _site_width(m), -1) for n, m in blocks]
+        return [(n, m, site_width(m, n), 1) for n, m in modules]  # Transformer2DModel output is [B, C, H, W]
+    return [(n, m, site_width(m, n), -1) for n, m in blocks]
 
 
 class Attachment:

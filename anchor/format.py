@@ -15,12 +15,12 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 
 from . import ATTACHABLE_KINDS, FORMAT, VERSION, AnchorError
+from .atomic import atomic_path
 
 HASH_PREFIX = "sha256v2:"
 
@@ -402,37 +402,13 @@ def save(anchor, path, key_layout="amoe", overwrite=False):
                     "substrate_family": str(meta.get("substrate", {}).get("family", "")),
                     "content_hash_v2": chash}
         from safetensors.torch import save_file
-        _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata), overwrite)
+        with atomic_path(path, overwrite) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
     else:
         if key_layout != "amoe":
             raise AnchorError(f"{path}: key_layout {key_layout!r} exists only for .safetensors")
         blob = {"format": FORMAT, "version": VERSION, "meta": meta, "adapters": adapters}
-        _atomic_write(path, lambda tmp: torch.save(blob, tmp), overwrite)
+        with atomic_path(path, overwrite) as tmp:
+            torch.save(blob, tmp)
     anchor.meta["content_hash_v2"] = chash
     return chash
-
-
-def _atomic_write(path, write, overwrite):
-    """Write to a temp file in the target folder, then move it into place in one step."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a published file gets the mode open() would give
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:  # link() fails if the name appeared meanwhile: no silent overwrite even under a race
-                os.link(tmp, path)
-            except FileExistsError:
-                raise FileExistsError(f"{path} appeared while writing; refusing to overwrite it") from None
-            except OSError:  # filesystems without hard links
-                if os.path.exists(path):
-                    raise FileExistsError(f"{path} exists; refusing to overwrite it") from None
-                os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -162,6 +162,19 @@ def execution_rank(name):
     return (stage, block, int(t[1]) if t else 0)
 
 
+def site_width(module, name):
+    """Output width of a site module, diffusers or ComfyUI: Cosmos Block.x_dim (ComfyUI), Transformer2DModel /
+    SpatialTransformer in_channels (their output has the input's channels), a transformer block's attn1 query
+    width (BasicTransformerBlock, diffusers' CosmosTransformerBlock)."""
+    for attr in ("x_dim", "in_channels"):
+        if isinstance(getattr(module, attr, None), int):
+            return getattr(module, attr)
+    to_q = getattr(getattr(module, "attn1", None), "to_q", None)
+    if to_q is not None and hasattr(to_q, "in_features"):
+        return int(to_q.in_features)
+    raise AnchorError(f"cannot read the width of site {name} ({type(module).__name__})")
+
+
 def signature_text(widths):
     return "[" + ",".join(str(w) for w in widths) + "]"
 

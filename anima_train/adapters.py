@@ -112,7 +112,7 @@ def target_modules(model: torch.nn.Module, components, role: str = "transformer"
     return out
 
 
-def _tuner_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def tuner_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
 
@@ -120,7 +120,7 @@ def _tuner_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.Parameter]]:
     """(wrapped module name, parameter name, parameter) of every peft adapter tensor in `model`."""
     out = []
-    for mod_name, layer in _tuner_layers(model).items():
+    for mod_name, layer in tuner_layers(model).items():
         for attr in layer.adapter_layer_names:
             sub = getattr(layer, attr, None)
             if sub is None:
@@ -172,7 +172,7 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
     for m in (transformer, conditioner, text_encoder):
         if m is not None:
             m.requires_grad_(False)
-            if _tuner_layers(m):
+            if tuner_layers(m):
                 raise ValueError(f"{type(m).__name__} already holds peft adapters; inject_adapters expects "
                                  "freshly loaded models (inject once, before building the optimizer)")
     injected: dict[str, list[str]] = {}

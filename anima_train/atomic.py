@@ -1,52 +1,6 @@
-"""Atomic file writes: a temp file in the destination's folder, then `os.replace`, so a reader (ComfyUI listing
-`models/loras`, a resumed run) or a crash never sees half a file.
+"""Atomic file writes for the trainer: the pack's one helper lives in `anchor/atomic.py` (which `anchor` may use
+without depending on the trainer); this module is the trainer's name for it."""
 
-The finished file gets the mode a plain `open()` would give it (0666 minus the umask). safetensors' `save_file` and
-`tempfile.mkstemp` create 0600 files, which other accounts sharing a ComfyUI models folder could not read.
-"""
+from anchor.atomic import atomic_path, publish, temp_path, write_text
 
-from __future__ import annotations
-
-import contextlib
-import os
-from pathlib import Path
-from typing import Iterator
-
-
-def _file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def temp_path(final: str | os.PathLike) -> Path:
-    final = Path(final)
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
-
-
-def publish(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
-    """Give a finished temp file its normal mode and move it into place."""
-    os.chmod(tmp, _file_mode())
-    os.replace(tmp, final)
-    return Path(final)
-
-
-@contextlib.contextmanager
-def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
-    """`with atomic_path(p) as tmp: write tmp` — published on success, removed on any failure."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(final)
-    try:
-        yield tmp
-        publish(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_text(final: str | os.PathLike, text: str) -> Path:
-    """Text written as given (newline="": the text's own line endings are kept)."""
-    with atomic_path(final) as tmp:
-        with open(tmp, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-    return Path(final)
+__all__ = ["atomic_path", "publish", "temp_path", "write_text"]

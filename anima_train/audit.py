@@ -31,8 +31,6 @@ from anima_train.dataset import (
     LATENTS_LAYOUT,
     DatasetError,
     Source,
-    _parse_wxh,
-    _record,
     cache_bucket,
     cache_command,
     cache_path,
@@ -41,11 +39,13 @@ from anima_train.dataset import (
     latents_problem,
     made_with,
     missing_captions,
+    parse_wxh,
     plan_sources,
     plan_tiers_checked,
     plan_warnings,
     read_cache_metadata,
     scan_folders,
+    settings_record,
     vae_identity,
 )
 
@@ -68,7 +68,7 @@ def settings_from_caches(metadata: dict) -> BucketSettings | None:
     """The most common settings record among the caches (tiers + bucket keys), if any."""
     records = Counter()
     for meta in metadata.values():
-        rec = _record(meta)
+        rec = settings_record(meta)
         if "resolutions" in rec and all(k in rec for k in BUCKET_KEYS):
             records[json.dumps({"tiers": rec["resolutions"], **{k: rec[k] for k in BUCKET_KEYS}})] += 1
     if not records:
@@ -134,7 +134,7 @@ def audit(args) -> tuple[list[str], bool]:
             if stem in f.images:
                 continue
             sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata.get(p, {})]
-            size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
+            size = parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
             cache_only.append(Source(fi, f.path / stem, None, size))
     sources = image_srcs + [s for s in cache_only if s.size is not None]
     unsized = [s for s in cache_only if s.size is None]
@@ -182,7 +182,7 @@ def audit(args) -> tuple[list[str], bool]:
     if unreadable:
         reasons.append(f"{len(unreadable)} image(s) cannot be read, so they have no cache: "
                        + _examples(p.name for p, _ in unreadable))
-    vaes = {_record(m).get("vae") for m in metadata.values()} - {None}
+    vaes = {settings_record(m).get("vae") for m in metadata.values()} - {None}
     if plan.unbucketable:
         reasons.append(f"{len(plan.unbucketable)} source(s) cannot be bucketed with these settings (so no cache): "
                        + _examples(s.stem.name for s, _ in plan.unbucketable))

@@ -33,13 +33,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from anima_train.config import ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, TIER_COLLAPSE_MODES, DatasetConfig
 from anima_train.errors import UserError
 
 log = logging.getLogger(__name__)
 
-ROPE_SPEC_SIDE = 1920  # declared RoPE range: 120 patch units x 16 px
-ROPE_HARD_SIDE = 2048  # 128 units: the implementation's real limit (2112 crashes)
-TIER_COLLAPSE_MODES = ("dedup", "repeat")
+DATASET_DEFAULTS = DatasetConfig()  # the `[dataset]` defaults: the one source of every bucket setting's default
 
 
 class BucketError(UserError, ValueError):
@@ -116,11 +115,11 @@ class Bucketer:
         self,
         resolution: int,
         *,
-        bucket_no_upscale: bool = True,
-        min_bucket_reso: int = 256,
-        max_bucket_reso: int = 1920,
-        bucket_reso_steps: int = 64,
-        multires_training: bool = False,
+        bucket_no_upscale: bool = DATASET_DEFAULTS.bucket_no_upscale,
+        min_bucket_reso: int = DATASET_DEFAULTS.min_bucket_reso,
+        max_bucket_reso: int = DATASET_DEFAULTS.max_bucket_reso,
+        bucket_reso_steps: int = DATASET_DEFAULTS.bucket_reso_steps,
+        multires_training: bool = DATASET_DEFAULTS.multires_training,
     ) -> None:
         if resolution <= 0 or bucket_reso_steps <= 0 or min_bucket_reso <= 0:
             raise BucketError(
@@ -217,20 +216,20 @@ def verify_max_resolution(buckets: Iterable[tuple[int, int]]) -> list[tuple[int,
     warning for them. Anima declares 120 patch units (1920 px); its RoPE table reaches 128 units (2048 px).
     """
     buckets = sorted(set(tuple(b) for b in buckets))
-    too_big = [b for b in buckets if max(b) > ROPE_HARD_SIDE]
+    too_big = [b for b in buckets if max(b) > ROPE_SIDE_LIMIT]
     if too_big:
         shown = ", ".join(f"{w}x{h}" for w, h in too_big[:5])
         raise BucketError(
-            f"bucket(s) {shown} have a side above {ROPE_HARD_SIDE} px, beyond Anima's RoPE range (128 patch "
-            f"units; 2112 px crashes): set max_bucket_reso <= {ROPE_SPEC_SIDE}"
+            f"bucket(s) {shown} have a side above {ROPE_SIDE_LIMIT} px, beyond Anima's RoPE range (128 patch "
+            f"units; 2112 px crashes): set max_bucket_reso <= {ROPE_SIDE_DECLARED}"
         )
-    beyond_spec = [b for b in buckets if max(b) > ROPE_SPEC_SIDE]
+    beyond_spec = [b for b in buckets if max(b) > ROPE_SIDE_DECLARED]
     if beyond_spec:
         shown = ", ".join(f"{w}x{h}" for w, h in beyond_spec[:5])
         log.warning(
             f"{len(beyond_spec)} bucket(s) ({shown}{', ...' if len(beyond_spec) > 5 else ''}) have a side in "
-            f"({ROPE_SPEC_SIDE}, {ROPE_HARD_SIDE}] px: beyond the declared RoPE range (120 patch units), positions "
-            f"extrapolate; max_bucket_reso = {ROPE_SPEC_SIDE} stays in spec"
+            f"({ROPE_SIDE_DECLARED}, {ROPE_SIDE_LIMIT}] px: beyond the declared RoPE range (120 patch units), "
+            f"positions extrapolate; max_bucket_reso = {ROPE_SIDE_DECLARED} stays in spec"
         )
     return beyond_spec
 
@@ -265,7 +264,8 @@ def make_bucketers(tiers: Sequence[int], **settings) -> dict[int, Bucketer]:
 
 
 def plan_tiers(
-    sizes: Sequence[tuple[int, int]], bucketers: dict[int, Bucketer], tier_collapse: str = "dedup"
+    sizes: Sequence[tuple[int, int]], bucketers: dict[int, Bucketer],
+    tier_collapse: str = DATASET_DEFAULTS.tier_collapse,
 ) -> list[TierEntry]:
     """Cross product sources x tiers, with collapse handling.
 
@@ -349,13 +349,15 @@ def ceiling_tier(area: float, step: int = 64) -> int:
     return max(64, int(math.sqrt(area) // step) * step)
 
 
-def suggest_ladder(areas: Sequence[float], step: int = 64, max_tier: int = ROPE_SPEC_SIDE) -> list[int]:
+def suggest_ladder(areas: Sequence[float], step: int = DATASET_DEFAULTS.bucket_reso_steps,
+                   max_tier: int = ROPE_SIDE_DECLARED) -> list[int]:
     """Three rungs, 1.25x apart in side: top = min(ceiling(p10), max_tier); rungs ceiling((top/1.25^k)²)."""
     top = min(ceiling_tier(area_percentiles(areas, (0.10,))[0.10], step), max_tier)
     return sorted({ceiling_tier((top / 1.25**k) ** 2, step) for k in range(3)})
 
 
-def audit_report(areas: Sequence[float], step: int = 64, max_tier: int = ROPE_SPEC_SIDE) -> list[str]:
+def audit_report(areas: Sequence[float], step: int = DATASET_DEFAULTS.bucket_reso_steps,
+                 max_tier: int = ROPE_SIDE_DECLARED) -> list[str]:
     """The audit's size-distribution table and the proposed ladder."""
     pct = area_percentiles(areas)
     ladder = suggest_ladder(areas, step, max_tier)

@@ -21,7 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from anima_train.atomic import atomic_path
-from anima_train.buckets import tier_counts, tier_report
+from anima_train.buckets import DATASET_DEFAULTS, tier_counts, tier_report
+from anima_train.config import DTYPE_NAMES
 from anima_train.dataset import (
     BucketSettings,
     DatasetError,
@@ -54,9 +55,13 @@ def add_dataset_arguments(parser: argparse.ArgumentParser, skip_unreadable: bool
     parser.add_argument("--resolution", type=int, nargs="+", metavar="R",
                         help="tier(s): area budgets of about R x R pixels (several = multi-resolution)")
     parser.add_argument("--model", metavar="PATH", help="diffusers repo with vae/ (default: the config's model_path)")
-    parser.add_argument("--bucket-reso-steps", type=int, help="bucket sides are multiples of this (default 64)")
-    parser.add_argument("--max-bucket-reso", type=int, help="per-side cap of every bucket (default 1920)")
-    parser.add_argument("--min-bucket-reso", type=int, help="smallest bucket side, upscale mode only (default 256)")
+    d = DATASET_DEFAULTS
+    parser.add_argument("--bucket-reso-steps", type=int,
+                        help=f"bucket sides are multiples of this (default {d.bucket_reso_steps})")
+    parser.add_argument("--max-bucket-reso", type=int,
+                        help=f"per-side cap of every bucket (default {d.max_bucket_reso})")
+    parser.add_argument("--min-bucket-reso", type=int,
+                        help=f"smallest bucket side, upscale mode only (default {d.min_bucket_reso})")
     parser.add_argument("--upscale", action="store_const", const=True, default=None,
                         help="bucket_no_upscale = false: scale sources up or down to predefined buckets")
     parser.add_argument("--multires-training", action="store_const", const=True, default=None,
@@ -134,18 +139,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache images without a <stem>.txt (training still needs the captions)")
     parser.add_argument("--batch-size", type=int, default=4, help="images per VAE forward (same bucket)")
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+    parser.add_argument("--dtype", choices=DTYPE_NAMES,
                         help="VAE compute dtype (default: bfloat16 on CUDA, float32 on CPU); caches are float32")
 
 
 def load_vae(model_path, device: str, dtype: str):
-    import torch
     from diffusers import AutoencoderKLQwenImage
+
+    from anima_train.models import resolve_dtype
 
     vae_dir = Path(model_path) / "vae"
     if not vae_dir.is_dir():
         raise DatasetError(f"no VAE at {vae_dir}: pass --model /path/to/anima-diffusers (the converted repo)")
-    vae = AutoencoderKLQwenImage.from_pretrained(str(model_path), subfolder="vae", torch_dtype=getattr(torch, dtype))
+    vae = AutoencoderKLQwenImage.from_pretrained(str(model_path), subfolder="vae", torch_dtype=resolve_dtype(dtype))
     return vae.to(device).eval().requires_grad_(False)
 
 

@@ -25,35 +25,15 @@ option on does not reshuffle the others' streams.
 
 from __future__ import annotations
 
-import functools
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from anima_train.errors import UserError
 
 CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")
-VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
+CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
 NL_SUFFIX = "_nl"
-
-
-@dataclass
-class CaptionOptions:
-    """`[dataset.caption]`; field names are the config keys, so the config's own object can stand in."""
-
-    caption_mode: str = "tags"
-    mixed_weights: dict[str, float] = field(default_factory=lambda: {v: 1.0 for v in VARIANTS})
-    shuffle_tags: bool = False
-    shuffle_keep_first_n: int = 0
-    tag_dropout_percent: float = 0.0  # fractions in [0, 1] despite the names
-    caption_dropout_percent: float = 0.0
-    min_tags_kept: int = 3
-    tag_delimiter: str = ", "
-    protected_tags: list[str] = field(default_factory=list)
-    protected_tags_file: str | None = None
-    nl_shuffle_sentences: bool = False
-    nl_keep_first_sentence: bool = True
 
 
 def caption_rng(seed: int, epoch: int, index: int) -> random.Random:
@@ -95,29 +75,11 @@ def read_caption_files(stem: str | Path) -> tuple[str, str | None]:
     return tags, nl
 
 
-def load_protected_tags(lines: Iterable[str]) -> frozenset[str]:
-    """Parse protected-tag file lines (for a config loader that reads the file itself)."""
-    return frozenset(s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#"))
-
-
-@functools.lru_cache(maxsize=16)
-def _read_protected_file(path: str) -> frozenset[str]:
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise FileNotFoundError(f"protected_tags_file {path!r} cannot be read ({e}): fix the path or unset it") from e
-    return load_protected_tags(lines)
-
-
-def protected_tag_set(options) -> frozenset[str]:
-    """Lower-cased protected tags. The config's CaptionConfig has read `protected_tags_file` at load (relative
-    to the config's folder) and answers itself; otherwise `protected_tags` plus the file's lines."""
-    own = getattr(options, "protected_tag_set", None)
-    if callable(own):
-        return own()
-    tags = frozenset(t.strip().lower() for t in (options.protected_tags or ()) if t.strip())
-    path = getattr(options, "protected_tags_file", None)
-    return tags | _read_protected_file(str(path)) if path else tags
+def parse_protected_tags(lines: Iterable[str]) -> list[str]:
+    """The tags of a protected_tags_file, in file order: one per line, lower-cased; blank lines and # comments
+    skipped. (load_config reads the file, relative to the config's folder, and keeps these in
+    CaptionConfig.file_protected_tags.)"""
+    return [s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#")]
 
 
 def split_tags(text: str, delimiter: str) -> list[str]:
@@ -159,19 +121,12 @@ def process_nl(text: str, options, rng: random.Random) -> str:
 
 def choose_variant(options, rng: random.Random) -> str:
     """The caption variant: fixed, or a weighted draw under "mixed" (positive weights only)."""
-    mode = options.caption_mode
-    if mode not in CAPTION_MODES:
-        raise ValueError(f"[dataset.caption] caption_mode = {mode!r}: use one of {', '.join(CAPTION_MODES)}")
+    mode = options.caption_mode  # load_config checked it and the mixed_weights keys (one check, where they enter)
     draw = rng.random()  # drawn in every mode, so the later draws do not depend on the mode
     if mode != "mixed":
         return mode
     weights: Mapping[str, float] = options.mixed_weights or {}
-    unknown = set(weights) - set(VARIANTS)
-    if unknown:
-        raise ValueError(
-            f"[dataset.caption] mixed_weights has unknown key(s) {sorted(unknown)}: valid keys are {list(VARIANTS)}"
-        )
-    positive = [(v, float(weights.get(v, 0.0))) for v in VARIANTS if float(weights.get(v, 0.0)) > 0]
+    positive = [(v, float(weights.get(v, 0.0))) for v in CAPTION_VARIANTS if float(weights.get(v, 0.0)) > 0]
     if not positive:
         return "tags"
     target = draw * sum(w for _, w in positive)
@@ -185,7 +140,8 @@ def choose_variant(options, rng: random.Random) -> str:
 def build_caption(
     tags_text: str, nl_text: str | None, options, seed: int, epoch: int, index: int
 ) -> str:
-    """The caption for sample `index` in `epoch`; deterministic in (seed, epoch, index) and the options."""
+    """The caption for sample `index` in `epoch`; deterministic in (seed, epoch, index) and the options (the
+    config's `[dataset.caption]` table, a CaptionConfig, as load_config checked it)."""
     rng = caption_rng(seed, epoch, index)
     dropout = rng.random()
     variant = choose_variant(options, rng)
@@ -200,7 +156,7 @@ def build_caption(
 
     tags = ""
     if variant != "nl":
-        kept = process_tags(split_tags(tags_text, options.tag_delimiter), options, tag_rng, protected_tag_set(options))
+        kept = process_tags(split_tags(tags_text, options.tag_delimiter), options, tag_rng, options.protected_tag_set())
         tags = options.tag_delimiter.join(kept)
     if variant == "tags":
         return tags

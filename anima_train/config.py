@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 from anima_train import config_aliases
+from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS, parse_protected_tags
 from anima_train.errors import UserError
 
 DEFAULT_MODEL_PATH = "../anima-diffusers"
@@ -41,12 +42,13 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
-CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES maps them to torch dtypes
 LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
 ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
+TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
 
 # Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
@@ -111,7 +113,7 @@ class TrainConfig:
         "auto", ge=0, help="with gradient_checkpointing: DiT blocks that recompute: auto = the fewest that fit the "
         "card (measured on the first step; all off CUDA), all, or a number",
         type_desc='"auto", "all" or an integer >= 0')
-    dtype: str = _key("bfloat16", choices=("bfloat16", "float16", "float32"),
+    dtype: str = _key("bfloat16", choices=DTYPE_NAMES,
                       help="the only precision control: modules load in this dtype")
     seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")
     num_workers: int = _key(2, ge=0, help="data-loader worker processes (re-forked every epoch)")
@@ -144,7 +146,7 @@ class SubsetConfig:
 
 @dataclass
 class CaptionConfig:
-    caption_mode: str = _key("tags", choices=("tags", "nl", "tags_nl", "nl_tags", "mixed"),
+    caption_mode: str = _key("tags", choices=CAPTION_MODES,
                              help="which caption variant to train on")
     mixed_weights: dict[str, float] = _key(
         factory=lambda: {v: 1.0 for v in CAPTION_VARIANTS}, choices=CAPTION_VARIANTS,
@@ -203,7 +205,7 @@ class DatasetConfig:
     subsets: list[SubsetConfig] = _array(SubsetConfig, "several source directories")
     resolution: int = _key(1024, gt=0, help="area budget (about r x r pixels), not a side length")
     resolutions: list[int] | None = _key(None, help="several area budgets (tiers); unset = [resolution]")
-    tier_collapse: str = _key("dedup", choices=("dedup", "repeat"),
+    tier_collapse: str = _key("dedup", choices=TIER_COLLAPSE_MODES,
                               help="a tier above a source's size: keep one entry (dedup) or all (repeat)")
     min_source_area: float = _key(0.0, ge=0.0, help="drop sources with w*h < value * (smallest tier)^2")
     min_bucket_reso: int = _key(256, gt=0, help="smallest bucket side (inert when bucket_no_upscale)")
@@ -653,7 +655,7 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
             p.error(f"{where} {name} = {_fmt(value)}: expected {expected}{example}, got {_toml_type(value)}",
                     dotted)
             continue
-        if not _check_value(value, f, where, name, dotted, p):
+        if not _check_value(value, f, f"{where} {name}", dotted, p):
             continue
         kwargs[name] = value
     if any(f.default is MISSING and f.default_factory is MISSING and n not in kwargs for n, f in fields.items()):
@@ -661,8 +663,9 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
     return cls(**kwargs)
 
 
-def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted: str, p: _Problems) -> bool:
-    """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed."""
+def _check_value(value: Any, f: dataclasses.Field, label: str, dotted: str, p: _Problems) -> bool:
+    """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed.
+    `label` names the key in the message ("[schedule] d", or "schedule.d" for a table built in code)."""
     m = f.metadata
     hint = f" ({m['hint']})" if m.get("hint") else ""
     choices = m.get("choices")
@@ -672,7 +675,7 @@ def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted
             if item is not None and item not in choices:
                 close = difflib.get_close_matches(str(item), [str(c) for c in choices], n=1, cutoff=0.6)
                 sugg = f"did you mean {_fmt(close[0])}? " if close else ""
-                p.error(f"{where} {name} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
+                p.error(f"{label} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
                         f"choose from {', '.join(_fmt(c) for c in choices)}", dotted)
                 return False
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -680,12 +683,46 @@ def _check_value(value: Any, f: dataclasses.Field, where: str, name: str, dotted
                                   ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
             b = m.get(bound)
             if b is not None and not test(value, b):
-                p.error(f"{where} {name} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
+                p.error(f"{label} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
                 return False
     if m.get("nonempty") and isinstance(value, str) and not value.strip():
-        p.error(f"{where} {name} is empty; give a path or remove the key", dotted)
+        p.error(f"{label} is empty; give a path or remove the key", dotted)
         return False
     return True
+
+
+def check_table(table: Any, name: str) -> None:
+    """load_config's per-key rules (choices and bounds, from the field metadata: their one definition) for a
+    table built in code, which never went through load_config (e.g. `ScheduleConfig(d=1.0)` passed to the
+    schedule). Raises ConfigError naming `name.key`."""
+    p = _Problems()
+    for f in dataclasses.fields(table):
+        if f.metadata.get("key", True) and "table" not in f.metadata and "array" not in f.metadata:
+            _check_value(getattr(table, f.name), f, f"{name}.{f.name}", f"{name}.{f.name}", p)
+    if p.errors:
+        raise ConfigError("\n".join(p.errors), p.errors)
+
+
+def betas_problem(kind: str, betas: list[float]) -> str | None:
+    """The [optimizer] betas rule (3 for came, 2 otherwise, each in [0, 1)), or None when they are fine; checked by
+    load_config and, for a config built in code, by build_optimizer."""
+    if kind == "came" and len(betas) != 3:
+        return (f'[optimizer] betas = {_fmt(list(betas))}: kind = "came" needs 3 betas (first moment, second '
+                f"moment, instability), e.g. betas = {_fmt(CAME_BETAS)} (CAME's defaults)")
+    if kind != "came" and len(betas) != 2:
+        return f"[optimizer] betas = {_fmt(list(betas))}: kind = {_fmt(kind)} needs 2 betas, e.g. betas = [0.9, 0.95]"
+    if any(not 0.0 <= b < 1.0 for b in betas):
+        return f"[optimizer] betas = {_fmt(list(betas))}: every beta must be in [0, 1)"
+    return None
+
+
+def shift_problem(flow: Any) -> str | None:
+    """The [flow] rule that shift and flux_shift exclude each other, or None; checked by load_config and, for a
+    config built in code, by flow.sample_timesteps."""
+    if flow.shift is not None and flow.flux_shift:
+        return ("[flow] shift and flux_shift = true are both set, but they are exclusive; use one (flux_shift picks "
+                "the shift from the resolution, shift is static)")
+    return None
 
 
 def _build_config(raw: dict, p: _Problems) -> Config:
@@ -870,8 +907,7 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None
             p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: cannot read "
                     f"{tag_path} as UTF-8 text ({exc})")
         else:
-            c.file_protected_tags = [ln.strip().lower() for ln in lines
-                                     if ln.strip() and not ln.strip().startswith("#")]
+            c.file_protected_tags = parse_protected_tags(lines)
 
     t = d.texture
     if p.ok("dataset.texture.canvases"):
@@ -887,7 +923,7 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None
                             "multiple of 16 (VAE factor 8 x patch 2)")
                 elif side > ROPE_SIDE_LIMIT:
                     p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > {ROPE_SIDE_LIMIT}, past "
-                            "the model's RoPE position table; use sides <= 1920")
+                            f"the model's RoPE position table; use sides <= {ROPE_SIDE_DECLARED}")
                 elif side > ROPE_SIDE_DECLARED:
                     p.warnings.append(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > "
                                       f"{ROPE_SIDE_DECLARED}; RoPE extrapolates past the declared range")
@@ -968,9 +1004,8 @@ def _check_quant(cfg: Config, p: _Problems) -> None:
 
 def _check_flow(cfg: Config, p: _Problems) -> None:
     f = cfg.flow
-    if p.ok("flow.shift", "flow.flux_shift") and f.shift is not None and f.flux_shift:
-        p.error("[flow] shift and flux_shift = true are both set; use one (flux_shift picks the shift from the "
-                "resolution, shift is static)")
+    if p.ok("flow.shift", "flow.flux_shift") and shift_problem(f):
+        p.error(shift_problem(f))
     if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
             and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
         why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
@@ -1022,14 +1057,9 @@ def _check_curriculum(cfg: Config, p: _Problems) -> None:
 def _check_optimizer(cfg: Config, p: _Problems) -> None:
     o = cfg.optimizer
     if p.ok("optimizer.kind", "optimizer.betas"):
-        if o.kind == "came" and len(o.betas) != 3:
-            p.error(f'[optimizer] betas = {_fmt(o.betas)}: kind = "came" needs 3 betas, e.g. betas = '
-                    f"{_fmt(CAME_BETAS)} (CAME's defaults)")
-        elif o.kind != "came" and len(o.betas) != 2:
-            p.error(f"[optimizer] betas = {_fmt(o.betas)}: kind = {_fmt(o.kind)} needs 2 betas, e.g. "
-                    "betas = [0.9, 0.95]")
-        elif any(not 0.0 <= b < 1.0 for b in o.betas):
-            p.error(f"[optimizer] betas = {_fmt(o.betas)}: every beta must be in [0, 1)")
+        problem = betas_problem(o.kind, o.betas)
+        if problem:
+            p.error(problem)
     if p.ok("optimizer.kind") and o.kind == "adamw":
         sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
         if sdnq_only:
@@ -1158,21 +1188,17 @@ def load_config(source: str | os.PathLike) -> Config:
     return cfg
 
 
-def _atomic_write_text(dest: Path, text: str) -> None:
-    from anima_train.atomic import write_text
-
-    write_text(dest, text)
-
-
 def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
     """Write the config exactly as it was read (comments kept) to dest_path, atomically.
 
     A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
     """
+    from anima_train.atomic import write_text
+
     dest = Path(dest_path)
     if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
         raise ValueError(f"refusing to copy the config onto its own source file {dest}")
-    _atomic_write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
+    write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
     return dest
 
 

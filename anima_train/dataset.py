@@ -45,6 +45,7 @@ import numpy as np
 
 from anima_train.buckets import (
     BUCKET_KEYS,
+    DATASET_DEFAULTS,
     BucketError,
     BucketPlan,
     below_min_source_area,
@@ -55,6 +56,7 @@ from anima_train.buckets import (
     tier_report,
 )
 from anima_train.captions import CaptionError, build_caption, read_caption_files
+from anima_train.config import check_table
 from anima_train.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
@@ -83,16 +85,17 @@ class CacheUnreadable(DatasetError):
 
 @dataclass(frozen=True)
 class BucketSettings:
-    """The `[dataset]` keys that decide buckets. Field names are the config keys."""
+    """The `[dataset]` keys that decide buckets, as a frozen value (a cache records it; audit rebuilds it from
+    caches). Field names are the config keys and the defaults are DatasetConfig's: the config is their one source."""
 
-    tiers: tuple[int, ...] = (1024,)
-    bucket_reso_steps: int = 64
-    bucket_no_upscale: bool = True
-    max_bucket_reso: int = 1920
-    min_bucket_reso: int = 256
-    multires_training: bool = False
-    tier_collapse: str = "dedup"
-    min_source_area: float = 0.0
+    tiers: tuple[int, ...] = tuple(DATASET_DEFAULTS.tiers)
+    bucket_reso_steps: int = DATASET_DEFAULTS.bucket_reso_steps
+    bucket_no_upscale: bool = DATASET_DEFAULTS.bucket_no_upscale
+    max_bucket_reso: int = DATASET_DEFAULTS.max_bucket_reso
+    min_bucket_reso: int = DATASET_DEFAULTS.min_bucket_reso
+    multires_training: bool = DATASET_DEFAULTS.multires_training
+    tier_collapse: str = DATASET_DEFAULTS.tier_collapse
+    min_source_area: float = DATASET_DEFAULTS.min_source_area
 
     @classmethod
     def from_config(cls, dataset) -> "BucketSettings":
@@ -111,9 +114,6 @@ class BucketSettings:
         """The settings part of a cache's metadata (tier = the tier the cache was made for)."""
         return {"tier": tier, "resolutions": list(self.tiers), **{k: getattr(self, k) for k in BUCKET_KEYS}}
 
-    def tier_key(self) -> str:
-        return "resolution" if len(self.tiers) == 1 else "resolutions"
-
     def tier_value(self):
         return self.tiers[0] if len(self.tiers) == 1 else list(self.tiers)
 
@@ -127,7 +127,7 @@ def _wxh(size) -> str:
     return f"{size[0]}x{size[1]}"
 
 
-def _parse_wxh(text: str) -> tuple[int, int]:
+def parse_wxh(text: str) -> tuple[int, int]:
     w, h = text.lower().split("x")
     return int(w), int(h)
 
@@ -355,7 +355,7 @@ def cache_sources(scan: Scan, metadata: dict[Path, dict]) -> list[Source]:
             continue
         for stem, paths in f.caches.items():
             sizes = [metadata[p]["original_size"] for p in paths if "original_size" in metadata[p]]
-            size = _parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
+            size = parse_wxh(Counter(sizes).most_common(1)[0][0]) if sizes else None
             sources.append(Source(fi, f.path / stem, None, size))
     return sources
 
@@ -488,13 +488,14 @@ def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None) -> str | Non
                       ("resized", _wxh(plan.resized)), ("trim", f"{plan.trim[0]},{plan.trim[1]}")):
         if meta.get(key) != want:
             return f"{key} {meta.get(key)} != {want}"
-    made_with = _record(meta).get("vae")
+    made_with = settings_record(meta).get("vae")
     if vae_id and made_with and made_with != vae_id:
         return "made with another VAE"
     return None
 
 
-def _record(meta: dict) -> dict:
+def settings_record(meta: dict) -> dict:
+    """The bucket settings a cache was made with (its `settings` metadata, see BucketSettings.record); {} if absent."""
     try:
         return json.loads(meta.get("settings", "{}"))
     except json.JSONDecodeError:
@@ -504,7 +505,7 @@ def _record(meta: dict) -> dict:
 def explain_settings(meta: dict, settings: BucketSettings, vae_id: str | None) -> str:
     """Which settings differ between a cache's record and the current ones, e.g.
     "bucket_reso_steps=64, the config says 32"."""
-    rec = _record(meta)
+    rec = settings_record(meta)
     if not rec:
         return "no settings record (not made by anima-train cache)"
     diffs = []
@@ -742,6 +743,7 @@ class AnimaDataset:
         self.texture_options = texture_options
         self.uncaptioned = frozenset(uncaptioned)  # stems allowed to have no <stem>.txt: an empty caption
         self.mode = mode
+        check_table(caption_options, "dataset.caption")  # load_config's rules, for a config built in code
         self.caption_options = caption_options
         self.seed = int(seed)
         self.epoch = 0

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from anima_train.config import CurriculumPhase, FlowConfig
+from anima_train.config import CurriculumPhase, FlowConfig, shift_problem
 
 PATCH = 2  # the DiT's spatial patch (patch_size = (1, 2, 2)): one token = 2x2 latent pixels
 HF_EPS = 1e-6  # keeps a flat target's weights finite (0/0 otherwise)
@@ -87,8 +87,8 @@ def sample_timesteps(batch: int, cfg: FlowConfig, generator: torch.Generator,
     quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of 4·batch draws and
     raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly as without a
     curriculum."""
-    if cfg.shift is not None and cfg.flux_shift:
-        raise ValueError("flow.shift and flow.flux_shift are exclusive: set one")
+    if shift_problem(cfg):  # a config built in code never went through load_config
+        raise ValueError(shift_problem(cfg))
     lo, hi = _phase_range(phase)
     if (lo, hi) == (0.0, 1.0):
         return _draw(batch, cfg, generator, latent_hw)

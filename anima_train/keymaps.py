@@ -374,7 +374,6 @@ def wan_vae_native_layout(base_dim: int = 96, z_dim: int = 16, num_res_blocks: i
 # Built from the independent layout enumeration + the rules; tests check it against AutoencoderKLQwenImage()
 # built on the meta device (every diffusers key covered exactly once, same shapes).
 VAE_NATIVE_TO_DIFFUSERS = {k: vae_native_key_to_diffusers(k, 2) for k in wan_vae_native_layout()}
-VAE_DIFFUSERS_TO_NATIVE = _invert(VAE_NATIVE_TO_DIFFUSERS)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from anima_train.config import DTYPE_NAMES
 from anima_train.errors import UserError
 
 # subfolder -> the file that must exist in it (any one of the names)
@@ -71,14 +72,17 @@ def check_repo(model_path: str | os.PathLike) -> Path:
     return root
 
 
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the [train] dtype names -> torch dtypes
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float32": torch.float32, "fp32": torch.float32}
-    if dtype not in table:
-        raise ValueError(f"dtype {dtype!r} is not one of bfloat16, float16, float32")
-    return table[dtype]
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    return DTYPES[name]
 
 
 @dataclass

@@ -52,21 +52,10 @@ from __future__ import annotations
 
 import torch
 
-from anima_train.config import CAME_BETAS, OptimizerConfig, SDNQ_OPTIMIZERS
+from anima_train.config import SDNQ_OPTIMIZERS, OptimizerConfig, betas_problem
 
 SDNQ_CLASSES = {"adamw8bit": "AdamW", "adafactor": "Adafactor", "came": "CAME", "lion": "Lion", "muon": "Muon"}
 ADAFACTOR_DECAY_EXPONENT = -0.8
-
-
-def _check_betas(cfg: OptimizerConfig) -> tuple[float, ...]:
-    betas = tuple(float(b) for b in cfg.betas)
-    if cfg.kind == "came" and len(betas) != 3:
-        raise ValueError(f'[optimizer] betas = {list(cfg.betas)}: kind = "came" needs 3 betas (first moment, '
-                         f"second moment, instability), e.g. betas = {CAME_BETAS} (CAME's defaults)")
-    if cfg.kind != "came" and len(betas) != 2:
-        raise ValueError(f'[optimizer] betas = {list(cfg.betas)}: kind = "{cfg.kind}" needs 2 betas, e.g. '
-                         "betas = [0.9, 0.95]")
-    return betas
 
 
 def _is_sdnq_tensor(p: torch.Tensor) -> bool:
@@ -77,7 +66,10 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.opt
     """The optimizer of `cfg.kind` over `param_groups` (dicts with params, lr, weight_decay, optional name)."""
     if not param_groups or not any(g["params"] for g in param_groups):
         raise ValueError("build_optimizer: no parameters to optimize (every component is frozen)")
-    betas = _check_betas(cfg)
+    problem = betas_problem(cfg.kind, cfg.betas)  # a config built in code never went through load_config
+    if problem:
+        raise ValueError(problem)
+    betas = tuple(float(b) for b in cfg.betas)
     params = [p for g in param_groups for p in g["params"]]
     if cfg.kind == "adamw":
         if any(_is_sdnq_tensor(p) for p in params):

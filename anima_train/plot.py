@@ -11,11 +11,18 @@ import os
 from pathlib import Path
 
 
-def ema(values: list[float], alpha: float = 0.1) -> list[float]:
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else (1 - alpha) * acc + alpha * v
-        out.append(acc)
+# The loss EMA of both charts: this PNG and the node's live chart (js/loss_chart.js EMA_BETA, which a test holds
+# equal to this; the browser cannot import Python and a page opened mid-run gets no start event to carry it).
+# ~20-step memory: smooths the per-bucket noise, still follows LR-schedule changes.
+LOSS_EMA_BETA = 0.95
+
+
+def ema(values: list[float], beta: float = LOSS_EMA_BETA) -> list[float]:
+    """Bias-corrected exponential moving average (no ramp up from 0), as the live chart draws it."""
+    out, acc = [], 0.0
+    for n, v in enumerate(values, 1):
+        acc = beta * acc + (1 - beta) * v
+        out.append(acc / (1 - beta ** n))
     return out
 
 

@@ -229,7 +229,7 @@ def quantize_models(models: Mapping[str, torch.nn.Module | None], cfg: Config, *
     token_counts: DiT tokens per training sample (dit_tokens), needed for use_quantized_matmul = "auto" in mode
     "frozen". min_numel / min_channels: SDNQ's size floor (lowered only by tests on tiny models).
     """
-    from anima_train.adapters import _tuner_layers, owner_component
+    from anima_train.adapters import tuner_layers, owner_component
 
     q = cfg.quant
     report = QuantReport(mode=q.mode)
@@ -250,7 +250,7 @@ def quantize_models(models: Mapping[str, torch.nn.Module | None], cfg: Config, *
         model = models.get(role)
         if model is None:
             raise ValueError(f"[quant] asks to quantize the {role}, but it was not passed to quantize_models")
-        if _tuner_layers(model):
+        if tuner_layers(model):
             raise ValueError(f"{type(model).__name__} already holds peft adapters: quantize_models must run before "
                              "inject_adapters (peft then wraps SDNQ's Linear layers)")
         if any(type(p).__name__ == "SDNQTensor" for p in model.parameters()):

@@ -15,9 +15,7 @@ import math
 
 import torch
 
-from anima_train.config import ScheduleConfig
-
-SCHEDULE_KINDS = ("constant", "linear", "cosine", "rex", "rerex")
+from anima_train.config import ScheduleConfig, check_table
 
 
 def _rex(p: float, d: float) -> float:
@@ -27,17 +25,7 @@ def _rex(p: float, d: float) -> float:
 
 
 def _check(cfg: ScheduleConfig, total_steps: int) -> None:
-    if cfg.kind not in SCHEDULE_KINDS:
-        raise ValueError(f"schedule.kind = {cfg.kind!r} is unknown; use one of {', '.join(SCHEDULE_KINDS)}")
-    for name in ("d", "global_d", "local_d"):
-        value = getattr(cfg, name)
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"schedule.{name} = {value} must be in [0, 1) (1 makes REX divide 0 by 0)")
-    if not 0.0 <= cfg.min_lr_ratio < 1.0:
-        raise ValueError(f"schedule.min_lr_ratio = {cfg.min_lr_ratio} must be in [0, 1)")
-    if cfg.warmup_steps < 0 or cfg.num_segments < 1 or cfg.weight_power < 0:
-        raise ValueError("schedule.warmup_steps must be >= 0, num_segments >= 1 and weight_power >= 0 "
-                         f"(got {cfg.warmup_steps}, {cfg.num_segments}, {cfg.weight_power})")
+    check_table(cfg, "schedule")  # load_config's rules, for a [schedule] built in code
     if total_steps < 1:
         raise ValueError(f"total_steps = {total_steps}: a schedule needs at least one optimizer step")
 

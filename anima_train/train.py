@@ -25,7 +25,7 @@ from anima_train import checkpointing, errors, parent_watch, preflight, runs, sa
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from anima_train.models import DTYPES
 LOSS_PLOT_NAME = "loss.png"  # <run_dir>/loss.png, written at the end of every run that saves
 
 

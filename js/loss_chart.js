@@ -7,7 +7,7 @@
 //
 // ComfyUI loads every .js in js/ as an extension module; this one only exports, so loading it does nothing.
 
-export const EMA_BETA = 0.95; // ~20-step memory: smooths the per-bucket noise, still follows LR-schedule changes
+export const EMA_BETA = 0.95; // = anima_train/plot.py LOSS_EMA_BETA (one definition; tests/test_plot.py holds them equal)
 const MAX_POINTS = 200000; // beyond this, every second point is dropped (the chart is a few hundred px wide)
 
 const COLOURS = {

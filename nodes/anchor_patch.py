@@ -22,22 +22,9 @@ import torch
 from anchor import AnchorError, SiteMismatch
 from anchor.attach import gating_objective, s01_from_sigma
 from anchor.modules import MultibandAdapter, adapter_output, build_adapters
-from anchor.sites import resolve_sites, site_names, unet_level
+from anchor.sites import resolve_sites, site_names, site_width, unet_level
 
 DIT_FAMILY = "cosmos_dit"
-UNET_FAMILIES = ("sd15_unet", "sdxl_unet")
-
-
-def _width(module, name):
-    """Output width of a site module: Cosmos Block.x_dim, SpatialTransformer.in_channels, BasicTransformerBlock's
-    attn1 query width."""
-    for attr in ("x_dim", "in_channels"):
-        if isinstance(getattr(module, attr, None), int):
-            return getattr(module, attr)
-    to_q = getattr(getattr(module, "attn1", None), "to_q", None)
-    if to_q is not None and hasattr(to_q, "in_features"):
-        return int(to_q.in_features)
-    raise AnchorError(f"cannot read the width of site {name} ({type(module).__name__})")
 
 
 def is_dit(diffusion_model):
@@ -71,14 +58,14 @@ def comfy_host_sites(diffusion_model, family, n_sites):
     Cosmos: every block (resolve_sites picks every 2nd for a half-stack file). UNets: the family's table in
     diffusers order, spelled the ComfyUI way, looked up in the model (a missing module is a trunk mismatch)."""
     if family == DIT_FAMILY:
-        return [(f"blocks.{i}", _width(b, f"blocks.{i}"), -1) for i, b in enumerate(diffusion_model.blocks)]
+        return [(f"blocks.{i}", site_width(b, f"blocks.{i}"), -1) for i, b in enumerate(diffusion_model.blocks)]
     channel_axis = 1 if unet_level(family, n_sites) == "module" else -1  # SpatialTransformer out is [B,C,H,W]
     modules = dict(diffusion_model.named_modules())
     out = []
     for name in site_names(family, "comfy", n_sites):
         if name not in modules:
             raise SiteMismatch(f"{family}: the model has no module {name}; it is not a {family} trunk")
-        out.append((name, _width(modules[name], name), channel_axis))
+        out.append((name, site_width(modules[name], name), channel_axis))
     return out
 
 

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from anchor.atomic import write_text
+
 from . import comfy
 from . import paths
 from . import previews
@@ -501,7 +503,7 @@ class AnimaTrainTrain(io.ComfyNode):
 
         comfy.free_vram()
         job_config = run_dir / JOB_CONFIG_NAME
-        worker.write_text_atomic(job_config, toml)
+        write_text(job_config, toml)
         grace = GRACE_WITH_STATE_S if cfg.train.save_optimizer_state else GRACE_PLAIN_S
         # The trainer reads the stop file after each optimizer step: before the first one (model loading) there is
         # nothing to save, so a Cancel then ends the worker at once instead of waiting out the grace period.

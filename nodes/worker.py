@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from anchor.atomic import atomic_path, write_text
+
 LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
 STOP_NAME = "comfyui-stop"  # .comfyui-stop-<job id>: created to ask one job's trainer to save and exit
 MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for which inputs
@@ -512,21 +514,8 @@ def result_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Temp file in the same folder, then os.replace: a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=1, default=str))
+    return write_text(path, json.dumps(data, indent=1, default=str))
 
 
 def _file_record(path: Path) -> dict:
@@ -582,18 +571,9 @@ def publish_copy(src: str | os.PathLike, dest_dir: str | os.PathLike, name: str 
         if dest.is_file() and _same_content(src, dest):
             return dest
         n += 1
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     try:
-        shutil.copyfile(src, tmp)
-        # os.link fails if the name appeared meanwhile, where os.replace would overwrite it
-        try:
-            os.link(tmp, dest)
-        except FileExistsError:
-            return publish_copy(src, dest_dir, name)
-        except OSError:  # a filesystem without hard links
-            if dest.exists():
-                return publish_copy(src, dest_dir, name)
-            os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+        with atomic_path(dest, overwrite=False) as tmp:  # never replaces a name that appeared meanwhile
+            shutil.copyfile(src, tmp)
+    except FileExistsError:
+        return publish_copy(src, dest_dir, name)
     return dest

@@ -1,19 +1,17 @@
 """Caption building rules of CONFIG.md §B.6."""
 
 import random
-from dataclasses import replace
 
 import pytest
 
 from anima_train.captions import (
-    CaptionOptions,
     build_caption,
-    choose_variant,
     caption_rng,
-    load_protected_tags,
+    parse_protected_tags,
     read_caption_files,
     split_tags,
 )
+from anima_train.config import CaptionConfig, ConfigError, check_table, load_config
 
 TAGS = "trigger, 1girl, solo, long hair, smile, red eyes, outdoors, sky, cloud, tree, dress, hat"
 TAG_LIST = split_tags(TAGS, ", ")
@@ -21,7 +19,7 @@ NL = "A girl stands under a tree. She wears a red dress. Clouds drift overhead. 
 
 
 def opts(**kw):
-    return CaptionOptions(**kw)
+    return CaptionConfig(**kw)
 
 
 def many(options, tags=TAGS, nl=NL, n=200, seed=1, epoch=0):
@@ -113,10 +111,11 @@ def test_mixed_nl_draw_without_nl_gives_tags():
 
 
 def test_bad_mode_and_weights_raise():
+    # checked once where the values enter: load_config, or check_table for a table built in code (AnimaDataset)
     with pytest.raises(ValueError, match="caption_mode"):
-        build_caption(TAGS, NL, opts(caption_mode="tag"), 0, 0, 0)
+        check_table(opts(caption_mode="tag"), "dataset.caption")
     with pytest.raises(ValueError, match="mixed_weights"):
-        choose_variant(opts(caption_mode="mixed", mixed_weights={"tagz": 1}), random.Random(0))
+        load_config('[dataset]\npath = "/data/train"\n[dataset.caption]\nmixed_weights = { tagz = 1 }\n')
 
 
 def test_tag_dropout_count_uses_round():
@@ -144,13 +143,16 @@ def test_min_tags_kept_floor():
 def test_protected_tags_never_dropped_case_insensitive(tmp_path):
     o = opts(tag_dropout_percent=1.0, min_tags_kept=0, protected_tags=["Smile", "RED EYES"])
     assert set(many(o)) == {"smile, red eyes"}
-    f = tmp_path / "protected.txt"
-    f.write_text("# my keepers\nSKY\n\n  tree  \n", encoding="utf-8")
-    o = replace(o, protected_tags=[], protected_tags_file=str(f))
-    assert set(many(o)) == {"sky, tree"}
-    assert load_protected_tags(["# c", "A ", ""]) == frozenset({"a"})
-    with pytest.raises(FileNotFoundError, match="protected_tags_file"):
-        build_caption(TAGS, None, replace(o, protected_tags_file=str(tmp_path / "missing.txt")), 0, 0, 0)
+    # protected_tags_file is read once, where it enters (load_config, relative to the config's folder)
+    (tmp_path / "protected.txt").write_text("# my keepers\nSKY\n\n  tree  \n", encoding="utf-8")
+    config = tmp_path / "c.toml"
+    table = '[dataset]\npath = "/data/train"\n[dataset.caption]\ntag_dropout_percent = 1.0\nmin_tags_kept = 0\n'
+    config.write_text(table + 'protected_tags_file = "protected.txt"\n')
+    assert set(many(load_config(config).dataset.caption)) == {"sky, tree"}
+    assert parse_protected_tags(["# c", "A ", ""]) == ["a"]
+    config.write_text(table + 'protected_tags_file = "missing.txt"\n')
+    with pytest.raises(ConfigError, match="protected_tags_file"):
+        load_config(config)
 
 
 def test_protected_tags_still_shuffle_and_count_toward_floor():

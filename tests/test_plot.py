@@ -24,3 +24,28 @@ def test_plot_writes_a_png_of_the_requested_size(tmp_path):
     path = plot_losses([1.5 - 0.01 * i for i in range(30)], tmp_path / "loss.png", first_step=101)
     image = Image.open(path)
     assert image.format == "PNG" and image.size == (800, 450)
+
+
+def test_png_and_live_chart_draw_the_same_loss_ema(tmp_path):
+    # One EMA definition: the PNG's line must be the node's live chart line (js/loss_chart.js, run under node)
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from anima_train.plot import ema
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs node to run the chart's js")
+    losses = [1.0, 0.2, 0.9, 0.4, 0.7, 0.1, 0.8, 0.3]
+    chart = Path(__file__).resolve().parents[1] / "js" / "loss_chart.js"
+    script = (f"import {{ newRun, applyEvent }} from {json.dumps(chart.as_uri())};\n"
+              "let run = newRun();\n"
+              f"for (const [i, loss] of {json.dumps(losses)}.entries()) "
+              "run = applyEvent(run, { event: 'step', step: i + 1, total: 8, loss }) ?? run;\n"
+              "console.log(JSON.stringify(run.ema));\n")
+    (tmp_path / "ema.mjs").write_text(script)
+    out = subprocess.run([node, str(tmp_path / "ema.mjs")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ema(losses) == pytest.approx(json.loads(out.stdout))

@@ -1,0 +1,69 @@
+"""Atomic file writes: a temp file in the destination's folder, then `os.replace`, so a reader (ComfyUI listing
+`models/loras`, a resumed run) or a crash never sees half a file.
+
+The one helper of the pack: `anchor` owns it because `anchor` must not depend on the trainer, and the trainer
+(`anima_train.atomic`) and the nodes import it from here.
+
+The finished file gets the mode a plain `open()` would give it (0666 minus the umask). safetensors' `save_file` and
+`tempfile.mkstemp` create 0600 files, which other accounts sharing a ComfyUI models folder could not read.
+
+`overwrite=False` publishes with `os.link`, which fails if the name appeared while the file was being written: no
+silent overwrite even under a race (a filesystem without hard links falls back to an existence check + replace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def temp_path(final: str | os.PathLike) -> Path:
+    final = Path(final)
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def publish(tmp: str | os.PathLike, final: str | os.PathLike, overwrite: bool = True) -> Path:
+    """Give a finished temp file its normal mode and move it into place. With overwrite=False an existing `final`
+    raises FileExistsError and the temp file is left for the caller to remove."""
+    os.chmod(tmp, _file_mode())
+    if overwrite:
+        os.replace(tmp, final)
+        return Path(final)
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise FileExistsError(f"{final} appeared while writing; refusing to overwrite it") from None
+    except OSError:  # filesystems without hard links
+        if os.path.exists(final):
+            raise FileExistsError(f"{final} exists; refusing to overwrite it") from None
+        os.replace(tmp, final)
+    return Path(final)
+
+
+@contextlib.contextmanager
+def atomic_path(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """`with atomic_path(p) as tmp: write tmp` — published on success, removed on any failure."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(final)
+    try:
+        yield tmp
+        publish(tmp, final, overwrite)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(final: str | os.PathLike, text: str) -> Path:
+    """Text written as given (newline="": the text's own line endings are kept)."""
+    with atomic_path(final) as tmp:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+    return Path(final)
