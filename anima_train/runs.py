@@ -32,6 +32,10 @@ from anima_train.checkpoints import STATE_FILE, STATE_SUFFIX
 from anima_train.errors import UserError
 
 LOCK_NAME = ".anima-train.lock"
+# Written into the run folder besides the checkpoints (the one place these names are defined)
+LOSS_PLOT_NAME = "loss.png"  # the loss chart, at the end of every run that saves
+SAMPLES_DIR = "samples"  # [sample] preview images
+LOGS_DIR = "logs"  # [logging] TensorBoard runs
 IS_WINDOWS = os.name == "nt"
 _WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
 _O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation in the holder info os.write puts there
@@ -47,7 +51,8 @@ class RunRefused(UserError, ValueError):
 
 def run_files(run_dir: str | os.PathLike, run_stem: str) -> list[Path]:
     """What a run named `run_stem` writes into run_dir: its config copy `<stem>.toml`, its checkpoints (final and
-    periodic, `_te` siblings, diffusers folders) and their `-state` folders. Sorted; empty for a new folder."""
+    periodic, `_te` siblings, diffusers folders) and their `-state` folders, its loss plot, preview images and
+    TensorBoard logs. Sorted; empty for a new folder."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
@@ -55,7 +60,8 @@ def run_files(run_dir: str | os.PathLike, run_stem: str) -> list[Path]:
     as_file = re.compile(rf"^(?:{re.escape(run_stem)}\.toml|{tagged}(?:_te)?\.safetensors)$")
     as_dir = re.compile(rf"^{tagged}(?:{re.escape(STATE_SUFFIX)})?$")
     return sorted(p for p in run_dir.iterdir()
-                  if (as_dir if p.is_dir() else as_file).match(p.name))
+                  if (as_dir if p.is_dir() else as_file).match(p.name)
+                  or p.name in ((SAMPLES_DIR, LOGS_DIR) if p.is_dir() else (LOSS_PLOT_NAME,)))
 
 
 def latest_state(run_dir: str | os.PathLike, run_stem: str) -> Path | None:

@@ -77,15 +77,20 @@ def test_overwrite_deletes_only_the_earlier_runs_files_and_says_which(tiny_anima
     (run_dir / "tiny.toml").write_text("# the old run's config\n")
     (run_dir / "notes.txt").write_text("my notes")  # not a run file: never touched
     (run_dir / "comfyui-worker.log").write_text("the node's log")
+    (run_dir / "samples").mkdir()  # the earlier run's previews and loss plot are its files too
+    (run_dir / "samples" / "step000009-prompt00.png").write_bytes(b"an old preview")
+    (run_dir / "loss.png").write_bytes(b"the old run's loss plot")
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=1)
     with pytest.raises(ValueError, match="already holds a run"):
         train(cfg, cpu=True)
     result = train(cfg, cpu=True, overwrite=True)
     said = capsys.readouterr().out
-    assert f"--overwrite: deleting the earlier run's 3 file(s) in {run_dir}" in said
+    assert f"--overwrite: deleting the earlier run's 5 file(s) in {run_dir}" in said
     assert "tiny-step000009-state/" in said and "tiny-step000009.safetensors" in said and "tiny.toml" in said
+    assert "samples/" in said and "loss.png" in said
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == ["comfyui-worker.log", "notes.txt", "tiny.safetensors", "tiny.toml"]
+    assert names == ["comfyui-worker.log", "loss.png", "notes.txt", "tiny.safetensors", "tiny.toml"]
+    assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")  # this run's plot, not the old one
     assert (run_dir / "tiny.toml").read_text() == cfg.source_text and result.final == run_dir / "tiny.safetensors"
 
 
