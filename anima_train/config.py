@@ -1021,7 +1021,7 @@ def _check_texture_source(cfg: Config, p: _Problems) -> None:
     # First of all texture rules: a texture phase is impossible without per-step encoding, whatever else is set.
     for i, ph in enumerate(cfg.curriculum):
         if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
-                and "curriculum.texture" not in NOT_IMPLEMENTED and cfg.dataset.source != "encode"):
+                and cfg.dataset.source != "encode"):
             p.error(f'{_header("curriculum", i)} mode = "texture" needs [dataset] source = "encode" (a crop is '
                     f'chosen per sample per step, so no cached latent can express it); it is '
                     f'{_fmt(cfg.dataset.source)}')

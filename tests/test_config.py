@@ -540,40 +540,6 @@ def test_default_config_is_silent():
 
 # --------------------------------------------------------------------------------------------- gate
 
-GATED: dict[str, str] = {  # one case per key still in NOT_IMPLEMENTED (implemented features leave both)
-}
-
-
-def test_gate_cases_cover_the_initial_gate():
-    assert set(C.NOT_IMPLEMENTED) <= set(GATED), "add a GATED case for every new NOT_IMPLEMENTED entry"
-
-
-@pytest.mark.parametrize("key", list(GATED))
-def test_gate_refuses_unimplemented_keys(key, monkeypatch):
-    if key not in C.NOT_IMPLEMENTED:
-        pytest.skip(f"{key} has been implemented")
-    text = GATED[key]
-    table, _, name = key.rpartition(".")
-    label = ('`[[curriculum]] mode = "texture"`' if key == "curriculum.texture" else
-             f"`[{key}]`" if key in C.TABLES else f"`[{table}] {name}`")
-    msg = _errors(text)
-    assert f"{label} is not implemented yet ({C.NOT_IMPLEMENTED[key]})" in msg
-    # Removing the entry is the whole switch: the same text then loads.
-    monkeypatch.delitem(C.NOT_IMPLEMENTED, key)
-    for other in list(C.NOT_IMPLEMENTED):
-        if other != key and other in _gated_keys_of(text):
-            monkeypatch.delitem(C.NOT_IMPLEMENTED, other)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConfigWarning)
-        load_config(text)
-
-
-def _gated_keys_of(text: str) -> set[str]:
-    return {k for k, t in GATED.items() if t == text} | (
-        {"optimizer.kind"} if 'kind = "adamw8bit"' in text else set()) | (
-        {"adapter.train_text_encoder", "component_lr.text_encoder"} if "train_text_encoder" in text else set())
-
-
 def test_gate_message_quotes_the_default(monkeypatch):
     monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
     msg = _errors(D + "[train]\nallow_multi_gpu_texture = true\n")
