@@ -45,6 +45,22 @@ class TrainResult:
     total_steps: int = 0  # the run's horizon in optimizer steps (max_steps capped by the epochs)
 
 
+@dataclass
+class Run:
+    """What a checkpoint save needs, gathered once the run is set up: `_save(run, epoch=..., batch_index=...)`."""
+    cfg: Config
+    accelerator: object
+    progress: Progress
+    parts: object  # models.Components: the bare modules the checkpoint files are written from
+    result: TrainResult  # its step, horizon and tag frequency go into the file; each save is appended to it
+    run_dir: Path
+    per_epoch: int  # optimizer steps per epoch
+    trainable: list  # the trained modules as accelerate prepared them, the transformer first
+    optimizer: object
+    scheduler: object
+    gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the run's TOML config")
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (overrides the config)")
@@ -245,6 +261,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
     result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
+    run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=parts, result=result, run_dir=run_dir,
+              per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler, gens=gens)
     vae = parts.vae if cfg.dataset.source == "encode" else None
     tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
     cleanup.callback(tracker.close)
@@ -357,31 +375,27 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
                 if not no_save:
-                    _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
-                          trainable, optimizer, scheduler, gens, step=global_step)
+                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
                 done = True
                 break
             every = cfg.train.save_every_steps
             if every and global_step % every == 0 and not no_save:
-                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
-                      trainable, optimizer, scheduler, gens, step=global_step)
+                _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
         else:
             epoch += 1
             previews.after_epoch(epoch, global_step)
             every = cfg.train.save_every_epochs
             if every and epoch % every == 0 and epoch < cfg.train.epochs and not no_save and not done:
-                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 0,
-                      trainable, optimizer, scheduler, gens, epoch_tag=epoch)
+                _save(run, epoch=epoch, batch_index=0, epoch_tag=epoch)
             continue
         break
 
     if not result.stopped:
         previews.at_end(global_step)
     if not no_save and not cfg.train.skip_final_save and not result.stopped:
-        epoch_for_state = epoch + (1 if batch_index >= len(loader) else 0)
-        result.final = _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch_for_state,
-                             0 if batch_index >= len(loader) else batch_index, trainable, optimizer, scheduler,
-                             gens, final=True)
+        epoch_finished = batch_index >= len(loader)  # then a resume starts at the next epoch's first batch
+        result.final = _save(run, epoch=epoch + (1 if epoch_finished else 0),
+                             batch_index=0 if epoch_finished else batch_index, final=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not no_save and result.losses:
         from anima_train.plot import plot_losses
@@ -421,16 +435,21 @@ def _peak_gb(accelerator) -> list[float]:
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
-def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index, trainable, optimizer,
-          scheduler, gens, *, step=None, epoch_tag=None, final=False) -> Path:
+def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epoch_tag: int | None = None,
+          final: bool = False) -> Path:
+    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state, its resume state;
+    then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based) after `batch_index` of its
+    batches."""
+    cfg, accelerator, progress, result, run_dir = run.cfg, run.accelerator, run.progress, run.result, run.run_dir
+    per_epoch = run.per_epoch
     stem = ckpt.checkpoint_stem(cfg.run_stem, step=None if final else step,
                                 epoch=None if final else epoch_tag)
     accelerator.wait_for_everyone()
     path = None
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        models = {"transformer": accelerator.unwrap_model(trainable[0]), "text_conditioner": parts.text_conditioner,
-                  "text_encoder": parts.text_encoder}
+        models = {"transformer": accelerator.unwrap_model(run.trainable[0]),
+                  "text_conditioner": run.parts.text_conditioner, "text_encoder": run.parts.text_encoder}
         path = write_checkpoint(run_dir, stem, models, cfg, step=result.global_step,
                                 epoch=ckpt.epoch_of_step(result.global_step, per_epoch),
                                 num_epochs=ckpt.epoch_of_step(result.total_steps, per_epoch),
@@ -439,7 +458,8 @@ def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 
         progress.event("checkpoint", path=str(path), step=result.global_step)
         progress.message(f"saved {path}")
     if cfg.train.save_optimizer_state:
-        _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, trainable, optimizer, scheduler, gens,
+        _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
+                    run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
                          steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
     if accelerator.is_main_process and not final:
