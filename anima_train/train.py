@@ -298,7 +298,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
                   stop_file: str | None, overwrite: bool, cleanup: contextlib.ExitStack) -> Path | None:
-    """Refuse, before minutes of model loading, a run that cannot work. Returns the state folder a resume starts
+    """The checks that need no model, and the claim on the run folder. Returns the state folder a resume starts
     from (None: a fresh run)."""
     from anima_train.texture import refuse_multi_process
 
@@ -332,7 +332,7 @@ def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, all
 
 def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
     """Every random stream has its own generator; ranks differ by their index (CONFIG.md §B.13). The global seed
-    covers the rest (the adapters' initial weights)."""
+    covers the rest (peft's adapter initialisation, LoRA dropout)."""
     torch.manual_seed(seed)
     return {"noise": torch.Generator(device=device).manual_seed(seed),  # ε, on the device
             "timestep": torch.Generator().manual_seed(seed)}  # t, on the CPU (tiny draws)
