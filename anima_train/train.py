@@ -22,6 +22,7 @@ import torch
 
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
+from anima_train.speed import ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -42,6 +43,22 @@ class TrainResult:
     trainable_digest: str = ""  # sha256 over this process's trainable tensors: equal on every rank under DDP
     batches_seen: list[list[int]] = field(default_factory=list)  # dataset indices per micro-batch, this rank
     total_steps: int = 0  # the run's horizon in optimizer steps (max_steps capped by the epochs)
+
+
+@dataclass
+class Run:
+    """What a checkpoint save needs, gathered once the run is set up: `_save(run, epoch=..., batch_index=...)`."""
+    cfg: Config
+    accelerator: object
+    progress: Progress
+    parts: object  # models.Components: the bare modules the checkpoint files are written from
+    result: TrainResult  # its step, horizon and tag frequency go into the file; each save is appended to it
+    run_dir: Path
+    per_epoch: int  # optimizer steps per epoch
+    trainable: list  # the trained modules as accelerate prepared them, the transformer first
+    optimizer: object
+    scheduler: object
+    gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
 
 
 def add_arguments(parser) -> None:
@@ -110,22 +127,183 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
            allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
     from torch.utils.data import DataLoader
 
-    from anima_train.adapters import build_param_groups, inject_adapters
-    from anima_train.dataset import build_training_data, collate, encode_latents, steps_per_epoch
-    from anima_train.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
-                                  sample_timesteps)
-    from anima_train.models import load_components
+    from anima_train.dataset import collate, steps_per_epoch
+    from anima_train.flow import active_phase
     from anima_train.optimizers import build_optimizer
     from anima_train.schedules import build_scheduler
-    from anima_train.text import encode_prompts
-    from anima_train.texture import check_batch_phase, refuse_multi_process
+    from anima_train.texture import check_batch_phase
 
     t_start = time.perf_counter()
     say = progress.message
     device, rank, world = accelerator.device, accelerator.process_index, accelerator.num_processes
     dtype = DTYPES[cfg.train.dtype]
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
-    refuse_multi_process(cfg, world)  # texture phases: one process unless allow_multi_gpu_texture (CONFIG.md §1)
+
+    # -- setup: refuse what cannot work, then data, model, optimizer, accelerator ---------------------------------
+    state_dir = _refuse_early(cfg, accelerator, run_dir, say, dry_run=dry_run, no_save=no_save, stop_file=stop_file,
+                              overwrite=overwrite, cleanup=cleanup)
+    data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
+                         allow_missing_captions=allow_missing_captions)
+    progress.event("status", message="loading model")
+    gens = _seed(cfg.train.seed + rank, device)
+    model = _build_model(cfg, data, device, dtype, say)
+
+    optimizer = build_optimizer(model.groups, cfg.optimizer)
+    loader = DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=collate,
+                        num_workers=cfg.train.num_workers, persistent_workers=False)
+    accum = cfg.train.gradient_accumulation_steps
+    per_epoch = steps_per_epoch(len(data.sampler), world, accum)
+    total = 1 if dry_run else _total_steps(cfg, per_epoch)
+    scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
+    data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
+    _compile_when_it_pays(cfg, model, device, total, say)
+    trainable, optimizer, loader, scheduler = _prepare(accelerator, model, optimizer, loader, scheduler)
+    # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters instead
+    params = [p for g in model.groups for p in g["params"]]
+    _say_steps(say, cfg, per_epoch, batches=len(data.sampler), world=world, accum=accum)
+
+    # -- resume ---------------------------------------------------------------------------------------------
+    global_step, start_epoch, skip_batches = 0, 0, 0
+    if state_dir is not None:
+        global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
+                                                              accelerator)
+        if global_step >= total and not dry_run:  # the exact total is known only now (data, processes)
+            raise ckpt.finished_error(state_dir, global_step, total, cfg.train.max_steps, cfg.train.epochs)
+        say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
+    start_step = global_step
+
+    progress.set_total(total, start_step=global_step)
+    progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
+                   run_dir=str(run_dir), resumed_step=global_step)
+    if accelerator.is_main_process and not no_save:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
+
+    result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
+                         tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
+    run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
+              run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
+              gens=gens)
+    tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
+    cleanup.callback(tracker.close)
+    previews = sampling.Previewer(
+        cfg, accelerator, progress, run_dir, parts=model.parts, device=device, dtype=dtype, parked=model.parked,
+        models=lambda: tuple(accelerator.unwrap_model(m) for m in (model.transformer, model.conditioner,
+                                                                   model.text_encoder)),
+        keep_vae_on_device=model.vae is not None, enabled=not dry_run, on_images=tracker.images)
+
+    # -- the loop: for epoch, for batch: micro-step, backward, clip, step; report; maybe save or stop ------------
+    watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
+    stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
+    step_images, grad_norm = 0, None
+    epoch, done = start_epoch, global_step >= total
+    if not done:
+        previews.before_training(global_step)
+    while not done and epoch < cfg.train.epochs:
+        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
+        # Accelerate's loader re-applies its own iteration counter to the sampler/dataset when iterated, so it
+        # must be told the epoch too (a resumed run's first full pass is the loader's iteration 0, not epoch N).
+        batches.set_epoch(epoch)
+        data.sampler.set_epoch(epoch)
+        data.dataset.set_epoch(epoch)
+        batch_index, skip_batches = skip_batches, 0  # batches of this epoch done (a resume skips some)
+        for batch in batches:
+            batch_index += 1
+            result.batches_seen.append([int(i) for i in batch["index"]])
+            step_images += len(batch["index"])
+            # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
+            phase = active_phase(cfg.curriculum, global_step / total) if cfg.curriculum else None
+            check_batch_phase(batch, phase)
+            with accelerator.accumulate(*trainable):
+                loss, loss_parts = _flow_matching_loss(cfg, model, gens, batch, phase)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
+                    norm = accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
+                    # pre-clip, for TensorBoard only: reading it is a host sync
+                    grad_norm = float(norm) if norm is not None and tracker.on else None
+                if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
+                    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                        group["lr"] = lr * phase.lr_mul
+                used_lrs = [group["lr"] for group in optimizer.param_groups]  # what this step really used
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            values = _loss_values(loss, loss_parts, device)
+            stats_sum = values if stats_sum is None else stats_sum + values
+            micro += 1
+            if not accelerator.sync_gradients:
+                continue
+
+            # -- one optimizer step done: report it, then stop, save or go on --------------------------------
+            global_step += 1
+            if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
+                model.parked = plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(),
+                                                  model.parked, device, say)
+            stats = accelerator.reduce(stats_sum / micro, reduction="mean").tolist()
+            stats_sum, micro = None, 0
+            result.losses.append(stats[0])
+            result.global_step = global_step
+            step_stats = _step_stats(cfg, stats, step=global_step, epoch=epoch, lrs=used_lrs, phase=phase,
+                                     accelerator=accelerator)
+            progress.step(step_stats, report=global_step % cfg.train.log_every == 0 or global_step == total)
+            tracker.step(step_stats, group_names=[g["name"] for g in model.groups], grad_norm=grad_norm,
+                         images=step_images * world)
+            step_images, grad_norm = 0, None
+            previews.after_step(global_step)
+            if global_step >= total:
+                done = True
+                break
+            if (stop_file or watched) and _stop_requested(stop_file, accelerator):
+                reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
+                say(f"stop requested ({reason}): saving step {global_step} and exiting")
+                result.stopped = True
+                if not no_save:
+                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
+                done = True
+                break
+            every = cfg.train.save_every_steps
+            if every and global_step % every == 0 and not no_save:
+                _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
+        if done:  # the horizon or a stop, mid-epoch
+            break
+        epoch += 1
+        previews.after_epoch(epoch, global_step)
+        every = cfg.train.save_every_epochs
+        if every and epoch % every == 0 and epoch < cfg.train.epochs and not no_save:
+            _save(run, epoch=epoch, batch_index=0, epoch_tag=epoch)
+
+    # -- the end: last previews, final checkpoint, loss plot ---------------------------------------------------
+    if not result.stopped:
+        previews.at_end(global_step)
+    if not no_save and not cfg.train.skip_final_save and not result.stopped:
+        epoch_finished = batch_index >= len(loader)  # then a resume starts at the next epoch's first batch
+        result.final = _save(run, epoch=epoch + (1 if epoch_finished else 0),
+                             batch_index=0 if epoch_finished else batch_index, final=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process and not no_save and result.losses:
+        from anima_train.plot import plot_losses
+
+        plot_losses(result.losses, run_dir / LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
+                    first_step=start_step + 1)
+    if model.parked is not None:
+        model.parked.restore()  # in-process callers (eval, demo) get a normal model back
+    result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
+    result.components = model.parts
+    _report_done(progress, result, start_step=start_step, total=total, t_start=t_start)
+    accelerator.end_training()
+    return result
+
+
+# -- setup ------------------------------------------------------------------------------------------------------
+
+def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
+                  stop_file: str | None, overwrite: bool, cleanup: contextlib.ExitStack) -> Path | None:
+    """The checks that need no model, and the claim on the run folder. Returns the state folder a resume starts
+    from (None: a fresh run)."""
+    from anima_train.texture import refuse_multi_process
+
+    # texture phases: one process unless allow_multi_gpu_texture (CONFIG.md §1)
+    refuse_multi_process(cfg, accelerator.num_processes)
     if note := _precision_note():
         say(note)
     # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
@@ -136,21 +314,63 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
     cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
                                          overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
+    return state_dir
+
+
+def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, allow_missing_captions: bool):
+    from anima_train.dataset import build_training_data
+
     progress.event("status", message="scanning dataset")
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
                                allow_missing_captions=allow_missing_captions)
     for line in data.report:
-        say(line)
+        progress.message(line)
     for text in data.warnings:
         progress.warning(text)
-    progress.event("status", message="loading model")
+    return data
 
-    # -- seeds: every stream has its own generator; ranks differ by their index (CONFIG.md §B.13) -------------
-    torch.manual_seed(cfg.train.seed + rank)
-    gens = {"noise": torch.Generator(device=device).manual_seed(cfg.train.seed + rank),  # ε, on the device
-            "timestep": torch.Generator().manual_seed(cfg.train.seed + rank)}  # t, on the CPU (tiny draws)
 
-    # -- model, data, adapters --------------------------------------------------------------------------------
+def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
+    """Every random stream has its own generator; ranks differ by their index (CONFIG.md §B.13). The global seed
+    covers the rest (peft's adapter initialisation, LoRA dropout)."""
+    torch.manual_seed(seed)
+    return {"noise": torch.Generator(device=device).manual_seed(seed),  # ε, on the device
+            "timestep": torch.Generator().manual_seed(seed)}  # t, on the CPU (tiny draws)
+
+
+@dataclass
+class Model:
+    """The three models as a training step calls them, and what their memory needs.
+
+    `transformer`, `conditioner` and `text_encoder` start as the bare modules; `_prepare` swaps in accelerate's
+    wrappers for the trained ones. `parts` keeps the bare modules (checkpoint files, previews)."""
+    parts: object  # models.Components
+    device: torch.device
+    dtype: torch.dtype
+    groups: list  # the optimizer's parameter groups (adapters.build_param_groups)
+    train_conditioner: bool
+    train_text_encoder: bool
+    block_ckpt: checkpointing.BlockCheckpointing
+    recompute: int | None  # DiT blocks that recompute from the start; None = "auto", decided after step one
+    parked: ParkedWeights | None  # the frozen Qwen3, when it waits in host memory between steps
+    vae: object  # source = "encode": the VAE encodes each batch in the step; else None (latents are cached)
+    transformer: torch.nn.Module
+    conditioner: torch.nn.Module
+    text_encoder: torch.nn.Module
+
+    def trained(self) -> list[torch.nn.Module]:
+        """The modules the optimizer updates, in the order accelerate prepares them (and the resume state numbers
+        them): the transformer, then the conditioner and the text encoder when trained."""
+        return [m for m, on in ((self.transformer, True), (self.conditioner, self.train_conditioner),
+                                (self.text_encoder, self.train_text_encoder)) if on]
+
+
+def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say) -> Model:
+    """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing
+    and the parked Qwen3 set up."""
+    from anima_train.adapters import build_param_groups, inject_adapters
+    from anima_train.models import load_components
+
     parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
 
@@ -190,313 +410,125 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     parked = None
     if device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder:
         parked = ParkedWeights(text_encoder, device)
+    return Model(parts=parts, device=device, dtype=dtype, groups=groups, train_conditioner=train_conditioner,
+                 train_text_encoder=train_text_encoder, block_ckpt=block_ckpt, recompute=recompute, parked=parked,
+                 vae=parts.vae if cfg.dataset.source == "encode" else None,
+                 transformer=transformer, conditioner=conditioner, text_encoder=text_encoder)
 
-    optimizer = build_optimizer(groups, cfg.optimizer)
-    loader = DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=collate,
-                        num_workers=cfg.train.num_workers, persistent_workers=False)
-    accum = cfg.train.gradient_accumulation_steps
-    per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    # max_steps is the horizon and a hard stop, but the epochs still bound the loop (CONFIG.md §1)
-    total = min(cfg.train.max_steps, per_epoch * cfg.train.epochs) if cfg.train.max_steps else per_epoch * cfg.train.epochs
-    if dry_run:
-        total = 1
-    scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
-    data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
+
+def _total_steps(cfg: Config, per_epoch: int) -> int:
+    """The run's horizon: max_steps is the horizon and a hard stop, but the epochs still bound the loop
+    (CONFIG.md §1)."""
+    epochs_total = per_epoch * cfg.train.epochs
+    return min(cfg.train.max_steps, epochs_total) if cfg.train.max_steps else epochs_total
+
+
+def _compile_when_it_pays(cfg: Config, model: Model, device: torch.device, total: int, say) -> None:
+    """torch.compile the DiT (compile = "auto": on CUDA, for a run long enough), then say how the step is sped up."""
     compile_mode = resolve_compile(cfg.train.compile, device, total)
     if compile_mode:
-        _compile(transformer, cfg, compile_mode)
-    ckpt_text = "auto (decided after the first step)" if recompute is None else f"{recompute} of {len(blocks)} blocks"
+        compile_transformer(model.transformer, cfg, compile_mode)
+    n_blocks = len(model.block_ckpt.blocks)
+    ckpt_text = ("auto (decided after the first step)" if model.recompute is None
+                 else f"{model.recompute} of {n_blocks} blocks")
     say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}")
 
-    trainable = [m for m, on in ((transformer, True), (conditioner, train_conditioner),
-                                 (text_encoder, train_text_encoder)) if on]
-    prepared = accelerator.prepare(*trainable, optimizer, loader, scheduler)
-    trainable, (optimizer, loader, scheduler) = list(prepared[: len(trainable)]), prepared[len(trainable):]
-    transformer_ddp = trainable[0]
-    conditioner_run = trainable[1] if train_conditioner else conditioner
-    text_encoder_run = trainable[-1] if train_text_encoder else text_encoder
-    # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters instead
-    params = [p for g in groups for p in g["params"]]
 
+def _prepare(accelerator, model: Model, optimizer, loader, scheduler):
+    """accelerate.prepare: the trained models wrapped (DDP on many processes), which the step calls from now on;
+    returns the prepared trainable modules, optimizer, loader and scheduler."""
+    trained = model.trained()
+    prepared = accelerator.prepare(*trained, optimizer, loader, scheduler)
+    trainable, (optimizer, loader, scheduler) = list(prepared[: len(trained)]), prepared[len(trained):]
+    model.transformer = trainable[0]
+    if model.train_conditioner:
+        model.conditioner = trainable[1]
+    if model.train_text_encoder:
+        model.text_encoder = trainable[-1]
+    return trainable, optimizer, loader, scheduler
+
+
+def _say_steps(say, cfg: Config, per_epoch: int, *, batches: int, world: int, accum: int) -> None:
     say(f"steps    {per_epoch}/epoch x {cfg.train.epochs} epoch(s) = {per_epoch * cfg.train.epochs}"
         + (f", capped at max_steps {cfg.train.max_steps}" if cfg.train.max_steps else "")
-        + f"  (batches {len(data.sampler)}, processes {world}, accumulation {accum})")
+        + f"  (batches {batches}, processes {world}, accumulation {accum})")
     if world > 1:
         say(f"note: {world} processes share each epoch's batches, so an epoch has {world}x fewer optimizer steps "
             f"than on one process")
 
-    # -- resume ---------------------------------------------------------------------------------------------
-    global_step, start_epoch, skip_batches = 0, 0, 0
-    if state_dir is not None:
-        global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
-                                                              accelerator)
-        if global_step >= total and not dry_run:  # the exact total is known only now (data, processes)
-            raise ckpt.finished_error(state_dir, global_step, total, cfg.train.max_steps, cfg.train.epochs)
-        say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
-    start_step = global_step
 
-    progress.set_total(total, start_step=global_step)
-    progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
-                   run_dir=str(run_dir), resumed_step=global_step)
-    if accelerator.is_main_process and not no_save:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
+# -- one step ---------------------------------------------------------------------------------------------------
 
-    result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
-                         tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
-    vae = parts.vae if cfg.dataset.source == "encode" else None
-    tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
-    cleanup.callback(tracker.close)
-    previews = sampling.Previewer(
-        cfg, accelerator, progress, run_dir, parts=parts, device=device, dtype=dtype, parked=parked,
-        models=lambda: (accelerator.unwrap_model(transformer_ddp), accelerator.unwrap_model(conditioner_run),
-                        accelerator.unwrap_model(text_encoder_run)),
-        keep_vae_on_device=vae is not None, enabled=not dry_run, on_images=tracker.images)
+def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phase) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, caption). Returns the
+    loss and its parts (mse, hf, ot) for the report."""
+    from anima_train.dataset import encode_latents
+    from anima_train.flow import flow_loss, noisy_latents, ot_pair_noise, sample_timesteps
+    from anima_train.text import encode_prompts
 
-    def micro_step(batch, phase) -> tuple[torch.Tensor, dict]:
-        if vae is not None:  # source = "encode": the VAE runs here, without autograd
-            chunk = cfg.train.vae_encode_chunk  # images per VAE forward: bounds the encode's share of the peak
-            x0 = torch.cat([encode_latents(vae, px) for px in batch["pixels"].split(chunk)]).to(device, dtype)
-        else:
-            x0 = batch["latents"].to(device, dtype)
-        b, _, _, h, w = x0.shape
-        if block_ckpt.measure is not None:
-            block_ckpt.measure.tokens = max(block_ckpt.measure.tokens, b * (h // 2) * (w // 2))
-        noise = torch.randn(x0.shape, generator=gens["noise"], device=device, dtype=torch.float32).to(dtype)
-        moved = None
-        if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
-            noise, moved = ot_pair_noise(x0, noise)
-        t = sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase).to(device)
-        x_t = noisy_latents(x0, noise, t)
-        with parked.on_device() if parked is not None else contextlib.nullcontext():
-            context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
-                                     text_encoder=text_encoder_run, conditioner=conditioner_run, device=device,
-                                     train_text_encoder=train_text_encoder)
-        pred = transformer_ddp(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
-                               padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
-        mask = batch["loss_mask"].to(device) if "loss_mask" in batch else None  # texture crops only
-        loss, loss_parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=cfg.flow.hf_scale,
-                                     hf_exponent=cfg.flow.hf_exponent, mask=mask)
-        if moved is not None:
-            loss_parts["ot"] = moved
-        return loss, loss_parts
+    device, dtype, parts, block_ckpt, parked = model.device, model.dtype, model.parts, model.block_ckpt, model.parked
+    if model.vae is not None:  # source = "encode": the VAE runs here, without autograd
+        chunk = cfg.train.vae_encode_chunk  # images per VAE forward: bounds the encode's share of the peak
+        x0 = torch.cat([encode_latents(model.vae, px) for px in batch["pixels"].split(chunk)]).to(device, dtype)
+    else:
+        x0 = batch["latents"].to(device, dtype)
+    b, _, _, h, w = x0.shape
+    if block_ckpt.measure is not None:
+        block_ckpt.measure.tokens = max(block_ckpt.measure.tokens, b * (h // 2) * (w // 2))
+    noise = torch.randn(x0.shape, generator=gens["noise"], device=device, dtype=torch.float32).to(dtype)
+    moved = None
+    if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
+        noise, moved = ot_pair_noise(x0, noise)
+    t = sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase).to(device)
+    x_t = noisy_latents(x0, noise, t)
+    with parked.on_device() if parked is not None else contextlib.nullcontext():
+        context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
+                                 text_encoder=model.text_encoder, conditioner=model.conditioner, device=device,
+                                 train_text_encoder=model.train_text_encoder)
+    pred = model.transformer(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
+                             padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
+    mask = batch["loss_mask"].to(device) if "loss_mask" in batch else None  # texture crops only
+    loss, loss_parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=cfg.flow.hf_scale,
+                                 hf_exponent=cfg.flow.hf_exponent, mask=mask)
+    if moved is not None:
+        loss_parts["ot"] = moved
+    return loss, loss_parts
 
-    # -- the loop --------------------------------------------------------------------------------------------
-    watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
-    done = global_step >= total
-    stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
-    step_images, grad_norm = 0, None
-    epoch = start_epoch
-    if not done:
-        previews.before_training(global_step)
-    while not done and epoch < cfg.train.epochs:
-        batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
-        # Accelerate's loader re-applies its own iteration counter to the sampler/dataset when iterated, so it
-        # must be told the epoch too (a resumed run's first full pass is the loader's iteration 0, not epoch N).
-        batches.set_epoch(epoch)
-        data.sampler.set_epoch(epoch)
-        data.dataset.set_epoch(epoch)
-        batch_index = skip_batches
-        skip_batches = 0
-        for batch in batches:
-            batch_index += 1
-            result.batches_seen.append([int(i) for i in batch["index"]])
-            step_images += len(batch["index"])
-            # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
-            phase = active_phase(cfg.curriculum, global_step / total) if cfg.curriculum else None
-            check_batch_phase(batch, phase)
-            with accelerator.accumulate(*trainable):
-                loss, loss_parts = micro_step(batch, phase)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
-                    norm = accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
-                    # pre-clip, for TensorBoard only: reading it is a host sync
-                    grad_norm = float(norm) if norm is not None and tracker.on else None
-                if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
-                    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                        group["lr"] = lr * phase.lr_mul
-                used_lrs = [group["lr"] for group in optimizer.param_groups]  # what this step really used
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            # summed on the device: the host reads them once per optimizer step, not once per micro-batch
-            values = torch.stack([loss.detach().float()] + [torch.as_tensor(loss_parts.get(k, d), device=device,
-                                                                            dtype=torch.float32).detach()
-                                                           for k, d in (("mse", loss.detach()), ("hf", 0.0),
-                                                                        ("ot", 0.0))])
-            stats_sum = values if stats_sum is None else stats_sum + values
-            micro += 1
-            if not accelerator.sync_gradients:
-                continue
-            # -- one optimizer step done ---------------------------------------------------------------------
-            global_step += 1
-            if block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide now
-                parked = _plan_checkpointing(block_ckpt, data.sampler.largest_batch_tokens(), parked, device, say)
-            stats = accelerator.reduce(stats_sum / micro, reduction="mean")
-            stats_sum, micro = None, 0
-            stats = stats.tolist()
-            result.losses.append(stats[0])
-            result.global_step = global_step
-            step_stats = StepStats(step=global_step, epoch=epoch + 1, loss=stats[0],
-                                   mse=stats[1] if cfg.flow.hf_scale > 0 else None,
-                                   hf=stats[2] if cfg.flow.hf_scale > 0 else None,
-                                   ot=stats[3] if cfg.flow.use_ot else None,
-                                   lrs=used_lrs, peak_gb=_peak_gb(accelerator),
-                                   phase=phase_summary(cfg.curriculum, phase))
-            progress.step(step_stats, report=global_step % cfg.train.log_every == 0 or global_step == total)
-            tracker.step(step_stats, group_names=[g["name"] for g in groups], grad_norm=grad_norm,
-                         images=step_images * world)
-            step_images, grad_norm = 0, None
-            previews.after_step(global_step)
-            if global_step >= total:
-                done = True
-                break
-            if (stop_file or watched) and _stop_requested(stop_file, accelerator):
-                reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
-                say(f"stop requested ({reason}): saving step {global_step} and exiting")
-                result.stopped = True
-                if not no_save:
-                    _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
-                          trainable, optimizer, scheduler, gens, step=global_step)
-                done = True
-                break
-            every = cfg.train.save_every_steps
-            if every and global_step % every == 0 and not no_save:
-                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index,
-                      trainable, optimizer, scheduler, gens, step=global_step)
-        else:
-            epoch += 1
-            previews.after_epoch(epoch, global_step)
-            every = cfg.train.save_every_epochs
-            if every and epoch % every == 0 and epoch < cfg.train.epochs and not no_save and not done:
-                _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 0,
-                      trainable, optimizer, scheduler, gens, epoch_tag=epoch)
-            continue
-        break
 
-    if not result.stopped:
-        previews.at_end(global_step)
-    if not no_save and not cfg.train.skip_final_save and not result.stopped:
-        epoch_for_state = epoch + (1 if batch_index >= len(loader) else 0)
-        result.final = _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch_for_state,
-                             0 if batch_index >= len(loader) else batch_index, trainable, optimizer, scheduler,
-                             gens, final=True)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process and not no_save and result.losses:
-        from anima_train.plot import plot_losses
+def _loss_values(loss: torch.Tensor, loss_parts: dict, device: torch.device) -> torch.Tensor:
+    """[loss, mse, hf, ot] of one micro-batch as one device tensor: summed on the device, the host reads them once
+    per optimizer step, not once per micro-batch."""
+    return torch.stack([loss.detach().float()] + [torch.as_tensor(loss_parts.get(k, d), device=device,
+                                                                  dtype=torch.float32).detach()
+                                                 for k, d in (("mse", loss.detach()), ("hf", 0.0), ("ot", 0.0))])
 
-        plot_losses(result.losses, run_dir / LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
-                    first_step=start_step + 1)
-    if parked is not None:
-        parked.restore()  # in-process callers (eval, demo) get a normal model back
-    result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
-    result.components = parts
-    ran = global_step - start_step
-    say(f"done: {ran} step(s)" + (f" this run (steps {start_step + 1}–{global_step})" if start_step and ran else "")
+
+def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: list[float], phase,
+                accelerator) -> StepStats:
+    """The optimizer step's report from its mean-over-ranks [loss, mse, hf, ot]; a part the config does not use
+    is None."""
+    from anima_train.flow import phase_summary
+
+    return StepStats(step=step, epoch=epoch + 1, loss=stats[0],
+                     mse=stats[1] if cfg.flow.hf_scale > 0 else None,
+                     hf=stats[2] if cfg.flow.hf_scale > 0 else None,
+                     ot=stats[3] if cfg.flow.use_ot else None,
+                     lrs=lrs, peak_gb=_peak_gb(accelerator),
+                     phase=phase_summary(cfg.curriculum, phase))
+
+
+def _report_done(progress: Progress, result: TrainResult, *, start_step: int, total: int, t_start: float) -> None:
+    step = result.global_step
+    ran = step - start_step
+    progress.message(
+        f"done: {ran} step(s)" + (f" this run (steps {start_step + 1}–{step})" if start_step and ran else "")
         + (f" this run (resumed at step {start_step})" if start_step and not ran else "")
         + f" in {time.perf_counter() - t_start:.1f} s"
         + (f"; final checkpoint {result.final}" if result.final else ""))
-    progress.event("done", step=global_step, total=total, steps_this_run=ran,
+    progress.event("done", step=step, total=total, steps_this_run=ran,
                    final=str(result.final) if result.final else None, stopped=result.stopped,
                    saved=[str(p) for p in result.saved],
                    seconds=time.perf_counter() - t_start)
-    accelerator.end_training()
-    return result
-
-
-class ParkedWeights:
-    """A frozen module whose parameters live in pinned host memory and visit the GPU only while in use.
-
-    The copy in is asynchronous from pinned memory (~50 ms for Qwen3-0.6B); going back costs nothing, since the
-    host copy never changes: the GPU copy is simply dropped."""
-
-    def __init__(self, module: torch.nn.Module, device: torch.device):
-        self.device = device
-        self.resident = False  # stay_on_device() was called: on_device() no longer parks
-        self.params = [p for p in module.parameters()]
-        pin = torch.cuda.is_available()
-        self.host = [p.detach().to("cpu").pin_memory() if pin else p.detach().to("cpu").clone() for p in self.params]
-        self.park()
-
-    def park(self) -> None:
-        for p, h in zip(self.params, self.host):
-            p.data = h
-
-    def restore(self) -> None:
-        for p, h in zip(self.params, self.host):
-            p.data = h.to(self.device, non_blocking=True)
-
-    def stay_on_device(self) -> None:
-        """From now on the weights live on the device (there is room): every holder's on_device() keeps them."""
-        self.restore()
-        self.resident = True
-
-    @contextlib.contextmanager
-    def on_device(self):
-        if self.resident:
-            yield
-            return
-        self.restore()
-        try:
-            yield
-        finally:
-            self.park()
-
-
-COMPILE_MIN_STEPS = 200  # compile = "auto": a shorter run would spend longer compiling (~1.5 min cold) than it saves
-
-
-def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str | None:
-    """The torch.compile mode to use, or None for eager. "auto" compiles on CUDA (Triton present) when the run is
-    long enough to repay the compile; "off" never compiles."""
-    import importlib.util
-
-    if setting == "off":
-        return None
-    if setting != "auto":
-        return setting
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None or total_steps < COMPILE_MIN_STEPS:
-        return None
-    return "default"
-
-
-def _plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
-    """checkpoint_blocks = "auto", after the first optimizer step: keep the activations of as many blocks as fit;
-    with every block kept and room to spare, keep the frozen Qwen3 on the GPU too (no copy-in per step). Returns
-    the ParkedWeights (resident once the text encoder stays on the GPU)."""
-    measure, block_ckpt.measure = block_ckpt.measure, None
-    n = len(block_ckpt.blocks)
-    steady, peak, budget = checkpointing.memory_now(device)
-    scale = max(1.0, largest_tokens / max(measure.tokens, 1))
-    keep, predicted = checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
-                                                   scale=scale, budget=budget)
-    block_ckpt.set_recomputed(n - keep)
-    kept_text_encoder = ""
-    if parked is not None and keep == n:
-        host = sum(h.numel() * h.element_size() for h in parked.host)
-        if checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak + host, steady=steady + host,
-                                        scale=scale, budget=budget)[0] == n:
-            parked.stay_on_device()  # the previewer holds the same object: it must not park it again
-            kept_text_encoder = "; Qwen3 stays on the GPU"
-    gib = checkpointing.GIB
-    say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
-        f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB){kept_text_encoder}")
-    return parked
-
-
-def _compile(transformer, cfg: Config, mode: str) -> None:
-    """torch.compile, lazily (each new shape compiles on first use). Regional: each of the identical DiT blocks is
-    compiled (one graph, reused 28 times) instead of the whole trunk, which takes minutes to compile. Dynamic shapes
-    keep mixed buckets and per-tier batch sizes from exhausting dynamo's recompile limit (raised 8 -> 32)."""
-    import torch._dynamo
-
-    dynamo_config = torch._dynamo.config
-    for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
-        if hasattr(dynamo_config, limit):
-            setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
-    targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
-    for module in targets:
-        module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
 
 
 def _stop_requested(stop_file: str | None, accelerator) -> bool:
@@ -515,16 +547,21 @@ def _peak_gb(accelerator) -> list[float]:
 
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
-def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, batch_index, trainable, optimizer,
-          scheduler, gens, *, step=None, epoch_tag=None, final=False) -> Path:
+def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epoch_tag: int | None = None,
+          final: bool = False) -> Path:
+    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state, its resume state;
+    then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based) after `batch_index` of its
+    batches."""
+    cfg, accelerator, progress, result, run_dir = run.cfg, run.accelerator, run.progress, run.result, run.run_dir
+    per_epoch = run.per_epoch
     stem = ckpt.checkpoint_stem(cfg.run_stem, step=None if final else step,
                                 epoch=None if final else epoch_tag)
     accelerator.wait_for_everyone()
     path = None
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        models = {"transformer": accelerator.unwrap_model(trainable[0]), "text_conditioner": parts.text_conditioner,
-                  "text_encoder": parts.text_encoder}
+        models = {"transformer": accelerator.unwrap_model(run.trainable[0]),
+                  "text_conditioner": run.parts.text_conditioner, "text_encoder": run.parts.text_encoder}
         path = write_checkpoint(run_dir, stem, models, cfg, step=result.global_step,
                                 epoch=ckpt.epoch_of_step(result.global_step, per_epoch),
                                 num_epochs=ckpt.epoch_of_step(result.total_steps, per_epoch),
@@ -533,7 +570,8 @@ def _save(cfg, accelerator, parts, progress, result, run_dir, per_epoch, epoch, 
         progress.event("checkpoint", path=str(path), step=result.global_step)
         progress.message(f"saved {path}")
     if cfg.train.save_optimizer_state:
-        _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, trainable, optimizer, scheduler, gens,
+        _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
+                    run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
                          steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
     if accelerator.is_main_process and not final:

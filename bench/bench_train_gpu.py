@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
 from anima_train.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
-from anima_train.train import resolve_compile, train  # noqa: E402
+from anima_train.speed import resolve_compile  # noqa: E402
+from anima_train.train import train  # noqa: E402
 
 LORA = '[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'
 FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\nlr = 1e-5\n'

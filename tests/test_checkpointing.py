@@ -7,7 +7,8 @@ from test_train import latents_dir, make_cfg  # noqa: F401 (a fixture)
 
 from anima_train import checkpointing
 from anima_train.checkpointing import GIB, plan_unchecked
-from anima_train.train import COMPILE_MIN_STEPS, resolve_compile, train
+from anima_train.speed import COMPILE_MIN_STEPS, resolve_compile
+from anima_train.train import train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -104,7 +105,7 @@ class StrictCuda:
 def test_auto_plan_after_the_first_step(monkeypatch):
     """The decision the trainer makes after its first step, with torch.cuda's memory readings faked as a 24 GiB
     card (12 GiB of which a ComfyUI process holds): blocks kept, the Qwen3 kept parked, the message."""
-    from anima_train.train import _plan_checkpointing
+    from anima_train.speed import plan_checkpointing
 
     StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=36 * GIB, fraction=2 / 3)  # cap 24 GiB
     blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
@@ -121,7 +122,7 @@ def test_auto_plan_after_the_first_step(monkeypatch):
             self.restored = True
 
     parked = Parked()
-    left = _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
+    left = plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
     usable = 24 * GIB - max(int(24 * GIB * checkpointing.MARGIN_FRACTION), checkpointing.MARGIN_BYTES)
     keep = (usable - 10 * GIB) // GIB
     assert plan.recomputed == 28 - keep and plan.measure is None
@@ -131,7 +132,7 @@ def test_auto_plan_after_the_first_step(monkeypatch):
 
 
 def test_auto_plan_on_a_large_card_keeps_everything(monkeypatch):
-    from anima_train.train import _plan_checkpointing
+    from anima_train.speed import plan_checkpointing
 
     StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=140 * GIB)
     blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
@@ -151,7 +152,7 @@ def test_auto_plan_on_a_large_card_keeps_everything(monkeypatch):
 
     parked = Parked()
     said = []
-    assert _plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append) is parked
+    assert plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append) is parked
     assert parked.restored and plan.recomputed == 0 and said[0].endswith("; Qwen3 stays on the GPU")
 
 
@@ -159,7 +160,7 @@ def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
     """Seen on the GPU: after the plan kept Qwen3 on the GPU, the preview renderer (which holds the same parked
     weights) parked them again after its round, and the next training step met Qwen3 on the CPU (index_select:
     tensors on cuda:0 and cpu). Here park/restore record where the weights are."""
-    from anima_train.train import ParkedWeights
+    from anima_train.speed import ParkedWeights
 
     class Recorded(ParkedWeights):
         where = "host"

@@ -338,7 +338,7 @@ def test_text_encoder_lora_goes_to_a_te_sibling(tiny_anima, latents_dir, tmp_pat
 
 def test_parked_weights_round_trip(tiny_anima):
     from anima_train.text import encode_prompts
-    from anima_train.train import ParkedWeights
+    from anima_train.speed import ParkedWeights
 
     parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
     kw = dict(tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer, text_encoder=parts.text_encoder,
