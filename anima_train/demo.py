@@ -77,7 +77,8 @@ def run(args) -> int:
     from anima_train.evaluate import cached_eval_set, evaluate
     from anima_train.models import load_components
     from anima_train.tiny import build_tiny_anima, make_synthetic_dataset
-    from anima_train.train import LOSS_PLOT_NAME, train
+    from anima_train.runs import LOSS_PLOT_NAME
+    from anima_train.train import train
 
     t0 = time.perf_counter()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="anima-train-demo-"))

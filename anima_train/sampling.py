@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from anima_train.runs import SAMPLES_DIR
+
 NUM_TRAIN_SIGMAS = 1000  # ComfyUI's ModelSamplingDiscreteFlow table length (timesteps = 1000)
-SAMPLES_DIR = "samples"
 
 
 def shifted_sigma(t: torch.Tensor, shift: float) -> torch.Tensor:

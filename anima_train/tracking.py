@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-LOGS_DIR = "logs"
+from anima_train.runs import LOGS_DIR
+
 TRACKER = "tensorboard"
 
 

@@ -27,7 +27,6 @@ from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
 from anima_train.models import DTYPES
-LOSS_PLOT_NAME = "loss.png"  # <run_dir>/loss.png, written at the end of every run that saves
 
 
 @dataclass
@@ -283,7 +282,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if accelerator.is_main_process and not no_save and result.losses:
         from anima_train.plot import plot_losses
 
-        plot_losses(result.losses, run_dir / LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
+        plot_losses(result.losses, run_dir / runs.LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
                     first_step=start_step + 1)
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back

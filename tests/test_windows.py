@@ -16,7 +16,7 @@ import sys
 import sysconfig
 import tomllib
 import types
-from pathlib import Path, PureWindowsPath
+from pathlib import PureWindowsPath
 
 import pytest
 
