@@ -32,14 +32,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import random
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -58,6 +56,7 @@ from anima_train.buckets import (
 from anima_train.captions import CaptionError, build_caption, read_caption_files
 from anima_train.config import check_table
 from anima_train.errors import UserError
+from anima_train.sampler import BucketBatchSampler
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -792,70 +791,6 @@ def collate(batch: Sequence[dict]) -> dict:
     if "loss_mask" in batch[0]:  # a texture batch: [B, 1, 1, h, w]
         out["loss_mask"] = torch.stack([b["loss_mask"] for b in batch])
     return out
-
-
-class BucketBatchSampler:
-    """Bucket-homogeneous batches of dataset indices (a torch batch_sampler).
-
-    Indices are grouped by (bucket, texture eligibility); each epoch every group is shuffled with a generator
-    seeded from (seed, epoch), cut into batches of the group's batch size keeping the partial tail, and the
-    batch order is shuffled. Deterministic per (seed, epoch) and rank-agnostic: it yields whole batches and
-    Accelerate's data loader shards them across processes (never shard here). It deliberately has no
-    `batch_size` attribute: Accelerate's BatchSamplerShard then treats batches as variable-length lists and, with
-    even_batches, pads a short last round with whole earlier batches, so every batch stays one bucket.
-    """
-
-    def __init__(self, group_keys: Sequence, batch_sizes: dict, seed: int = 0):
-        self.groups: dict = defaultdict(list)
-        for index, key in enumerate(group_keys):
-            self.groups[key].append(index)
-        self.keys = sorted(self.groups)  # fixed order, independent of dict insertion
-        missing = [k for k in self.keys if k not in batch_sizes]
-        if missing:
-            raise ValueError(f"no batch size for group(s) {missing}")
-        self.batch_sizes = {k: int(batch_sizes[k]) for k in self.keys}
-        self.seed = int(seed)
-        self.epoch = 0
-        self.texture = None  # a texture.TextureSchedule when the curriculum has texture phases
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return sum(math.ceil(len(self.groups[k]) / self.batch_sizes[k]) for k in self.keys)
-
-    def batches(self, epoch: int | None = None) -> list[list[int]]:
-        epoch = self.epoch if epoch is None else int(epoch)
-        rng = random.Random(f"anima-sampler/{self.seed}/{epoch}")
-        out = []
-        for k in self.keys:
-            idx = list(self.groups[k])
-            rng.shuffle(idx)
-            bs = self.batch_sizes[k]
-            out += [idx[i:i + bs] for i in range(0, len(idx), bs)]
-        rng.shuffle(out)
-        # texture phases: the same batches, the texture ones as (index, canvas) pairs (own RNG: order unchanged)
-        return self.texture.mark(out, epoch) if self.texture is not None else out
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self.batches())
-
-    def largest_batch_tokens(self) -> int:
-        """DiT tokens x images of the largest batch any epoch can hold (what sizes the activation memory); a
-        texture-eligible group may be cut to its largest canvas instead of its bucket."""
-        canvases = [(int(w), int(h)) for w, h in self.texture.tcfg.canvases] if self.texture is not None else []
-
-        def tokens(key) -> int:
-            sizes = [key[0]] + (canvases if key[1] else [])
-            return max((w // 16) * (h // 16) for w, h in sizes)
-
-        return max(min(len(self.groups[k]), self.batch_sizes[k]) * tokens(k) for k in self.keys)
-
-
-def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:
-    """Optimizer steps per epoch: ceil(ceil(batches / processes) / accum); a partial accumulation group still
-    steps (CONFIG.md §B.4: 113 images, batch 12, accum 2, 2 processes -> 10 batches -> 3 steps)."""
-    return math.ceil(math.ceil(num_batches / max(1, num_processes)) / max(1, accum))
 
 
 def bucket_batch_sizes(entries_by_bucket: dict[tuple[int, int], set[int]], batch_size) -> dict[tuple[int, int], int]:

@@ -5,7 +5,7 @@ with a canvas-sized crop of the *source* at native scale, chosen per step where 
 `[dataset.texture] trigger` alone. Subsets with `texture = false` stay full-resolution with their captions.
 
 Who does what:
-  - the sampler (dataset.BucketBatchSampler) asks `TextureSchedule.canvas` for each batch: the batch's optimizer
+  - the sampler (sampler.BucketBatchSampler) asks `TextureSchedule.canvas` for each batch: the batch's optimizer
     step says which phase it falls in (progress = step / total, the quantity the trainer uses), and a
     texture-eligible batch in a texture phase gets one canvas, drawn with multiplicity (rung 1: among the canvases
     every source of the batch can hold, when `fit_aware`). The batch is then yielded as (index, canvas) pairs;

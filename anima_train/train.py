@@ -126,7 +126,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
            allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
     from torch.utils.data import DataLoader
 
-    from anima_train.dataset import collate, steps_per_epoch
+    from anima_train.dataset import collate
+    from anima_train.sampler import steps_per_epoch
     from anima_train.flow import active_phase
     from anima_train.optimizers import build_optimizer
     from anima_train.schedules import build_scheduler

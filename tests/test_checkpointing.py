@@ -184,7 +184,7 @@ def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
 def test_largest_batch_counts_texture_canvases():
     from types import SimpleNamespace
 
-    from anima_train.dataset import BucketBatchSampler
+    from anima_train.sampler import BucketBatchSampler
 
     keys = [((512, 512), True)] * 6 + [((768, 512), False)] * 2
     sampler = BucketBatchSampler(keys, {((512, 512), True): 4, ((768, 512), False): 4})

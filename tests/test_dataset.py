@@ -18,7 +18,6 @@ from anima_train.buckets import Bucketer
 from anima_train.cache import save_cache
 from anima_train.config import load_config
 from anima_train.dataset import (
-    BucketBatchSampler,
     BucketSettings,
     DatasetError,
     bucket_batch_sizes,
@@ -26,8 +25,8 @@ from anima_train.dataset import (
     cache_path,
     collate,
     plan_metadata,
-    steps_per_epoch,
 )
+from anima_train.sampler import BucketBatchSampler, steps_per_epoch
 
 
 def write_image(folder: Path, stem: str, size, ext=".png", caption: str | None = "red circle, white background"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.dataset import steps_per_epoch
+from anima_train.sampler import steps_per_epoch
 from anima_train.tiny import make_synthetic_latents
 from tests.fixtures_tiny import small_run_toml, torchrun
 
