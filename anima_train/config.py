@@ -10,7 +10,7 @@ dataclass field whose metadata carries a one-line `help`, its `choices` when it 
     copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")   # comments kept
 
 `load_config` collects every problem it can find and raises them together in one `ConfigError`, so a config is
-fixed in one pass. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys
+fixed in one pass: here each key's type, bounds and choices; the rules across keys are in `config_rules.py`. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys
 to a non-default value is refused after all other validation passed.
 
 No torch here: this module is imported by the CLI's `--help` and by ComfyUI at start-up.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 import re
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 from anima_train import config_aliases
-from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS, parse_protected_tags
+from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS
 from anima_train.errors import UserError
 
 DEFAULT_MODEL_PATH = "../anima-diffusers"
@@ -487,7 +486,7 @@ def _describe(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args if a is not type(None))
     if origin is Literal:
-        return " or ".join(_fmt(a) for a in args)
+        return " or ".join(as_toml(a) for a in args)
     if origin is list:
         inner = _describe(args[0])
         inner = {"an integer": "integers", "a number": "numbers", "a string": "strings"}.get(inner, inner)
@@ -560,7 +559,7 @@ def _toml_type(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _fmt(value: Any) -> str:
+def as_toml(value: Any) -> str:
     """A value as it would be written in TOML (for messages)."""
     if value is None:
         return "unset"
@@ -571,16 +570,16 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+        return "[" + ", ".join(as_toml(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_fmt(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{k} = {as_toml(v)}" for k, v in value.items()) + " }"
     return str(value)
 
 
 # --------------------------------------------------------------------------------------------------- loading
 
 
-class _Problems:
+class Problems:
     """Errors and warnings found while loading, plus the keys whose values could not be trusted."""
 
     def __init__(self) -> None:
@@ -604,7 +603,7 @@ def _all_keys_by_table() -> dict[str, list[str]]:
     return out
 
 
-def _header(name: str, index: int | None = None) -> str:
+def table_label(name: str, index: int | None = None) -> str:
     return f"[[{name}]] #{index + 1}" if index is not None else f"[{name}]"
 
 
@@ -629,7 +628,7 @@ def _unknown_key(where: str, table: str, key: str, valid: list[str], what: str =
     return f"{where} unknown {what} '{key}'{hint}; valid {what}s: {', '.join(valid)}"
 
 
-def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Problems) -> Any:
+def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: Problems) -> Any:
     """Type-check one TOML table into dataclass `cls`. Bad values are reported and left at their defaults."""
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("key", True)}
@@ -651,8 +650,8 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
         except _Mismatch as exc:
             expected = (exc.args[0] if exc.args else "") or f.metadata.get("type_desc") or _describe(hints[name])
             example = _field_default(f)
-            example = f" (e.g. {name} = {_fmt(example)})" if example not in (None, REQUIRED) else ""
-            p.error(f"{where} {name} = {_fmt(value)}: expected {expected}{example}, got {_toml_type(value)}",
+            example = f" (e.g. {name} = {as_toml(example)})" if example not in (None, REQUIRED) else ""
+            p.error(f"{where} {name} = {as_toml(value)}: expected {expected}{example}, got {_toml_type(value)}",
                     dotted)
             continue
         if not _check_value(value, f, f"{where} {name}", dotted, p):
@@ -663,7 +662,7 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: _Proble
     return cls(**kwargs)
 
 
-def _check_value(value: Any, f: dataclasses.Field, label: str, dotted: str, p: _Problems) -> bool:
+def _check_value(value: Any, f: dataclasses.Field, label: str, dotted: str, p: Problems) -> bool:
     """Per-key checks from the field's metadata: choices, bounds, non-empty. Returns False if it failed.
     `label` names the key in the message ("[schedule] d", or "schedule.d" for a table built in code)."""
     m = f.metadata
@@ -674,16 +673,16 @@ def _check_value(value: Any, f: dataclasses.Field, label: str, dotted: str, p: _
         for item in items:
             if item is not None and item not in choices:
                 close = difflib.get_close_matches(str(item), [str(c) for c in choices], n=1, cutoff=0.6)
-                sugg = f"did you mean {_fmt(close[0])}? " if close else ""
-                p.error(f"{label} = {_fmt(value)}: unknown value {_fmt(item)}; {sugg}"
-                        f"choose from {', '.join(_fmt(c) for c in choices)}", dotted)
+                sugg = f"did you mean {as_toml(close[0])}? " if close else ""
+                p.error(f"{label} = {as_toml(value)}: unknown value {as_toml(item)}; {sugg}"
+                        f"choose from {', '.join(as_toml(c) for c in choices)}", dotted)
                 return False
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for bound, test, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                                   ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
             b = m.get(bound)
             if b is not None and not test(value, b):
-                p.error(f"{label} = {_fmt(value)}: must be {word} {_fmt(b)}{hint}", dotted)
+                p.error(f"{label} = {as_toml(value)}: must be {word} {as_toml(b)}{hint}", dotted)
                 return False
     if m.get("nonempty") and isinstance(value, str) and not value.strip():
         p.error(f"{label} is empty; give a path or remove the key", dotted)
@@ -695,7 +694,7 @@ def check_table(table: Any, name: str) -> None:
     """load_config's per-key rules (choices and bounds, from the field metadata: their one definition) for a
     table built in code, which never went through load_config (e.g. `ScheduleConfig(d=1.0)` passed to the
     schedule). Raises ConfigError naming `name.key`."""
-    p = _Problems()
+    p = Problems()
     for f in dataclasses.fields(table):
         if f.metadata.get("key", True) and "table" not in f.metadata and "array" not in f.metadata:
             _check_value(getattr(table, f.name), f, f"{name}.{f.name}", f"{name}.{f.name}", p)
@@ -707,12 +706,12 @@ def betas_problem(kind: str, betas: list[float]) -> str | None:
     """The [optimizer] betas rule (3 for came, 2 otherwise, each in [0, 1)), or None when they are fine; checked by
     load_config and, for a config built in code, by build_optimizer."""
     if kind == "came" and len(betas) != 3:
-        return (f'[optimizer] betas = {_fmt(list(betas))}: kind = "came" needs 3 betas (first moment, second '
-                f"moment, instability), e.g. betas = {_fmt(CAME_BETAS)} (CAME's defaults)")
+        return (f'[optimizer] betas = {as_toml(list(betas))}: kind = "came" needs 3 betas (first moment, second '
+                f"moment, instability), e.g. betas = {as_toml(CAME_BETAS)} (CAME's defaults)")
     if kind != "came" and len(betas) != 2:
-        return f"[optimizer] betas = {_fmt(list(betas))}: kind = {_fmt(kind)} needs 2 betas, e.g. betas = [0.9, 0.95]"
+        return f"[optimizer] betas = {as_toml(list(betas))}: kind = {as_toml(kind)} needs 2 betas, e.g. betas = [0.9, 0.95]"
     if any(not 0.0 <= b < 1.0 for b in betas):
-        return f"[optimizer] betas = {_fmt(list(betas))}: every beta must be in [0, 1)"
+        return f"[optimizer] betas = {as_toml(list(betas))}: every beta must be in [0, 1)"
     return None
 
 
@@ -725,7 +724,7 @@ def shift_problem(flow: Any) -> str | None:
     return None
 
 
-def _build_config(raw: dict, p: _Problems) -> Config:
+def _build_config(raw: dict, p: Problems) -> Config:
     top = {f.name: f for f in dataclasses.fields(Config) if f.metadata.get("key", True)}
     for key, value in raw.items():
         if key not in top:
@@ -742,7 +741,7 @@ def _build_config(raw: dict, p: _Problems) -> Config:
                 p.error("[curriculum] is a single table, but curriculum phases are an array of tables: write "
                         "[[curriculum]] (double brackets) for each phase", "curriculum")
             elif not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
-                p.error(f"curriculum = {_fmt(value)}: expected [[curriculum]] tables", "curriculum")
+                p.error(f"curriculum = {as_toml(value)}: expected [[curriculum]] tables", "curriculum")
         elif not isinstance(value, dict):
             p.error(f"config: '{key}' must be a table ([{key}]), got {_toml_type(value)}", key)
 
@@ -768,7 +767,7 @@ def _build_config(raw: dict, p: _Problems) -> Config:
                 "for each subset", "dataset.subsets")
         subsets = []
     for i, s in enumerate(subsets):
-        built = _build(SubsetConfig, s, "dataset.subsets", _header("dataset.subsets", i),
+        built = _build(SubsetConfig, s, "dataset.subsets", table_label("dataset.subsets", i),
                        f"dataset.subsets[{i}]", p)
         if built is not None:
             cfg.dataset.subsets.append(built)
@@ -776,331 +775,14 @@ def _build_config(raw: dict, p: _Problems) -> Config:
             p.bad.add("dataset.subsets")  # a subset was dropped: "no training data" would be misleading
 
     for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant", "sample", "logging"):
-        setattr(cfg, name, _build(TABLES[name], sub(name), name, _header(name), name, p))
+        setattr(cfg, name, _build(TABLES[name], sub(name), name, table_label(name), name, p))
 
     phases = raw.get("curriculum", [])
     if isinstance(phases, list) and all(isinstance(v, dict) for v in phases):
         for i, ph in enumerate(phases):
-            cfg.curriculum.append(_build(CurriculumPhase, ph, "curriculum", _header("curriculum", i),
+            cfg.curriculum.append(_build(CurriculumPhase, ph, "curriculum", table_label("curriculum", i),
                                          f"curriculum[{i}]", p))
     return cfg
-
-
-# --------------------------------------------------------------------------------------------------- rules
-
-
-def _check_rules(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
-    """Every load-time and cross-field rule of CONFIG.md; appends to `p`, never raises."""
-    _check_texture_source(cfg, p)
-    _check_train_and_tiers(cfg, raw, p)
-    _check_dataset(cfg, raw, base_dir, p)
-    _check_adapter_and_lrs(cfg, raw, p)
-    _check_quant(cfg, p)
-    _check_flow(cfg, p)
-    _check_curriculum(cfg, p)
-    _check_optimizer(cfg, p)
-    _check_sample(cfg, base_dir, p)
-
-
-def _check_train_and_tiers(cfg: Config, raw: dict, p: _Problems) -> None:
-    d = cfg.dataset
-    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
-    tiers_ok = p.ok("dataset.resolution", "dataset.resolutions", "dataset.max_bucket_reso")
-    if "resolution" in draw and "resolutions" in draw:
-        p.error("[dataset] sets both resolution and resolutions; keep one: resolution = N for one tier, or "
-                "resolutions = [..] for several", "dataset.resolutions")
-        tiers_ok = False
-    elif d.resolutions is not None and p.ok("dataset.resolutions"):
-        if not d.resolutions:
-            p.error("[dataset] resolutions = []: give at least one tier, or remove it and use resolution",
-                    "dataset.resolutions")
-            tiers_ok = False
-        elif any(r <= 0 for r in d.resolutions):
-            p.error(f"[dataset] resolutions = {_fmt(d.resolutions)}: every tier must be > 0", "dataset.resolutions")
-            tiers_ok = False
-        else:
-            d.resolutions = sorted(set(d.resolutions))
-    if tiers_ok and p.ok("dataset.max_bucket_reso"):
-        too_big = [t for t in d.tiers if t > d.max_bucket_reso]
-        if too_big:
-            key = "resolutions" if d.resolutions is not None else "resolution"
-            p.error(f"[dataset] {key}: tier(s) {_fmt(too_big)} exceed max_bucket_reso = {d.max_bucket_reso} (the "
-                    f"per-side cap); lower the tier or raise max_bucket_reso", f"dataset.{key}")
-            tiers_ok = False
-
-    blocks = cfg.train.checkpoint_blocks
-    if isinstance(blocks, str) and blocks not in ("auto", "all") and p.ok("train.checkpoint_blocks"):
-        p.error(f"[train] checkpoint_blocks = {_fmt(blocks)}: choose \"auto\", \"all\" or a number of blocks",
-                "train.checkpoint_blocks")
-    bs = cfg.train.batch_size
-    if isinstance(bs, dict) and p.ok("train.batch_size"):
-        small = {k: v for k, v in bs.items() if v < 1}
-        if small:
-            p.error(f"[train] batch_size = {_fmt(bs)}: every batch size must be >= 1 (got {_fmt(small)})",
-                    "train.batch_size")
-        if tiers_ok and set(bs) != set(d.tiers):
-            missing = sorted(set(d.tiers) - set(bs))
-            extra = sorted(set(bs) - set(d.tiers))
-            p.error(f"[train] batch_size keys {sorted(bs)} must equal the declared tiers {d.tiers} exactly "
-                    f"(tiers without a key: {missing or 'none'}; keys that are not tiers: {extra or 'none'}); "
-                    f"write one entry per tier, e.g. batch_size = "
-                    f"{_fmt({t: bs.get(t, 1) for t in d.tiers})} (not a threshold ladder)", "train.batch_size")
-    elif isinstance(bs, int) and bs < 1:
-        p.error(f"[train] batch_size = {bs}: must be >= 1", "train.batch_size")
-
-
-def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: _Problems) -> None:
-    d = cfg.dataset
-    if p.ok("dataset.path", "dataset.subsets"):
-        if d.path is not None and d.subsets:
-            p.error("[dataset] sets both path and [[dataset.subsets]]; use one: move path into a "
-                    "[[dataset.subsets]] entry to train on several folders")
-        elif d.path is None and not d.subsets:
-            p.error('[dataset] no training data: set [dataset] path = "/your/images", or add '
-                    "[[dataset.subsets]] tables with a path each")
-    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
-    if d.subsets and "num_repeats" in draw:
-        p.warnings.append("[dataset] num_repeats only applies to the single-path form and is ignored with "
-                          "[[dataset.subsets]]; set num_repeats in each subset instead")
-    seen: dict[str, int] = {}
-    for i, s in enumerate(d.subsets):
-        norm = os.path.normpath(s.path)
-        if norm in seen:
-            p.error(f"{_header('dataset.subsets', i)} path = {_fmt(s.path)} is the same folder as "
-                    f"{_header('dataset.subsets', seen[norm])}; list each folder once and use num_repeats "
-                    "to weight it")
-        seen.setdefault(norm, i)
-    if p.ok("dataset.bucket_reso_steps") and d.bucket_reso_steps % 16:
-        p.error(f"[dataset] bucket_reso_steps = {d.bucket_reso_steps}: must be a multiple of 16 (VAE factor 8 "
-                "x patch 2), e.g. 64", "dataset.bucket_reso_steps")
-    if (not d.bucket_no_upscale and p.ok("dataset.min_bucket_reso", "dataset.max_bucket_reso")
-            and d.min_bucket_reso > d.max_bucket_reso):
-        p.error(f"[dataset] min_bucket_reso = {d.min_bucket_reso} exceeds max_bucket_reso = {d.max_bucket_reso}")
-
-    c = d.caption
-    if p.ok("dataset.caption.mixed_weights"):
-        unknown = [k for k in c.mixed_weights if k not in CAPTION_VARIANTS]
-        if unknown:
-            close = {k: difflib.get_close_matches(k, CAPTION_VARIANTS, n=1) for k in unknown}
-            sugg = "".join(f" (did you mean '{v[0]}' for '{k}'?)" for k, v in close.items() if v)
-            p.error(f"[dataset.caption] mixed_weights: unknown key(s) {', '.join(unknown)}{sugg}; valid keys: "
-                    f"{', '.join(CAPTION_VARIANTS)}", "dataset.caption.mixed_weights")
-        elif any(w < 0 for w in c.mixed_weights.values()):
-            p.error(f"[dataset.caption] mixed_weights = {_fmt(c.mixed_weights)}: weights must be >= 0",
-                    "dataset.caption.mixed_weights")
-        else:
-            # Omitted variants weigh 0: a table { tags = 1 } means tags only.
-            c.mixed_weights = {k: c.mixed_weights.get(k, 0.0) for k in CAPTION_VARIANTS}
-    if p.ok("dataset.caption.tag_delimiter") and not c.tag_delimiter.strip():
-        p.error(f"[dataset.caption] tag_delimiter = {_fmt(c.tag_delimiter)}: tags are split on the trimmed "
-                'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
-    if c.protected_tags_file is not None and p.ok("dataset.caption.protected_tags_file"):
-        tag_path = Path(c.protected_tags_file).expanduser()
-        if not tag_path.is_absolute():
-            tag_path = base_dir / tag_path
-        try:
-            lines = tag_path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: file not found "
-                    f"({tag_path}); relative paths are read from the config file's folder")
-        except (OSError, UnicodeDecodeError) as exc:
-            p.error(f"[dataset.caption] protected_tags_file = {_fmt(c.protected_tags_file)}: cannot read "
-                    f"{tag_path} as UTF-8 text ({exc})")
-        else:
-            c.file_protected_tags = parse_protected_tags(lines)
-
-    t = d.texture
-    if p.ok("dataset.texture.canvases"):
-        if not t.canvases:
-            p.error("[dataset.texture] canvases = []: give at least one [w, h] canvas")
-        for cv in t.canvases:
-            if len(cv) != 2:
-                p.error(f"[dataset.texture] canvases: {_fmt(cv)} is not a [w, h] pair")
-                continue
-            for side in cv:
-                if side <= 0 or side % 16:
-                    p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side}, which is not a positive "
-                            "multiple of 16 (VAE factor 8 x patch 2)")
-                elif side > ROPE_SIDE_LIMIT:
-                    p.error(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > {ROPE_SIDE_LIMIT}, past "
-                            f"the model's RoPE position table; use sides <= {ROPE_SIDE_DECLARED}")
-                elif side > ROPE_SIDE_DECLARED:
-                    p.warnings.append(f"[dataset.texture] canvases: {_fmt(cv)} has side {side} > "
-                                      f"{ROPE_SIDE_DECLARED}; RoPE extrapolates past the declared range")
-    if p.ok("dataset.texture.mask_ratio"):
-        mr = t.mask_ratio
-        if len(mr) != 2 or not (0 < mr[0] <= mr[1] <= 1):
-            p.error(f"[dataset.texture] mask_ratio = {_fmt(mr)}: need a pair [lo, hi] with 0 < lo <= hi <= 1")
-
-
-def _check_adapter_and_lrs(cfg: Config, raw: dict, p: _Problems) -> None:
-    a, lrs = cfg.adapter, cfg.component_lr
-    if p.ok("adapter.components"):
-        dup = sorted({c for c in a.components if a.components.count(c) > 1})
-        if dup:
-            p.error(f"[adapter] components = {_fmt(a.components)}: {', '.join(dup)} listed twice",
-                    "adapter.components")
-    if p.ok("adapter.lokr_factor") and a.lokr_factor != -1 and a.lokr_factor < 1:
-        p.error(f"[adapter] lokr_factor = {a.lokr_factor}: use -1 (most balanced) or a factor >= 1",
-                "adapter.lokr_factor")
-    if p.ok("adapter.kind", "adapter.output_format") and a.output_format != "peft" and a.kind != "lora":
-        what = ("the kohya lora_unet_* layout defines LoRA only (lora_down/lora_up/alpha); LoKr files use "
-                "diffusion_model.<module>.lokr_* keys, which ComfyUI loads" if a.kind == "lokr" else
-                "a full finetune is written as a model file (train.save_native), not a LoRA")
-        p.error(f'[adapter] output_format = {_fmt(a.output_format)} applies to kind = "lora", but kind = '
-                f'{_fmt(a.kind)}: {what}; remove output_format or set it to "peft"', "adapter.output_format")
-    if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
-        p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
-                'a LoRA); use kind = "lora" or set train_text_encoder = false')
-    if not p.ok("adapter.kind", "adapter.components", "adapter.train_llm_adapter", "adapter.train_text_encoder",
-                "optimizer.lr", *(f"component_lr.{k}" for k in COMPONENT_LR_KEYS)):
-        return
-    injected = cfg.injected_components()
-    if a.kind != "none":
-        defaults = ComponentLRConfig()
-        for comp in COMPONENT_LR_KEYS:
-            value = getattr(lrs, comp)
-            if comp not in injected and value not in (None, 0.0) and value != getattr(defaults, comp):
-                how = {"llm_adapter": "set [adapter] train_llm_adapter = true",
-                       "text_encoder": "set [adapter] train_text_encoder = true"}.get(
-                    comp, f'add "{comp}" to [adapter] components')
-                p.error(f"[component_lr] {comp} = {_fmt(value)}, but no adapter is injected into {comp} "
-                        f"([adapter] components = {_fmt(a.components)}); {how}, or remove the key")
-    effective = cfg.component_learning_rates()
-    if not any(lr > 0 for lr in effective.values()):
-        shown = ", ".join(f"{k} = {_fmt(v)}" for k, v in effective.items()) or "none"
-        p.error(f"nothing to train: every trainable component is frozen ({shown}; [adapter] kind = "
-                f"{_fmt(a.kind)}, components = {_fmt(a.components)}); give one a non-zero [component_lr] "
-                "or add components")
-        return
-    clr_raw = raw.get("component_lr", {}) if isinstance(raw.get("component_lr"), dict) else {}
-    if a.kind != "none":
-        for comp in injected:
-            if effective[comp] == 0.0 and comp not in clr_raw:
-                p.warnings.append(f"[adapter] injects an adapter into {comp}, but [component_lr] {comp} defaults "
-                                  f"to 0.0 (frozen); set [component_lr] {comp} to train it")
-    if a.train_text_encoder and lrs.text_encoder is None:
-        p.warnings.append(f"[adapter] train_text_encoder = true with [component_lr] text_encoder unset: the "
-                          f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
-
-
-_WEIGHTS_DTYPE = re.compile(r"u?int([1-9]|1[0-6])|float8_e4m3fn|float8_e5m2|float16|bfloat16|float32"
-                            r"|float\d+_e\d+m\d+(fn)?u?")
-
-
-def _check_quant(cfg: Config, p: _Problems) -> None:
-    q, kind = cfg.quant, cfg.adapter.kind
-    if p.ok("quant.mode", "adapter.kind"):
-        if q.mode == "frozen" and kind == "none":
-            p.error('[quant] mode = "frozen" quantizes a base that an adapter trains on, but [adapter] kind = '
-                    '"none" (full finetune); use mode = "training" for a quantized full finetune, or an adapter')
-        if q.mode == "training" and kind != "none":
-            p.error(f'[quant] mode = "training" quantizes the trained weights (full finetune), but [adapter] '
-                    f'kind = {_fmt(kind)}; use mode = "frozen" under an adapter, or kind = "none"')
-    if p.ok("quant.weights_dtype") and not _WEIGHTS_DTYPE.fullmatch(q.weights_dtype):
-        p.error(f"[quant] weights_dtype = {_fmt(q.weights_dtype)}: not an SDNQ weight dtype; use e.g. "
-                '"int8", "uint8", "int4" or "float8_e4m3fn"')
-
-
-def _check_flow(cfg: Config, p: _Problems) -> None:
-    f = cfg.flow
-    if p.ok("flow.shift", "flow.flux_shift") and shift_problem(f):
-        p.error(shift_problem(f))
-    if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
-            and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
-        why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
-               else f"shift = {_fmt(f.shift)} already reshapes the distribution")
-        p.error(f"[flow] sigmoid_scale = {_fmt(f.sigmoid_scale)} is rejected here ({why}); set it back to 1.0, "
-                'or use timestep_sample_method = "logit_normal" with shift unset or 1.0')
-    if p.ok("flow.use_ot") and f.use_ot and importlib.util.find_spec("scipy") is None:
-        p.error("[flow] use_ot = true needs scipy (linear_sum_assignment), which is not importable; install "
-                "scipy or set use_ot = false")
-
-
-def _check_texture_source(cfg: Config, p: _Problems) -> None:
-    # First of all texture rules: a texture phase is impossible without per-step encoding, whatever else is set.
-    for i, ph in enumerate(cfg.curriculum):
-        if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
-                and cfg.dataset.source != "encode"):
-            p.error(f'{_header("curriculum", i)} mode = "texture" needs [dataset] source = "encode" (a crop is '
-                    f'chosen per sample per step, so no cached latent can express it); it is '
-                    f'{_fmt(cfg.dataset.source)}')
-
-
-def _check_curriculum(cfg: Config, p: _Problems) -> None:
-    phases = cfg.curriculum
-    for i, ph in enumerate(phases):
-        where = _header("curriculum", i)
-        if p.ok(f"curriculum[{i}].t_range"):
-            tr = ph.t_range
-            if len(tr) != 2:
-                p.error(f"{where} t_range = {_fmt(tr)}: must be a pair [lo, hi]", f"curriculum[{i}].t_range")
-            elif any(v > 1 for v in tr):
-                fixed = [v / 1000 for v in tr]
-                p.error(f"{where} t_range = {_fmt(tr)} looks like discrete timesteps, divide by 1000: "
-                        f"t_range = {_fmt(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
-            elif not (0 <= tr[0] < tr[1] <= 1):
-                p.error(f"{where} t_range = {_fmt(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
-    if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:
-        return
-    ats = [ph.at for ph in phases]
-    dups = sorted({a for a in ats if ats.count(a) > 1})
-    if dups:
-        p.error(f"[[curriculum]] several phases start at the same at = {', '.join(_fmt(a) for a in dups)}; each "
-                "phase needs its own start")
-    phases.sort(key=lambda ph: ph.at)
-    if phases[0].at != 0.0:
-        p.error(f"[[curriculum]] the first phase starts at {_fmt(phases[0].at)}; add a phase with at = 0.0 "
-                "(training must start inside a phase)")
-
-
-def _check_optimizer(cfg: Config, p: _Problems) -> None:
-    o = cfg.optimizer
-    if p.ok("optimizer.kind", "optimizer.betas"):
-        problem = betas_problem(o.kind, o.betas)
-        if problem:
-            p.error(problem)
-    if p.ok("optimizer.kind") and o.kind == "adamw":
-        sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
-        if sdnq_only:
-            p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
-                    f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
-
-
-def _check_sample(cfg: Config, base_dir: Path, p: _Problems) -> None:
-    s = cfg.sample
-    for name in ("width", "height"):
-        if p.ok(f"sample.{name}") and getattr(s, name) % 16:
-            value = getattr(s, name)
-            p.error(f"[sample] {name} = {value}: must be a multiple of 16 (VAE factor 8 x patch 2), e.g. "
-                    f"{max(16, 16 * round(value / 16))}", f"sample.{name}")
-    if s.prompts_file is not None and p.ok("sample.prompts_file"):
-        path = Path(s.prompts_file).expanduser()
-        if not path.is_absolute():
-            path = base_dir / path
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: file not found ({path}); relative paths are "
-                    f"read from the config file's folder", "sample.prompts_file")
-        except (OSError, UnicodeDecodeError) as exc:
-            p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: cannot read {path} as UTF-8 text ({exc})",
-                    "sample.prompts_file")
-        else:
-            s.file_prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
-            if not s.file_prompts:
-                p.error(f"[sample] prompts_file = {_fmt(s.prompts_file)}: {path} has no prompt (one per line; "
-                        f"lines starting with # are comments)", "sample.prompts_file")
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        p.error("[logging] tensorboard = true needs the tensorboard package, which is not installed: pip install "
-                "tensorboard (or the extra: pip install 'comfyui-anima-train[tensorboard]'), or set "
-                "tensorboard = false", "logging.tensorboard")
-    if p.ok("sample.prompts", "sample.prompts_file") and not s.all_prompts():
-        when = [k for k in ("every_n_steps", "every_n_epochs") if getattr(s, k) is not None]
-        when += [k for k in ("before_first_step",) if getattr(s, k)]
-        if when:
-            p.error(f"[sample] {', '.join(when)} set, but there is no prompt to render: add prompts = [\"...\"] "
-                    f"or prompts_file = \"prompts.txt\"")
 
 
 # --------------------------------------------------------------------------------------------------- gate
@@ -1133,7 +815,7 @@ def _gate(cfg: Config) -> list[str]:
             table, key = dotted.rsplit(".", 1)
             default = _get_dotted(defaults, dotted)
             back = "remove it (it is unset by default)" if default is None else \
-                f"remove it or set it back to its default {_fmt(default)}"
+                f"remove it or set it back to its default {as_toml(default)}"
             out.append(f"`[{table}] {key}` is not implemented yet ({feature}); {back}")
     return out
 
@@ -1170,9 +852,11 @@ def load_config(source: str | os.PathLike) -> Config:
         raw = tomllib.loads(text.removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{name}: not valid TOML: {exc}") from None
-    p = _Problems()
+    p = Problems()
     cfg = _build_config(raw, p)
-    _check_rules(cfg, raw, path.parent if path is not None else Path.cwd(), p)
+    from anima_train.config_rules import check_rules  # the rules import this module's types
+
+    check_rules(cfg, raw, path.parent if path is not None else Path.cwd(), p)
     if p.errors:
         n = len(p.errors)
         raise ConfigError(f"{name}: {n} problem{'s' if n > 1 else ''} in the config:\n"

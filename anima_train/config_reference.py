@@ -60,10 +60,10 @@ def _without_env(names: list[str]):
 
 
 def _bounds(meta: dict) -> str:
-    parts = [f"{word} {C._fmt(meta[b])}" for b, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+    parts = [f"{word} {C.as_toml(meta[b])}" for b, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
              if meta.get(b) is not None]
     if meta.get("choices"):
-        parts.append("one of " + ", ".join(f"`{C._fmt(c)}`" for c in meta["choices"]))
+        parts.append("one of " + ", ".join(f"`{C.as_toml(c)}`" for c in meta["choices"]))
     if meta.get("nonempty"):
         parts.append("not empty")
     return "; ".join(parts)
@@ -72,7 +72,7 @@ def _bounds(meta: dict) -> str:
 def _default(info: C.FieldInfo) -> str:
     if info.default is C.REQUIRED:
         return "*required*"
-    text = f"`{C._fmt(info.default)}`" if info.default is not None else "unset"
+    text = f"`{C.as_toml(info.default)}`" if info.default is not None else "unset"
     if info.metadata.get("env"):
         text += f" (or `${info.metadata['env']}`)"
     return text

@@ -1,0 +1,333 @@
+"""The cross-key rules of the config: what `load_config` checks after every key has its type and bounds.
+
+One function per table or feature; each adds its problems to the `Problems` collector, naming the key and the fix,
+so a config with several problems is refused once with all of them. `check_rules` runs them in order (the texture
+source rule first: nothing else about texture matters without per-step encoding).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from anima_train.captions import CAPTION_VARIANTS, parse_protected_tags
+from anima_train.config import (COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, ComponentLRConfig, Config,
+                                Problems, as_toml, betas_problem, shift_problem, table_label)
+
+
+
+def check_rules(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
+    """Every load-time and cross-field rule of CONFIG.md; appends to `p`, never raises."""
+    _check_texture_source(cfg, p)
+    _check_train_and_tiers(cfg, raw, p)
+    _check_dataset(cfg, raw, base_dir, p)
+    _check_adapter_and_lrs(cfg, raw, p)
+    _check_quant(cfg, p)
+    _check_flow(cfg, p)
+    _check_curriculum(cfg, p)
+    _check_optimizer(cfg, p)
+    _check_sample(cfg, base_dir, p)
+
+
+def _check_train_and_tiers(cfg: Config, raw: dict, p: Problems) -> None:
+    d = cfg.dataset
+    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
+    tiers_ok = p.ok("dataset.resolution", "dataset.resolutions", "dataset.max_bucket_reso")
+    if "resolution" in draw and "resolutions" in draw:
+        p.error("[dataset] sets both resolution and resolutions; keep one: resolution = N for one tier, or "
+                "resolutions = [..] for several", "dataset.resolutions")
+        tiers_ok = False
+    elif d.resolutions is not None and p.ok("dataset.resolutions"):
+        if not d.resolutions:
+            p.error("[dataset] resolutions = []: give at least one tier, or remove it and use resolution",
+                    "dataset.resolutions")
+            tiers_ok = False
+        elif any(r <= 0 for r in d.resolutions):
+            p.error(f"[dataset] resolutions = {as_toml(d.resolutions)}: every tier must be > 0", "dataset.resolutions")
+            tiers_ok = False
+        else:
+            d.resolutions = sorted(set(d.resolutions))
+    if tiers_ok and p.ok("dataset.max_bucket_reso"):
+        too_big = [t for t in d.tiers if t > d.max_bucket_reso]
+        if too_big:
+            key = "resolutions" if d.resolutions is not None else "resolution"
+            p.error(f"[dataset] {key}: tier(s) {as_toml(too_big)} exceed max_bucket_reso = {d.max_bucket_reso} (the "
+                    f"per-side cap); lower the tier or raise max_bucket_reso", f"dataset.{key}")
+            tiers_ok = False
+
+    blocks = cfg.train.checkpoint_blocks
+    if isinstance(blocks, str) and blocks not in ("auto", "all") and p.ok("train.checkpoint_blocks"):
+        p.error(f"[train] checkpoint_blocks = {as_toml(blocks)}: choose \"auto\", \"all\" or a number of blocks",
+                "train.checkpoint_blocks")
+    bs = cfg.train.batch_size
+    if isinstance(bs, dict) and p.ok("train.batch_size"):
+        small = {k: v for k, v in bs.items() if v < 1}
+        if small:
+            p.error(f"[train] batch_size = {as_toml(bs)}: every batch size must be >= 1 (got {as_toml(small)})",
+                    "train.batch_size")
+        if tiers_ok and set(bs) != set(d.tiers):
+            missing = sorted(set(d.tiers) - set(bs))
+            extra = sorted(set(bs) - set(d.tiers))
+            p.error(f"[train] batch_size keys {sorted(bs)} must equal the declared tiers {d.tiers} exactly "
+                    f"(tiers without a key: {missing or 'none'}; keys that are not tiers: {extra or 'none'}); "
+                    f"write one entry per tier, e.g. batch_size = "
+                    f"{as_toml({t: bs.get(t, 1) for t in d.tiers})} (not a threshold ladder)", "train.batch_size")
+    elif isinstance(bs, int) and bs < 1:
+        p.error(f"[train] batch_size = {bs}: must be >= 1", "train.batch_size")
+
+
+def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
+    d = cfg.dataset
+    if p.ok("dataset.path", "dataset.subsets"):
+        if d.path is not None and d.subsets:
+            p.error("[dataset] sets both path and [[dataset.subsets]]; use one: move path into a "
+                    "[[dataset.subsets]] entry to train on several folders")
+        elif d.path is None and not d.subsets:
+            p.error('[dataset] no training data: set [dataset] path = "/your/images", or add '
+                    "[[dataset.subsets]] tables with a path each")
+    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
+    if d.subsets and "num_repeats" in draw:
+        p.warnings.append("[dataset] num_repeats only applies to the single-path form and is ignored with "
+                          "[[dataset.subsets]]; set num_repeats in each subset instead")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.subsets):
+        norm = os.path.normpath(s.path)
+        if norm in seen:
+            p.error(f"{table_label('dataset.subsets', i)} path = {as_toml(s.path)} is the same folder as "
+                    f"{table_label('dataset.subsets', seen[norm])}; list each folder once and use num_repeats "
+                    "to weight it")
+        seen.setdefault(norm, i)
+    if p.ok("dataset.bucket_reso_steps") and d.bucket_reso_steps % 16:
+        p.error(f"[dataset] bucket_reso_steps = {d.bucket_reso_steps}: must be a multiple of 16 (VAE factor 8 "
+                "x patch 2), e.g. 64", "dataset.bucket_reso_steps")
+    if (not d.bucket_no_upscale and p.ok("dataset.min_bucket_reso", "dataset.max_bucket_reso")
+            and d.min_bucket_reso > d.max_bucket_reso):
+        p.error(f"[dataset] min_bucket_reso = {d.min_bucket_reso} exceeds max_bucket_reso = {d.max_bucket_reso}")
+
+    c = d.caption
+    if p.ok("dataset.caption.mixed_weights"):
+        unknown = [k for k in c.mixed_weights if k not in CAPTION_VARIANTS]
+        if unknown:
+            close = {k: difflib.get_close_matches(k, CAPTION_VARIANTS, n=1) for k in unknown}
+            sugg = "".join(f" (did you mean '{v[0]}' for '{k}'?)" for k, v in close.items() if v)
+            p.error(f"[dataset.caption] mixed_weights: unknown key(s) {', '.join(unknown)}{sugg}; valid keys: "
+                    f"{', '.join(CAPTION_VARIANTS)}", "dataset.caption.mixed_weights")
+        elif any(w < 0 for w in c.mixed_weights.values()):
+            p.error(f"[dataset.caption] mixed_weights = {as_toml(c.mixed_weights)}: weights must be >= 0",
+                    "dataset.caption.mixed_weights")
+        else:
+            # Omitted variants weigh 0: a table { tags = 1 } means tags only.
+            c.mixed_weights = {k: c.mixed_weights.get(k, 0.0) for k in CAPTION_VARIANTS}
+    if p.ok("dataset.caption.tag_delimiter") and not c.tag_delimiter.strip():
+        p.error(f"[dataset.caption] tag_delimiter = {as_toml(c.tag_delimiter)}: tags are split on the trimmed "
+                'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
+    if c.protected_tags_file is not None and p.ok("dataset.caption.protected_tags_file"):
+        tag_path = Path(c.protected_tags_file).expanduser()
+        if not tag_path.is_absolute():
+            tag_path = base_dir / tag_path
+        try:
+            lines = tag_path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            p.error(f"[dataset.caption] protected_tags_file = {as_toml(c.protected_tags_file)}: file not found "
+                    f"({tag_path}); relative paths are read from the config file's folder")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"[dataset.caption] protected_tags_file = {as_toml(c.protected_tags_file)}: cannot read "
+                    f"{tag_path} as UTF-8 text ({exc})")
+        else:
+            c.file_protected_tags = parse_protected_tags(lines)
+
+    t = d.texture
+    if p.ok("dataset.texture.canvases"):
+        if not t.canvases:
+            p.error("[dataset.texture] canvases = []: give at least one [w, h] canvas")
+        for cv in t.canvases:
+            if len(cv) != 2:
+                p.error(f"[dataset.texture] canvases: {as_toml(cv)} is not a [w, h] pair")
+                continue
+            for side in cv:
+                if side <= 0 or side % 16:
+                    p.error(f"[dataset.texture] canvases: {as_toml(cv)} has side {side}, which is not a positive "
+                            "multiple of 16 (VAE factor 8 x patch 2)")
+                elif side > ROPE_SIDE_LIMIT:
+                    p.error(f"[dataset.texture] canvases: {as_toml(cv)} has side {side} > {ROPE_SIDE_LIMIT}, past "
+                            f"the model's RoPE position table; use sides <= {ROPE_SIDE_DECLARED}")
+                elif side > ROPE_SIDE_DECLARED:
+                    p.warnings.append(f"[dataset.texture] canvases: {as_toml(cv)} has side {side} > "
+                                      f"{ROPE_SIDE_DECLARED}; RoPE extrapolates past the declared range")
+    if p.ok("dataset.texture.mask_ratio"):
+        mr = t.mask_ratio
+        if len(mr) != 2 or not (0 < mr[0] <= mr[1] <= 1):
+            p.error(f"[dataset.texture] mask_ratio = {as_toml(mr)}: need a pair [lo, hi] with 0 < lo <= hi <= 1")
+
+
+def _check_adapter_and_lrs(cfg: Config, raw: dict, p: Problems) -> None:
+    a, lrs = cfg.adapter, cfg.component_lr
+    if p.ok("adapter.components"):
+        dup = sorted({c for c in a.components if a.components.count(c) > 1})
+        if dup:
+            p.error(f"[adapter] components = {as_toml(a.components)}: {', '.join(dup)} listed twice",
+                    "adapter.components")
+    if p.ok("adapter.lokr_factor") and a.lokr_factor != -1 and a.lokr_factor < 1:
+        p.error(f"[adapter] lokr_factor = {a.lokr_factor}: use -1 (most balanced) or a factor >= 1",
+                "adapter.lokr_factor")
+    if p.ok("adapter.kind", "adapter.output_format") and a.output_format != "peft" and a.kind != "lora":
+        what = ("the kohya lora_unet_* layout defines LoRA only (lora_down/lora_up/alpha); LoKr files use "
+                "diffusion_model.<module>.lokr_* keys, which ComfyUI loads" if a.kind == "lokr" else
+                "a full finetune is written as a model file (train.save_native), not a LoRA")
+        p.error(f'[adapter] output_format = {as_toml(a.output_format)} applies to kind = "lora", but kind = '
+                f'{as_toml(a.kind)}: {what}; remove output_format or set it to "peft"', "adapter.output_format")
+    if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
+        p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
+                'a LoRA); use kind = "lora" or set train_text_encoder = false')
+    if not p.ok("adapter.kind", "adapter.components", "adapter.train_llm_adapter", "adapter.train_text_encoder",
+                "optimizer.lr", *(f"component_lr.{k}" for k in COMPONENT_LR_KEYS)):
+        return
+    injected = cfg.injected_components()
+    if a.kind != "none":
+        defaults = ComponentLRConfig()
+        for comp in COMPONENT_LR_KEYS:
+            value = getattr(lrs, comp)
+            if comp not in injected and value not in (None, 0.0) and value != getattr(defaults, comp):
+                how = {"llm_adapter": "set [adapter] train_llm_adapter = true",
+                       "text_encoder": "set [adapter] train_text_encoder = true"}.get(
+                    comp, f'add "{comp}" to [adapter] components')
+                p.error(f"[component_lr] {comp} = {as_toml(value)}, but no adapter is injected into {comp} "
+                        f"([adapter] components = {as_toml(a.components)}); {how}, or remove the key")
+    effective = cfg.component_learning_rates()
+    if not any(lr > 0 for lr in effective.values()):
+        shown = ", ".join(f"{k} = {as_toml(v)}" for k, v in effective.items()) or "none"
+        p.error(f"nothing to train: every trainable component is frozen ({shown}; [adapter] kind = "
+                f"{as_toml(a.kind)}, components = {as_toml(a.components)}); give one a non-zero [component_lr] "
+                "or add components")
+        return
+    clr_raw = raw.get("component_lr", {}) if isinstance(raw.get("component_lr"), dict) else {}
+    if a.kind != "none":
+        for comp in injected:
+            if effective[comp] == 0.0 and comp not in clr_raw:
+                p.warnings.append(f"[adapter] injects an adapter into {comp}, but [component_lr] {comp} defaults "
+                                  f"to 0.0 (frozen); set [component_lr] {comp} to train it")
+    if a.train_text_encoder and lrs.text_encoder is None:
+        p.warnings.append(f"[adapter] train_text_encoder = true with [component_lr] text_encoder unset: the "
+                          f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
+
+
+_WEIGHTS_DTYPE = re.compile(r"u?int([1-9]|1[0-6])|float8_e4m3fn|float8_e5m2|float16|bfloat16|float32"
+                            r"|float\d+_e\d+m\d+(fn)?u?")
+
+
+def _check_quant(cfg: Config, p: Problems) -> None:
+    q, kind = cfg.quant, cfg.adapter.kind
+    if p.ok("quant.mode", "adapter.kind"):
+        if q.mode == "frozen" and kind == "none":
+            p.error('[quant] mode = "frozen" quantizes a base that an adapter trains on, but [adapter] kind = '
+                    '"none" (full finetune); use mode = "training" for a quantized full finetune, or an adapter')
+        if q.mode == "training" and kind != "none":
+            p.error(f'[quant] mode = "training" quantizes the trained weights (full finetune), but [adapter] '
+                    f'kind = {as_toml(kind)}; use mode = "frozen" under an adapter, or kind = "none"')
+    if p.ok("quant.weights_dtype") and not _WEIGHTS_DTYPE.fullmatch(q.weights_dtype):
+        p.error(f"[quant] weights_dtype = {as_toml(q.weights_dtype)}: not an SDNQ weight dtype; use e.g. "
+                '"int8", "uint8", "int4" or "float8_e4m3fn"')
+
+
+def _check_flow(cfg: Config, p: Problems) -> None:
+    f = cfg.flow
+    if p.ok("flow.shift", "flow.flux_shift") and shift_problem(f):
+        p.error(shift_problem(f))
+    if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
+            and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
+        why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
+               else f"shift = {as_toml(f.shift)} already reshapes the distribution")
+        p.error(f"[flow] sigmoid_scale = {as_toml(f.sigmoid_scale)} is rejected here ({why}); set it back to 1.0, "
+                'or use timestep_sample_method = "logit_normal" with shift unset or 1.0')
+    if p.ok("flow.use_ot") and f.use_ot and importlib.util.find_spec("scipy") is None:
+        p.error("[flow] use_ot = true needs scipy (linear_sum_assignment), which is not importable; install "
+                "scipy or set use_ot = false")
+
+
+def _check_texture_source(cfg: Config, p: Problems) -> None:
+    # First of all texture rules: a texture phase is impossible without per-step encoding, whatever else is set.
+    for i, ph in enumerate(cfg.curriculum):
+        if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
+                and cfg.dataset.source != "encode"):
+            p.error(f'{table_label("curriculum", i)} mode = "texture" needs [dataset] source = "encode" (a crop is '
+                    f'chosen per sample per step, so no cached latent can express it); it is '
+                    f'{as_toml(cfg.dataset.source)}')
+
+
+def _check_curriculum(cfg: Config, p: Problems) -> None:
+    phases = cfg.curriculum
+    for i, ph in enumerate(phases):
+        where = table_label("curriculum", i)
+        if p.ok(f"curriculum[{i}].t_range"):
+            tr = ph.t_range
+            if len(tr) != 2:
+                p.error(f"{where} t_range = {as_toml(tr)}: must be a pair [lo, hi]", f"curriculum[{i}].t_range")
+            elif any(v > 1 for v in tr):
+                fixed = [v / 1000 for v in tr]
+                p.error(f"{where} t_range = {as_toml(tr)} looks like discrete timesteps, divide by 1000: "
+                        f"t_range = {as_toml(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
+            elif not (0 <= tr[0] < tr[1] <= 1):
+                p.error(f"{where} t_range = {as_toml(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
+    if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:
+        return
+    ats = [ph.at for ph in phases]
+    dups = sorted({a for a in ats if ats.count(a) > 1})
+    if dups:
+        p.error(f"[[curriculum]] several phases start at the same at = {', '.join(as_toml(a) for a in dups)}; each "
+                "phase needs its own start")
+    phases.sort(key=lambda ph: ph.at)
+    if phases[0].at != 0.0:
+        p.error(f"[[curriculum]] the first phase starts at {as_toml(phases[0].at)}; add a phase with at = 0.0 "
+                "(training must start inside a phase)")
+
+
+def _check_optimizer(cfg: Config, p: Problems) -> None:
+    o = cfg.optimizer
+    if p.ok("optimizer.kind", "optimizer.betas"):
+        problem = betas_problem(o.kind, o.betas)
+        if problem:
+            p.error(problem)
+    if p.ok("optimizer.kind") and o.kind == "adamw":
+        sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
+        if sdnq_only:
+            p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
+                    f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
+
+
+def _check_sample(cfg: Config, base_dir: Path, p: Problems) -> None:
+    s = cfg.sample
+    for name in ("width", "height"):
+        if p.ok(f"sample.{name}") and getattr(s, name) % 16:
+            value = getattr(s, name)
+            p.error(f"[sample] {name} = {value}: must be a multiple of 16 (VAE factor 8 x patch 2), e.g. "
+                    f"{max(16, 16 * round(value / 16))}", f"sample.{name}")
+    if s.prompts_file is not None and p.ok("sample.prompts_file"):
+        path = Path(s.prompts_file).expanduser()
+        if not path.is_absolute():
+            path = base_dir / path
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: file not found ({path}); relative paths are "
+                    f"read from the config file's folder", "sample.prompts_file")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: cannot read {path} as UTF-8 text ({exc})",
+                    "sample.prompts_file")
+        else:
+            s.file_prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            if not s.file_prompts:
+                p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: {path} has no prompt (one per line; "
+                        f"lines starting with # are comments)", "sample.prompts_file")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        p.error("[logging] tensorboard = true needs the tensorboard package, which is not installed: pip install "
+                "tensorboard (or the extra: pip install 'comfyui-anima-train[tensorboard]'), or set "
+                "tensorboard = false", "logging.tensorboard")
+    if p.ok("sample.prompts", "sample.prompts_file") and not s.all_prompts():
+        when = [k for k in ("every_n_steps", "every_n_epochs") if getattr(s, k) is not None]
+        when += [k for k in ("before_first_step",) if getattr(s, k)]
+        if when:
+            p.error(f"[sample] {', '.join(when)} set, but there is no prompt to render: add prompts = [\"...\"] "
+                    f"or prompts_file = \"prompts.txt\"")
