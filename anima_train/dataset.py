@@ -715,7 +715,7 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Dataset, collate, sampler
+# Dataset, collate, batch sizes (the sampler: sampler.py)
 
 
 @dataclass(frozen=True)
