@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -67,3 +68,23 @@ def write_text(final: str | os.PathLike, text: str) -> Path:
         with open(tmp, "w", encoding="utf-8", newline="") as fh:
             fh.write(text)
     return Path(final)
+
+
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
+    """Move a finished temp folder into place. An earlier folder of that name is set aside first and removed only
+    once the new one is in place; if the move fails it is put back (a folder cannot be os.replace'd over another on
+    every platform, so a plain rmtree + rename would lose the earlier one to a crash in between)."""
+    final = Path(final)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final

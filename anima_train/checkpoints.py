@@ -308,13 +308,3 @@ def write_json_atomic(path: Path, data: dict) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def replace_dir_atomic(tmp_dir: Path, final_dir: Path) -> None:
-    """Move a finished temp directory into place; an older directory of the same name is removed only after."""
-    final_dir = Path(final_dir)
-    old = None
-    if final_dir.exists():
-        old = final_dir.with_name(f".{final_dir.name}.old-{os.getpid()}")
-        os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 
 from anima_train import keymaps
+from anima_train.atomic import publish_dir
 from anima_train.errors import UserError
 from anima_train.models import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
 
@@ -317,9 +318,7 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
             log(f"tokenizers: copied from {token_source}")
         if modular_index:
             write_modular_index(tmp, out)
-        if out.exists():
-            out.rmdir()  # empty (checked above); os.replace cannot replace a folder on every platform
-        os.replace(tmp, out)
+        publish_dir(tmp, out)  # `out` is absent or empty (checked above)
         log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

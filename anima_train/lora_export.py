@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from anima_train import __version__, keymaps
-from anima_train.atomic import atomic_path
+from anima_train.atomic import atomic_path, publish_dir
 from anima_train.config import LORA_FORMATS
 
 DIFFUSION_PREFIX = "diffusion_model."  # ComfyUI's model key prefix; diffusers' Anima LoRA loader expects it too
@@ -351,9 +351,7 @@ def save_full_diffusers(folder, transformer, text_conditioner, metadata: Mapping
             sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
                   for k, v in _plain_state_dict(model).items()}
             write_safetensors(tmp / sub / "diffusion_pytorch_model.safetensors", sd, md)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        publish_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -23,6 +23,7 @@ import torch
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
 from anima_train.speed import ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile
+from anima_train.atomic import publish_dir
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -706,7 +707,7 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
         if accelerator.is_main_process:
             write(ckpt.STATE_FILE,
                   lambda p: ckpt.write_json_atomic(p, {**info, "processes": accelerator.num_processes}))
-            ckpt.replace_dir_atomic(tmp, state_dir)
+            publish_dir(tmp, state_dir)
     except BaseException:
         if accelerator.is_main_process:  # a half-written state is of no use: leave no hidden temp dir behind
             shutil.rmtree(tmp, ignore_errors=True)

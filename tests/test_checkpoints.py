@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,16 +116,43 @@ def test_latest_state_is_the_highest_recorded_step(tmp_path):
     assert C.latest_state(tmp_path) == tmp_path / "run-epoch001-state"
 
 
-def test_replace_dir_atomic(tmp_path):
+def test_publish_dir_replaces_a_folder(tmp_path):
+    from anchor.atomic import publish_dir
+
     final = tmp_path / "x-state"
     final.mkdir()
     (final / "old").write_text("old")
     tmp = tmp_path / ".x-state.tmp"
     tmp.mkdir()
     (tmp / "new").write_text("new")
-    C.replace_dir_atomic(tmp, final)
+    publish_dir(tmp, final)
     assert sorted(p.name for p in final.iterdir()) == ["new"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x-state"]
+
+
+def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch):
+    """save_full_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
+    open handle on Windows): the earlier folder is still there, whole. The old code deleted it first, then renamed."""
+    from anima_train import lora_export
+    from anima_train.models import load_components
+    from anima_train.tiny import build_tiny_anima
+
+    parts = load_components(build_tiny_anima(tmp_path / "repo").diffusers_dir, dtype="float32")
+    folder = lora_export.save_full_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)
+    before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(src).name.startswith(".ft.tmp-"):  # the finished folder's rename, not its files
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OSError, match="No space left"):
+        lora_export.save_full_diffusers(folder, parts.transformer, parts.text_conditioner, overwrite=True)
+    monkeypatch.setattr(os, "replace", real)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ft", "repo"]  # no temp or set-aside folder left
 
 
 def test_prune_never_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch):
