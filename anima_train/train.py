@@ -291,6 +291,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
     result.components = model.parts
     _report_done(progress, result, start_step=start_step, total=total, t_start=t_start)
+    # every rank tears the process group down together: a rank that leaves while the main one is still plotting has
+    # been seen to abort the other at exit (gloo, "terminate called without an active exception", exit -6)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
 

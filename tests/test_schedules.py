@@ -271,6 +271,7 @@ for _ in range(12):
     opt.zero_grad()
 if acc.is_main_process:
     json.dump({"n": acc.num_processes, "lrs": seen}, open(sys.argv[1], "w"))
+acc.wait_for_everyone()  # tear down together (a rank leaving early once aborted the other at exit: exit -6)
 acc.end_training()
 '''
 
