@@ -71,10 +71,10 @@ def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str
     return "default"
 
 
-def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
+def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> None:
     """checkpoint_blocks = "auto", after the first optimizer step: keep the activations of as many blocks as fit;
-    with every block kept and room to spare, keep the frozen Qwen3 on the GPU too (no copy-in per step). Returns
-    the ParkedWeights (resident once the text encoder stays on the GPU)."""
+    with every block kept and room to spare, keep the frozen Qwen3 on the GPU too (no copy-in per step: `parked`
+    becomes resident, for every holder of it)."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
     steady, peak, budget = checkpointing.memory_now(device)
@@ -92,7 +92,6 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say):
     gib = checkpointing.GIB
     say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB){kept_text_encoder}")
-    return parked
 
 
 def compile_transformer(transformer, cfg: Config, mode: str) -> None:

@@ -238,8 +238,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             # -- one optimizer step done: report it, then stop, save or go on --------------------------------
             global_step += 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
-                model.parked = plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(),
-                                                  model.parked, device, say)
+                plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked, device, say)
             stats = accelerator.reduce(stats_sum / micro, reduction="mean").tolist()
             stats_sum, micro = None, 0
             result.losses.append(stats[0])

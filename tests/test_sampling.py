@@ -28,30 +28,12 @@ def latents_dir(tmp_path_factory):
 
 
 def config_text(model, data, out, *, sample: str = "", logging: str = "", max_steps: int = 4, seed: int = 0) -> str:
-    return f"""[train]
-model_path = "{model}"
-output_dir = "{out}"
-run_name = "prev"
-epochs = 100
-max_steps = {max_steps}
-batch_size = 2
-dtype = "float32"
-num_workers = 0
-progress = "off"
-gradient_checkpointing = false
-save_every_epochs = 0
-seed = {seed}
-[dataset]
-path = "{data}"
-resolution = 128
-[adapter]
-rank = 4
-alpha = 4.0
-dropout = 0.1
-[optimizer]
-lr = 1e-2
-{sample}
-{logging}"""
+    from tests.fixtures_tiny import small_run_toml
+
+    return small_run_toml(model, data, out,
+                          train=f'run_name = "prev"\nepochs = 100\nmax_steps = {max_steps}\nbatch_size = 2\n'
+                                f'save_every_epochs = 0\nseed = {seed}',
+                          tables=f"dropout = 0.1\n[optimizer]\nlr = 1e-2\n{sample}\n{logging}")
 
 
 SAMPLE = """[sample]
