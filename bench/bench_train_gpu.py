@@ -72,7 +72,6 @@ def parse_run(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-RUNS = {n: (parse_run(n)[1], KINDS[parse_run(n)[0]]) for n in ("lora_b8", "full_b4", "full8bit_b4")}
 
 
 def build_repo(repo: Path) -> None:
