@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from anima_train.speed import to_device
+
 MAX_SEQUENCE_LENGTH = 512
 
 
@@ -29,8 +31,28 @@ def tokenize(captions: list[str], tokenizer, t5_tokenizer, max_length: int = MAX
     return {"qwen_ids": qwen_ids, "qwen_mask": qwen_mask, "t5_ids": t5["input_ids"], "t5_mask": t5["attention_mask"]}
 
 
-def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor) -> torch.Tensor:
-    hidden = text_encoder(input_ids=qwen_ids, attention_mask=qwen_mask).last_hidden_state
+def qwen_attention_mask(text_encoder, mask: torch.Tensor) -> torch.Tensor | None:
+    """What Qwen3 attends to, from the host's [B, L] padding mask, for its `attention_mask`.
+
+    Given a [B, L] mask on the GPU, transformers reads it back twice per call (two host syncs) to choose between
+    plain causal attention (no padding) and a [B, 1, L, L] causal-and-padding mask. Deciding here, on the host copy,
+    gives SDPA the same arguments without the syncs. Other attention backends get the [B, L] mask as before."""
+    config = getattr(getattr(text_encoder, "module", text_encoder), "config", None)  # DDP-wrapped when trained
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return mask
+    if bool(mask.all()):
+        return None  # no padding: transformers then runs causal SDPA without a mask
+    n = mask.shape[1]
+    return torch.ones(n, n, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None, :]
+
+
+def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor,
+                attention_mask: torch.Tensor | None | str = "from_mask") -> torch.Tensor:
+    """Qwen3's last hidden state, zeroed on padding. `attention_mask`: what qwen_attention_mask made of the host
+    mask (already on the device), or by default `qwen_mask` itself."""
+    if isinstance(attention_mask, str):
+        attention_mask = qwen_mask
+    hidden = text_encoder(input_ids=qwen_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden * qwen_mask[..., None].to(hidden.dtype)
 
 
@@ -42,8 +64,11 @@ def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder
     Qwen3 runs without autograd unless it is being trained (it is the largest part of the text path and is frozen in
     the common case); the conditioner always runs with autograd enabled so it can be trained or pass gradients.
     """
-    tok = {k: v.to(device) for k, v in tokenize(captions, tokenizer, t5_tokenizer, max_length).items()}
+    host = tokenize(captions, tokenizer, t5_tokenizer, max_length)
+    attention = qwen_attention_mask(text_encoder, host["qwen_mask"])
+    tok = {k: to_device(v, device) for k, v in host.items()}
     with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):
-        qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"])
+        qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
+                                  None if attention is None else to_device(attention, device))
     return conditioner(source_hidden_states=qwen_hidden, target_input_ids=tok["t5_ids"],
                        target_attention_mask=tok["t5_mask"], source_attention_mask=tok["qwen_mask"])

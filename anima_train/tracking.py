@@ -56,7 +56,7 @@ class Tracker:
         # flush every few seconds: a run that dies keeps its curve (SummaryWriter's default is 120 s)
         accelerator.init_trackers(name, init_kwargs={TRACKER: {"flush_secs": 5}})
 
-    def step(self, stats, *, group_names: list[str], grad_norm: float | None, images: int) -> None:
+    def step(self, stats, *, group_names: list[str], images: int) -> None:
         """One optimizer step (stats: progress.StepStats); `images` = images this step over all processes."""
         if not self.on:
             return
@@ -68,14 +68,17 @@ class Tracker:
             values["ot/moved_fraction"] = stats.ot
         for name, lr in zip(group_names, stats.lrs):
             values[f"lr/{name}"] = lr
-        if grad_norm is not None:
-            values["grad_norm"] = grad_norm
         if self._last is not None and now > self._last[0]:
             values["throughput/images_per_s"] = images * (stats.step - self._last[1]) / (now - self._last[0])
         for rank, gib in enumerate(stats.peak_gb):
             values[f"memory/peak_gib_rank{rank}"] = gib
         self._last = (now, stats.step)
         self.accelerator.log(values, step=stats.step)
+
+    def grad_norm(self, step: int, value: float) -> None:
+        """The pre-clip gradient norm of `step`, logged one step late: reading it at once would stall the GPU."""
+        if self.on:
+            self.accelerator.log({"grad_norm": value}, step=step)
 
     def images(self, step: int, images: list) -> None:
         """Preview images (PIL) at `step`: one image series per prompt (main process only)."""

@@ -22,7 +22,8 @@ import torch
 
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
-from anima_train.speed import ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile
+from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile,
+                               to_device)
 from anima_train.atomic import publish_dir
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
@@ -104,7 +105,10 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
           overwrite: bool = False, allow_missing_captions: bool = False) -> TrainResult:
     from accelerate import Accelerator
 
-    accelerator = Accelerator(mixed_precision="no", cpu=cpu,
+    from accelerate import DataLoaderConfiguration
+
+    # batches come from pinned memory (the DataLoader's pin_memory on CUDA) and are copied without a host sync
+    accelerator = Accelerator(mixed_precision="no", cpu=cpu, dataloader_config=DataLoaderConfiguration(non_blocking=True),
                               gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
                               **tracking.accelerator_kwargs(cfg, Path(cfg.train.output_dir) / cfg.run_stem))
     progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
@@ -151,7 +155,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
     optimizer = build_optimizer(model.groups, cfg.optimizer)
     loader = DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=collate,
-                        num_workers=cfg.train.num_workers, persistent_workers=False)
+                        num_workers=cfg.train.num_workers, persistent_workers=False,
+                        pin_memory=device.type == "cuda")
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
     total = 1 if dry_run else _total_steps(cfg, per_epoch)
@@ -196,7 +201,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- the loop: for epoch, for batch: micro-step, backward, clip, step; report; maybe save or stop ------------
     watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
     stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
-    step_images, grad_norm = 0, None
+    step_images, readout, norms = 0, None, []  # norms: (step, HostCopy) not yet logged
     epoch, done = start_epoch, global_step >= total
     if not done:
         previews.before_training(global_step)
@@ -217,11 +222,18 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             check_batch_phase(batch, phase)
             with accelerator.accumulate(*trainable):
                 loss, loss_parts = _flow_matching_loss(cfg, model, gens, batch, phase)
+                values = _loss_values(loss, loss_parts)
+                stats_sum = values if stats_sum is None else stats_sum + values
+                micro += 1
+                if accelerator.sync_gradients:  # on its way to the host while the backward runs (speed.HostCopy)
+                    readout = _readout(accelerator, stats_sum / micro, stop_vote=bool(stop_file or watched)
+                                       and _stop_vote(stop_file))
+                    stats_sum, micro = None, 0
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
                     norm = accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
-                    # pre-clip, for TensorBoard only: reading it is a host sync
-                    grad_norm = float(norm) if norm is not None and tracker.on else None
+                    if norm is not None and tracker.on:  # pre-clip, for TensorBoard: read at the next report
+                        norms.append((global_step + 1, HostCopy(norm.float().reshape(1))))
                 if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
                     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                         group["lr"] = lr * phase.lr_mul
@@ -229,9 +241,6 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            values = _loss_values(loss, loss_parts, device)
-            stats_sum = values if stats_sum is None else stats_sum + values
-            micro += 1
             if not accelerator.sync_gradients:
                 continue
 
@@ -239,21 +248,22 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             global_step += 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
                 plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked, device, say)
-            stats = accelerator.reduce(stats_sum / micro, reduction="mean").tolist()
-            stats_sum, micro = None, 0
+            stats, stop_votes, peaks = _read(readout, world, accelerator)
             result.losses.append(stats[0])
             result.global_step = global_step
             step_stats = _step_stats(cfg, stats, step=global_step, epoch=epoch, lrs=used_lrs, phase=phase,
-                                     accelerator=accelerator)
+                                     peak_gb=peaks)
             progress.step(step_stats, report=global_step % cfg.train.log_every == 0 or global_step == total)
-            tracker.step(step_stats, group_names=[g["name"] for g in model.groups], grad_norm=grad_norm,
-                         images=step_images * world)
-            step_images, grad_norm = 0, None
+            tracker.step(step_stats, group_names=[g["name"] for g in model.groups], images=step_images * world)
+            while norms and norms[0][0] < global_step:  # the previous step's (reading this one would wait)
+                tracker.grad_norm(norms[0][0], norms.pop(0)[1].read()[0])
+            step_images = 0
             previews.after_step(global_step)
             if global_step >= total:
                 done = True
                 break
-            if (stop_file or watched) and _stop_requested(stop_file, accelerator):
+            # one process: the stop file now; several: the votes sent with this step's loss (all ranks agree)
+            if (stop_file or watched) and (any(stop_votes) if world > 1 else _stop_vote(stop_file)):
                 reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
                 say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
@@ -273,6 +283,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             _save(run, epoch=epoch, batch_index=0, epoch_tag=epoch)
 
     # -- the end: last previews, final checkpoint, loss plot ---------------------------------------------------
+    for step_of, norm in norms:
+        tracker.grad_norm(step_of, norm.read()[0])
     if not result.stopped:
         previews.at_end(global_step)
     if not no_save and not cfg.train.skip_final_save and not result.stopped:
@@ -482,7 +494,7 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
     moved = None
     if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
         noise, moved = ot_pair_noise(x0, noise)
-    t = sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase).to(device)
+    t = to_device(sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase), device)
     x_t = noisy_latents(x0, noise, t)
     with parked.on_device() if parked is not None else contextlib.nullcontext():
         context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
@@ -490,7 +502,7 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
                                  train_text_encoder=model.train_text_encoder)
     pred = model.transformer(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
                              padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
-    mask = batch["loss_mask"].to(device) if "loss_mask" in batch else None  # texture crops only
+    mask = to_device(batch["loss_mask"], device) if "loss_mask" in batch else None  # texture crops only
     loss, loss_parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=cfg.flow.hf_scale,
                                  hf_exponent=cfg.flow.hf_exponent, mask=mask)
     if moved is not None:
@@ -498,16 +510,20 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
     return loss, loss_parts
 
 
-def _loss_values(loss: torch.Tensor, loss_parts: dict, device: torch.device) -> torch.Tensor:
+def _loss_values(loss: torch.Tensor, loss_parts: dict) -> torch.Tensor:
     """[loss, mse, hf, ot] of one micro-batch as one device tensor: summed on the device, the host reads them once
-    per optimizer step, not once per micro-batch."""
-    return torch.stack([loss.detach().float()] + [torch.as_tensor(loss_parts.get(k, d), device=device,
-                                                                  dtype=torch.float32).detach()
-                                                 for k, d in (("mse", loss.detach()), ("hf", 0.0), ("ot", 0.0))])
+    per optimizer step, not once per micro-batch. A part that is a Python number is filled in on the device (a
+    tensor made on the host would be copied in: a host sync)."""
+    loss = loss.detach().float()
+
+    def value(part):
+        return part.detach().float() if torch.is_tensor(part) else torch.full((), float(part), device=loss.device)
+
+    return torch.stack([loss] + [value(loss_parts.get(k, d)) for k, d in (("mse", loss), ("hf", 0.0), ("ot", 0.0))])
 
 
 def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: list[float], phase,
-                accelerator) -> StepStats:
+                peak_gb: list[float]) -> StepStats:
     """The optimizer step's report from its mean-over-ranks [loss, mse, hf, ot]; a part the config does not use
     is None."""
     from anima_train.flow import phase_summary
@@ -516,7 +532,7 @@ def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: 
                      mse=stats[1] if cfg.flow.hf_scale > 0 else None,
                      hf=stats[2] if cfg.flow.hf_scale > 0 else None,
                      ot=stats[3] if cfg.flow.use_ot else None,
-                     lrs=lrs, peak_gb=_peak_gb(accelerator),
+                     lrs=lrs, peak_gb=peak_gb,
                      phase=phase_summary(cfg.curriculum, phase))
 
 
@@ -534,18 +550,38 @@ def _report_done(progress: Progress, result: TrainResult, *, start_step: int, to
                    seconds=time.perf_counter() - t_start)
 
 
-def _stop_requested(stop_file: str | None, accelerator) -> bool:
-    """Every rank must agree to stop at the same step (a lone rank leaving would hang the others' all-reduce)."""
-    stop = (stop_file and os.path.exists(stop_file)) or parent_watch.parent_gone()
-    flag = torch.tensor([1.0 if stop else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+def _stop_vote(stop_file: str | None) -> bool:
+    """This process wants to stop: the stop file exists, or the parent (ComfyUI) is gone."""
+    return bool((stop_file and os.path.exists(stop_file)) or parent_watch.parent_gone())
 
 
-def _peak_gb(accelerator) -> list[float]:
-    if not torch.cuda.is_available() or accelerator.device.type != "cuda":
-        return []
-    peak = torch.tensor([torch.cuda.max_memory_allocated(accelerator.device) / 2**30], device=accelerator.device)
-    return [round(float(x), 2) for x in accelerator.gather(peak)]
+def _peak_gib(device: torch.device) -> float:
+    # the caching allocator's host-side counter (no sync); it counts the queued kernels' memory already
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def _readout(accelerator, stats: torch.Tensor, *, stop_vote: bool) -> HostCopy:
+    """This step's [loss, mse, hf, ot] (the mean over processes), on its way to the host (HostCopy), queued after the
+    forward. With several processes each one's stop vote and peak memory travel with it: one gather, no extra sync;
+    every rank then reads the same votes, so all stop at the same step (a lone rank leaving would hang the
+    others)."""
+    world = accelerator.num_processes
+    if world == 1:
+        return HostCopy(stats)
+    own = torch.stack([torch.full((), float(stop_vote), device=stats.device),  # filled on the device: no copy-in
+                       torch.full((), _peak_gib(stats.device), device=stats.device)])
+    rows = accelerator.gather(torch.cat([stats.float(), own])).view(world, -1)
+    return HostCopy(torch.cat([rows[:, :4].mean(0), rows[:, 4], rows[:, 5]]))
+
+
+def _read(readout: HostCopy, world: int, accelerator) -> tuple[list[float], list[float], list[float]]:
+    """(stats, stop votes, peak GiB per rank) of the step whose readout this is; no peaks off CUDA."""
+    values = readout.read()
+    if world == 1:
+        stats, votes, peaks = values, [], [_peak_gib(accelerator.device)]
+    else:
+        stats, votes, peaks = values[:4], values[4:4 + world], values[4 + world:]
+    return stats, votes, [round(p, 2) for p in peaks] if accelerator.device.type == "cuda" else []
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------

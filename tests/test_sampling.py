@@ -184,6 +184,8 @@ def test_previews_and_tensorboard_on_a_tiny_run(tmp_path, tiny_anima, latents_di
     assert [v for _, v in loss] == pytest.approx(result.losses, rel=1e-6)
     assert {"lr/self_attn", "lr/cross_attn", "lr/mlp", "grad_norm"} <= set(tags["scalars"])
     assert "throughput/images_per_s" in tags["scalars"]
+    # logged one step late (reading it at once would stall the GPU), yet one per step, the last one too
+    assert [e.step for e in acc.Scalars("grad_norm")] == [1, 2, 3, 4, 5]
     assert all(e.value > 0 for e in acc.Scalars("grad_norm"))
     assert set(tags["images"]) == {"samples/prompt00", "samples/prompt01"}
     shots = acc.Images("samples/prompt00")

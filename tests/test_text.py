@@ -26,7 +26,7 @@ def test_matches_diffusers_pipeline(tiny_anima):
     parts = load_repo(tiny_anima.diffusers_dir)
     with torch.no_grad():
         for captions in (["red circle, white background", "blue square"], ["", "green triangle, black background"],
-                         ["", ""]):
+                         ["", ""], ["red circle, white background"]):
             ours = encode_prompts(captions, tokenizer=parts["tokenizer"], t5_tokenizer=parts["t5_tokenizer"],
                                   text_encoder=parts["text_encoder"], conditioner=parts["text_conditioner"],
                                   device="cpu")
@@ -34,6 +34,27 @@ def test_matches_diffusers_pipeline(tiny_anima):
             assert ours.shape == ref.shape
             assert torch.equal(ours, ref), captions
             assert torch.isfinite(ours).all()
+
+
+def test_qwen_mask_is_decided_on_the_host(tiny_anima):
+    # transformers reads a device [B, L] mask back twice per call (two host syncs per training step on a GPU); we
+    # hand SDPA the mask it would build: none without padding, causal & padding with it (equality: test above)
+    from anima_train.text import qwen_attention_mask
+
+    parts = load_repo(tiny_anima.diffusers_dir)
+    te = parts["text_encoder"]
+    assert te.config._attn_implementation == "sdpa"
+    padded = tokenize(["red circle, white background", "blue square"], parts["tokenizer"], parts["t5_tokenizer"])
+    mask = qwen_attention_mask(te, padded["qwen_mask"])
+    n = padded["qwen_mask"].shape[1]
+    assert mask.shape == (2, 1, n, n) and mask.dtype == torch.bool
+    assert not mask[1, 0, -1, -1] and mask[0, 0, -1, -1] and not mask[0, 0, 0, 1]
+    assert qwen_attention_mask(te, torch.ones(2, 5, dtype=torch.long)) is None
+    te.config._attn_implementation = "eager"
+    try:
+        assert qwen_attention_mask(te, padded["qwen_mask"]) is padded["qwen_mask"]
+    finally:
+        te.config._attn_implementation = "sdpa"
 
 
 def test_empty_batch_gets_one_masked_token(tiny_anima):
