@@ -143,15 +143,40 @@ class FP32MasterWeights:
 
     @torch.no_grad()
     def step(self, closure=None):
-        for p, master in self.master_pairs:
-            master.grad = None if p.grad is None else p.grad.to(torch.float32)
-            p.grad = None
+        self._gradients_onto_masters()
         loss = super().step(closure)
         if self.master_pairs:
             torch._foreach_copy_([p for p, _ in self.master_pairs], [m for _, m in self.master_pairs])
             for _, master in self.master_pairs:
                 master.grad = None
         return loss
+
+    GRAD_CHUNK = 2**26  # elements up-cast per foreach copy (256 MB in fp32): both copies of a gradient coexist briefly
+
+    def _gradients_onto_masters(self) -> None:
+        """Each gradient up-cast onto its master, in a few foreach copies rather than one `.to()` per tensor: a LoRA
+        has hundreds of small tensors, and launching one copy each cost more host time than the GPU spent on them."""
+        chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def flush():
+            grads = [torch.empty_like(master) for _, master in chunk]
+            torch._foreach_copy_(grads, [p.grad for p, _ in chunk])
+            for (p, master), grad in zip(chunk, grads):
+                master.grad, p.grad = grad, None
+            chunk.clear()
+
+        size = 0
+        for p, master in self.master_pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            chunk.append((p, master))
+            size += master.numel()
+            if size >= self.GRAD_CHUNK:
+                flush()
+                size = 0
+        if chunk:
+            flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -128,3 +128,27 @@ def test_torch_adamw_refuses_sdnq_weights():
         build_optimizer(two_groups(model, 1e-3), OptimizerConfig())
     with pytest.raises(ValueError, match="no parameters"):
         build_optimizer([{"params": [], "lr": 1e-3}], OptimizerConfig(kind="lion"))
+
+
+def test_gradients_reach_the_masters_exactly_in_any_chunking(monkeypatch):
+    # the bf16 gradients are up-cast onto the masters in foreach chunks (fewer launches than one .to() per tensor);
+    # chunk boundaries inside the parameter list (1 element: every tensor its own chunk; 200: mixed) change nothing,
+    # and the result is the fp32 AdamW step on exactly the up-cast gradients
+    from anima_train.optimizers import FP32MasterWeights
+
+    _, whole = train("adamw", dtype=torch.bfloat16)
+    for chunk in (1, 200):
+        monkeypatch.setattr(FP32MasterWeights, "GRAD_CHUNK", chunk)
+        opt, losses = train("adamw", dtype=torch.bfloat16)
+        assert losses == whole, chunk
+    model = tiny_mlp(dtype=torch.bfloat16)
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = build_optimizer([{"params": list(model.parameters()), "lr": 1e-2}], OptimizerConfig(kind="adamw", lr=1e-2))
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.999), weight_decay=opt.param_groups[0]["weight_decay"])
+    for p, r in zip(model.parameters(), reference):
+        p.grad = torch.randn_like(p)
+        r.grad = p.grad.float()
+    opt.step()
+    ref_opt.step()
+    assert all(torch.equal(p, r.to(torch.bfloat16)) for p, r in zip(model.parameters(), reference))
+    assert all(p.grad is None for p in model.parameters())
