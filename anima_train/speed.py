@@ -131,23 +131,16 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB){kept_text_encoder}")
 
 
-def compile_models(transformer, text_encoder, conditioner, cfg: Config, mode: str) -> None:
+def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     """torch.compile, lazily (each new shape compiles on first use). Regional: each of the identical DiT blocks is
     compiled (one graph, reused 28 times) instead of the whole trunk, which takes minutes to compile. Dynamic shapes
-    keep mixed buckets and per-tier batch sizes from exhausting dynamo's recompile limit (raised 8 -> 32).
-
-    The text path (Qwen3's decoder layers, the LLM adapter's blocks) is compiled too, for the host's sake: eager, it
-    launches ~1,800 small kernels a step whose Python outlasts their GPU time, so the GPU waited at the start of
-    every step (an H200 LoRA b8 step: 745 ms of kernels in 811 ms)."""
+    keep mixed buckets and per-tier batch sizes from exhausting dynamo's recompile limit (raised 8 -> 32)."""
     import torch._dynamo
 
     dynamo_config = torch._dynamo.config
     for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
-    if cfg.train.compile_regional:
-        targets = [*transformer.transformer_blocks, *text_encoder.layers, *conditioner.blocks]
-    else:
-        targets = [transformer, text_encoder, conditioner]
+    targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
         module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)

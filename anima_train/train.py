@@ -22,7 +22,7 @@ import torch
 
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
-from anima_train.speed import (HostCopy, ParkedWeights, compile_models, plan_checkpointing, resolve_compile,
+from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile,
                                to_device)
 from anima_train.atomic import publish_dir
 from anima_train.config import Config, copy_config_verbatim, load_config
@@ -439,11 +439,10 @@ def _total_steps(cfg: Config, per_epoch: int) -> int:
 
 
 def _compile_when_it_pays(cfg: Config, model: Model, device: torch.device, total: int, say) -> None:
-    """torch.compile the DiT and the text path (compile = "auto": on CUDA, for a run long enough), then say how the
-    step is sped up."""
+    """torch.compile the DiT (compile = "auto": on CUDA, for a run long enough), then say how the step is sped up."""
     compile_mode = resolve_compile(cfg.train.compile, device, total)
     if compile_mode:
-        compile_models(model.transformer, model.text_encoder, model.conditioner, cfg, compile_mode)
+        compile_transformer(model.transformer, cfg, compile_mode)
     n_blocks = len(model.block_ckpt.blocks)
     ckpt_text = ("auto (decided after the first step)" if model.recompute is None
                  else f"{model.recompute} of {n_blocks} blocks")
