@@ -50,3 +50,26 @@ def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp
     refused = [json.loads((tmp_path / f"rank{r}.json").read_text())["refused"] for r in (0, 1)]
     assert refused[0] == refused[1] and f"{run_dir} already holds a run named 'anima'" in refused[0]
     assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_stop_asked_by_one_rank_stops_both_at_the_same_step(tiny_anima, tmp_path):
+    # only rank 0 sees a stop file (created while it reports step 2); its vote travels with the next step's loss
+    # (one gather, no extra host sync), so both ranks stop after the same step, save once and exit: no rank is left
+    # waiting in a collective (a rank-local check would hang rank 1 or stop the ranks apart)
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=24, seed=3)
+    cfg = tmp_path / "ddp.toml"
+    cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
+                                  train="epochs = 10\nbatch_size = 2\nsave_optimizer_state = true"))
+    out = torchrun([ROOT / "tests" / "ddp_worker.py", cfg, tmp_path, "save", "stop"], cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["stopped"] and r1["stopped"]
+    assert r0["steps"] == r1["steps"] and r0["steps"] in (2, 3)  # at most one step after the request
+    assert r0["losses"] == r1["losses"] and r0["digest"] == r1["digest"]
+    step = r0["steps"]
+    run_dir = tmp_path / "out" / "anima"
+    assert r0["saved"] == [str(run_dir / f"anima-step{step:06d}.safetensors")]
+    assert (run_dir / f"anima-step{step:06d}-state" / "state.json").is_file()
+    assert not (run_dir / "anima.safetensors").exists()  # stopped: no final file
