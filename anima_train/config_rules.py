@@ -125,18 +125,8 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
         p.error(f"[dataset.caption] tag_delimiter = {as_toml(c.tag_delimiter)}: tags are split on the trimmed "
                 'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
     if c.protected_tags_file is not None and p.ok("dataset.caption.protected_tags_file"):
-        tag_path = Path(c.protected_tags_file).expanduser()
-        if not tag_path.is_absolute():
-            tag_path = base_dir / tag_path
-        try:
-            lines = tag_path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            p.error(f"[dataset.caption] protected_tags_file = {as_toml(c.protected_tags_file)}: file not found "
-                    f"({tag_path}); relative paths are read from the config file's folder")
-        except (OSError, UnicodeDecodeError) as exc:
-            p.error(f"[dataset.caption] protected_tags_file = {as_toml(c.protected_tags_file)}: cannot read "
-                    f"{tag_path} as UTF-8 text ({exc})")
-        else:
+        _, lines = _read_text_lines(p, "dataset.caption", "protected_tags_file", c.protected_tags_file, base_dir)
+        if lines is not None:
             c.file_protected_tags = parse_protected_tags(lines)
 
     t = d.texture
@@ -297,6 +287,22 @@ def _check_optimizer(cfg: Config, p: Problems) -> None:
                     f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
 
 
+def _read_text_lines(p: Problems, table: str, key: str, value: str, base_dir: Path) -> tuple[Path, list[str] | None]:
+    """The path of a UTF-8 text file a config key names (relative to the config file's folder) and its lines, or
+    None for the lines after reporting why it cannot be read."""
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        return path, path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        p.error(f"[{table}] {key} = {as_toml(value)}: file not found ({path}); relative paths are read from the "
+                f"config file's folder", f"{table}.{key}")
+    except (OSError, UnicodeDecodeError) as exc:
+        p.error(f"[{table}] {key} = {as_toml(value)}: cannot read {path} as UTF-8 text ({exc})", f"{table}.{key}")
+    return path, None
+
+
 def _check_sample(cfg: Config, base_dir: Path, p: Problems) -> None:
     s = cfg.sample
     for name in ("width", "height"):
@@ -305,18 +311,8 @@ def _check_sample(cfg: Config, base_dir: Path, p: Problems) -> None:
             p.error(f"[sample] {name} = {value}: must be a multiple of 16 (VAE factor 8 x patch 2), e.g. "
                     f"{max(16, 16 * round(value / 16))}", f"sample.{name}")
     if s.prompts_file is not None and p.ok("sample.prompts_file"):
-        path = Path(s.prompts_file).expanduser()
-        if not path.is_absolute():
-            path = base_dir / path
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: file not found ({path}); relative paths are "
-                    f"read from the config file's folder", "sample.prompts_file")
-        except (OSError, UnicodeDecodeError) as exc:
-            p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: cannot read {path} as UTF-8 text ({exc})",
-                    "sample.prompts_file")
-        else:
+        path, lines = _read_text_lines(p, "sample", "prompts_file", s.prompts_file, base_dir)
+        if lines is not None:
             s.file_prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
             if not s.file_prompts:
                 p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: {path} has no prompt (one per line; "

@@ -106,6 +106,13 @@ def test_sample_config_errors_name_the_key_and_fix(tmp_path, tiny_anima, latents
     no_prompt = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path, sample="[sample]\nevery_n_steps = 5\n")
     with pytest.raises(ConfigError, match=r"every_n_steps set, but there is no prompt"):
         load_config(no_prompt)
+    (tmp_path / "comments.txt").write_text("# only a comment\n\n", encoding="utf-8")
+    only_comments = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path,
+                                sample="[sample]\nprompts_file = \"comments.txt\"\n")
+    (tmp_path / "cfg.toml").write_text(only_comments)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "cfg.toml")
+    assert f"{tmp_path / 'comments.txt'} has no prompt (one per line" in str(err.value)
 
 
 def test_prompts_file_is_read_relative_to_the_config(tmp_path, tiny_anima, latents_dir):
