@@ -47,11 +47,9 @@ def qwen_attention_mask(text_encoder, mask: torch.Tensor) -> torch.Tensor | None
 
 
 def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor,
-                attention_mask: torch.Tensor | None | str = "from_mask") -> torch.Tensor:
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Qwen3's last hidden state, zeroed on padding. `attention_mask`: what qwen_attention_mask made of the host
-    mask (already on the device), or by default `qwen_mask` itself."""
-    if isinstance(attention_mask, str):
-        attention_mask = qwen_mask
+    copy of `qwen_mask`, on the same device as the ids."""
     hidden = text_encoder(input_ids=qwen_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return hidden * qwen_mask[..., None].to(hidden.dtype)
 

@@ -103,9 +103,7 @@ def _precision_note() -> str | None:
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
           skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
           overwrite: bool = False, allow_missing_captions: bool = False) -> TrainResult:
-    from accelerate import Accelerator
-
-    from accelerate import DataLoaderConfiguration
+    from accelerate import Accelerator, DataLoaderConfiguration
 
     # batches come from pinned memory (the DataLoader's pin_memory on CUDA) and are copied without a host sync
     accelerator = Accelerator(mixed_precision="no", cpu=cpu, dataloader_config=DataLoaderConfiguration(non_blocking=True),
@@ -248,7 +246,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             global_step += 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
                 plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked, device, say)
-            stats, stop_votes, peaks = _read(readout, world, accelerator)
+            stats, stop_votes, peaks = _read(readout, accelerator)
             result.losses.append(stats[0])
             result.global_step = global_step
             step_stats = _step_stats(cfg, stats, step=global_step, epoch=epoch, lrs=used_lrs, phase=phase,
@@ -574,9 +572,9 @@ def _readout(accelerator, stats: torch.Tensor, *, stop_vote: bool) -> HostCopy:
     return HostCopy(torch.cat([rows[:, :4].mean(0), rows[:, 4], rows[:, 5]]))
 
 
-def _read(readout: HostCopy, world: int, accelerator) -> tuple[list[float], list[float], list[float]]:
+def _read(readout: HostCopy, accelerator) -> tuple[list[float], list[float], list[float]]:
     """(stats, stop votes, peak GiB per rank) of the step whose readout this is; no peaks off CUDA."""
-    values = readout.read()
+    world, values = accelerator.num_processes, readout.read()
     if world == 1:
         stats, votes, peaks = values, [], [_peak_gib(accelerator.device)]
     else:

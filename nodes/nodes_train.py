@@ -614,12 +614,13 @@ def encode_conditioning(model_path: str, text: str):
     LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
     import torch
 
-    from anima_train.text import encode_qwen, tokenize
+    from anima_train.text import encode_qwen, qwen_attention_mask, tokenize
 
     tokenizer, t5_tokenizer, text_encoder = _text_parts(model_path)
     tok = tokenize([text], tokenizer, t5_tokenizer)
     with torch.inference_mode():
-        cross_attn = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"]).float()
+        cross_attn = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
+                                 qwen_attention_mask(text_encoder, tok["qwen_mask"])).float()
     t5_ids = tok["t5_ids"][0].to(torch.int32)
     return [[cross_attn, {"t5xxl_ids": t5_ids, "t5xxl_weights": torch.ones(t5_ids.shape[0])}]]
 
