@@ -34,7 +34,8 @@ COMFY=$(dirname "$(find "$WORK" -maxdepth 3 -name main.py -path '*ComfyUI/main.p
 [ -f "$COMFY/requirements.txt" ] || { echo ".ci/comfyui.sh: no ComfyUI/main.py in $SNAPSHOT" >&2; exit 1; }
 say "ComfyUI extracted to $COMFY ($((SECONDS - t_start)) s)"
 
-key=$( { echo "${TORCH_SPEC[*]}"; "$PY" -c 'import sys; print(sys.version)'; cat "$COMFY/requirements.txt" requirements.txt; } \
+# comment lines do not change what pip installs, so they do not change the key
+key=$( { echo "${TORCH_SPEC[*]}"; "$PY" -c 'import sys; print(sys.version)'; grep -hv '^[[:space:]]*#' "$COMFY/requirements.txt" requirements.txt; } \
        | sha256sum | cut -c1-16)
 VENV=$CACHE/comfy-venv-$key
 if [ -x "$VENV/bin/python" ] && [ -f "$VENV/.complete" ]; then
