@@ -12,6 +12,7 @@ shuffling and dropout change them per epoch. Accelerate runs it on one or many p
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -25,7 +26,7 @@ from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
 from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile,
                                to_device)
-from anima_train.atomic import publish_dir
+from anima_train.atomic import publish_dir, write_text
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -63,6 +64,8 @@ class Run:
     gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
     claim: runs.Claim  # the run folder's claim: an --overwrite's set-aside files go once the first save is in place
     grad_norms: list = field(default_factory=list)  # (step, HostCopy) gradient norms not yet checked to be finite
+    earlier_losses: list = field(default_factory=list)  # a resumed run's losses before it (its state's losses.json)
+    first_loss_step: int = 1  # the step of earlier_losses[0] (or of this run's first loss when there are none)
 
 
 class Diverged(errors.UserError):
@@ -179,7 +182,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     global_step, start_epoch, skip_batches = 0, 0, 0
     if state_dir is not None:
         global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
-                                                              accelerator)
+                                                              accelerator, batches_per_epoch=len(loader))
         if global_step >= total and not dry_run:  # the exact total is known only now (data, processes)
             raise ckpt.finished_error(state_dir, global_step, total, cfg.train.max_steps, cfg.train.epochs)
         say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
@@ -197,6 +200,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
               run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
               gens=gens, claim=claim)
+    if state_dir is not None:  # the losses before the resume, for the plot and the next state
+        run.first_loss_step, run.earlier_losses = ckpt.read_losses(state_dir, start_step)
+    else:
+        run.first_loss_step = start_step + 1
     tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
     cleanup.callback(tracker.close)
     previews = sampling.Previewer(
@@ -310,8 +317,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if accelerator.is_main_process and not no_save and result.losses:
         from anima_train.plot import plot_losses
 
-        plot_losses(result.losses, run_dir / runs.LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
-                    first_step=start_step + 1)
+        plot_losses(run.earlier_losses + result.losses, run_dir / runs.LOSS_PLOT_NAME,
+                    title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step)
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
     result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
@@ -337,7 +344,8 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     refuse_multi_process(cfg, accelerator.num_processes)
     if note := _precision_note():
         say(note)
-    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
+    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading (a resume:
+    # its state.json, the adapter it was trained with, and no newer state of its run that it would overwrite)
     preflight.check_run_paths(cfg, saving=not no_save)
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
     if state_dir is not None and not dry_run:
@@ -660,7 +668,9 @@ def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, ep
         _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
                     run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
-                         steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
+                         steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem,
+                         adapter=ckpt.describe_adapter(cfg)),
+                    losses=dict(first_step=run.first_loss_step, losses=run.earlier_losses + result.losses))
     if accelerator.is_main_process:
         run.claim.published()
     if accelerator.is_main_process and not final:
@@ -763,8 +773,10 @@ def _trainable_state(models) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, gens, info: dict) -> None:
-    """`<stem>-state/`: state.json + accelerator/ {trainable weights, optimizer, scheduler, per-rank RNG}.
+def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, gens, info: dict,
+                losses: dict | None = None) -> None:
+    """`<stem>-state/`: state.json + accelerator/ {trainable weights, optimizer, scheduler, per-rank RNG}, and
+    losses.json (every step's loss so far: the plot of a resumed run covers the whole run).
 
     Only the trainable tensors are stored (a LoRA run's state is megabytes, not the 4 GB base). Every file is
     safetensors or a `torch.save` of plain tensors/numbers that `torch.load(weights_only=True)` reads back."""
@@ -791,6 +803,8 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
             write(f"{acc}/{ckpt.TRAINABLE_FILE}", lambda p: save_file(_trainable_state(unwrapped), str(p)))
             write(f"{acc}/optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p))
             write(f"{acc}/scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p))
+            if losses is not None:
+                write(ckpt.LOSSES_FILE, lambda p: write_text(p, json.dumps(losses) + "\n"))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write(ckpt.STATE_FILE,
@@ -803,10 +817,12 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
     accelerator.wait_for_everyone()
 
 
-def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelerator) -> tuple[int, int, int]:
+def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelerator, *,
+                batches_per_epoch: int) -> tuple[int, int, int]:
     from safetensors.torch import load_file
 
     info = ckpt.read_state(state_dir)
+    ckpt.check_position(state_dir, info, batches_per_epoch)
     if info.get("processes", 1) != accelerator.num_processes:
         raise ckpt.ResumeError(
             f"{state_dir} was saved by {info.get('processes')} process(es), this run has {accelerator.num_processes}: "
@@ -821,6 +837,13 @@ def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelera
         if expected != have:
             raise ckpt.ResumeError(f"{state_dir}: its trainable tensors do not match this run's "
                                    f"({len(have)} saved vs {len(expected)} here); was the adapter config changed?")
+        for n, p in own.items():  # a state from before state.json described its adapter: shapes, by tensor
+            saved = weights[f"{i}/{n}"]
+            if saved.shape != p.shape:
+                raise ckpt.ResumeError(
+                    f"{state_dir}: its tensor {n} is {list(saved.shape)}, this run's is {list(p.shape)}: the [adapter] "
+                    f"settings (rank, kind, components) differ from the run that saved it; set them back to resume "
+                    f"it, or start a new run")
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(weights[f"{i}/{n}"])
