@@ -176,6 +176,10 @@ def run(args) -> int:
 
     cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
+    from anima_train.dataset import build_training_data
+
+    # the dataset scan `train` does before it loads the model: captions, and stale, damaged or NaN latent caches
+    build_training_data(cfg, cfg.train.model_path)
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
           f"dataset folder(s) and output folder are usable)")
     return 0
