@@ -192,14 +192,16 @@ def _no_state_message(p: Path, state: Path) -> str:
                 f"checkpoint: point it at a state folder of the run to continue, or at the checkpoint file beside "
                 f"one.{hint}")
     saved_state = _saved_optimizer_state(p)
-    if saved_state is False:
-        return (f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
-                f"inference-only (the run had save_optimizer_state = false); resuming needs the optimizer state. "
-                f"Set [train] save_optimizer_state = true for runs you may want to resume.")
     interrupted = any(q.name.startswith(f".{state.name}.") for q in p.parent.iterdir()) if p.parent.is_dir() else False
+    if not interrupted and not saved_state:
+        why = ("the run had save_optimizer_state = false" if saved_state is False
+               else "saved without its optimizer state, or the state was deleted")
+        return (f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
+                f"inference-only ({why}); resuming needs the optimizer state. Set [train] save_optimizer_state = "
+                f"true for runs you may want to resume.{hint}")
     why = ("it was being written when the run was interrupted" if interrupted else
            "the run saved states (save_optimizer_state = true) but this one is missing: it was interrupted while "
-           "being written, or deleted" if saved_state else "it was not saved, or was deleted")
+           "being written, or deleted")
     return (f"resume_from = {str(p)!r}: its state {state.name!r} is not there ({why}), so this checkpoint cannot be "
             f"resumed.{hint or ' The run has no other state to resume from.'}")
 
@@ -253,7 +255,7 @@ def load_state_file(path: Path) -> Iterator[None]:
 
 # state.json's numbers: (key, smallest value, required). Each is read on resume, so each is checked: an edited or
 # damaged file must not resume at step -5 or skip past the end of its epoch.
-STATE_INTS = (("global_step", 1, True), ("epoch", 0, True), ("batch_in_epoch", 0, False),
+STATE_INTS = (("global_step", 1, True), ("epoch", 0, False), ("batch_in_epoch", 0, False),
               ("steps_per_epoch", 1, False), ("processes", 1, False))
 
 
@@ -290,7 +292,10 @@ def read_state(state_dir: Path) -> dict:
 
 
 def check_position(state_dir: Path, info: dict, batches_per_epoch: int) -> None:
-    """batch_in_epoch within an epoch of this run's data (known once the data loader is built)."""
+    """What only the resume itself reads: the epoch, and batch_in_epoch within an epoch of this run's data (known once
+    the data loader is built)."""
+    if "epoch" not in info:
+        raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE, "has no epoch"))
     batch = info.get("batch_in_epoch", 0)
     if batch > batches_per_epoch:
         raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE,
