@@ -279,7 +279,8 @@ def read_state(state_dir: Path) -> dict:
         if value < least:
             raise ResumeError(_bad_state(path, f"{key} = {value} is below {least}"))
     step = info["global_step"]
-    m = re.search(r"-step(\d+)$", state_dir.name[: -len(STATE_SUFFIX)]) if state_dir.name.endswith(STATE_SUFFIX) else None
+    stem = state_dir.name[: -len(STATE_SUFFIX)] if state_dir.name.endswith(STATE_SUFFIX) else ""
+    m = re.search(r"-step(\d+)$", stem)
     if m and int(m.group(1)) != step:
         raise ResumeError(_bad_state(path, f"global_step = {step}, but the state folder is of step {int(m.group(1))}"))
     checkpoint = info.get("checkpoint")

@@ -6,8 +6,8 @@ second and a broken optional dependency in one command cannot take the others do
 
 Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
 ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
-returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line, exit 1, and the traceback only with `--debug` or
-ANIMA_TRAIN_DEBUG=1.
+returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line,
+exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1.
 """
 
 from __future__ import annotations

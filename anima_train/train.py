@@ -334,8 +334,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 # -- setup ------------------------------------------------------------------------------------------------------
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
-                  stop_file: str | None, overwrite: bool, cleanup: contextlib.ExitStack) -> tuple[Path | None,
-                                                                                                  runs.Claim]:
+                  stop_file: str | None, overwrite: bool,
+                  cleanup: contextlib.ExitStack) -> tuple[Path | None, runs.Claim]:
     """The checks that need no model, and the claim on the run folder. Returns the state folder a resume starts
     from (None: a fresh run) and the claim (runs.Claim: told when the first checkpoint is saved)."""
     from anima_train.texture import refuse_multi_process
@@ -352,7 +352,8 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
         ckpt.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
     claim = cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
-                                         overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
+                                                 overwrite=overwrite, stop_file=stop_file, saving=not no_save,
+                                                 say=say))
     return state_dir, claim
 
 

@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -314,4 +316,34 @@ def test_a_resume_from_that_has_no_state_says_why_truthfully(tiny_anima, latents
         assert ("being written when the run was interrupted" if case == "killed-during-state-write"
                 else "is missing") in msg
         assert f"The newest state in {run_dir} is {run_dir / 'tiny-state'}" in msg
+    assert _digests(run_dir) == before
+
+
+def test_overwrite_killed_before_its_first_checkpoint_leaves_the_earlier_run_to_the_next_start(
+        tiny_anima, latents_dir, finished, tmp_path):
+    run_dir = _copy_run(finished, tmp_path)
+    before = _digests(run_dir)
+    config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=100000)  # saves nothing for ages
+    events = tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    victim = subprocess.Popen([sys.executable, "-m", "anima_train", "train", str(config), "--cpu", "--overwrite",
+                               "--events", str(events)], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (events.exists() and '"event": "step"' in events.read_text()):
+            assert victim.poll() is None, victim.stderr.read()
+            assert time.monotonic() < deadline, "the run never reached a step"
+            time.sleep(0.2)
+    finally:
+        victim.send_signal(signal.SIGKILL)  # no Python left to put the earlier run back
+        victim.wait()
+    assert sorted(p.name for p in run_dir.iterdir()) == [".anima-train-overwritten-tiny", ".anima-train.lock",
+                                                          "tiny.toml"]
+    # the next start (here: the same config without --overwrite) finds the earlier run back in its place
+    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
+    assert "put the earlier run's 8 file(s) it had set aside back" in out.stdout
+    assert "already holds a run named 'tiny'" in _error_line(out)
     assert _digests(run_dir) == before
