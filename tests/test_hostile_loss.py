@@ -245,11 +245,11 @@ def test_a_resumed_runs_loss_plot_shows_the_whole_run(tiny_anima, latents_dir, f
                      resume_from=f'"{run_dir / "tiny-step000002-state"}"', **STATES)
     out = _cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = json.loads((run_dir / "tiny-state" / "losses.json").read_text())
-    assert losses == json.loads((finished / "tiny-state" / "losses.json").read_text())
-    assert losses["first_step"] == 1 and len(losses["losses"]) == 6
     # the resume is bit-exact, so the whole run's chart is the uninterrupted run's, byte for byte
     assert (run_dir / "loss.png").read_bytes() == (finished / "loss.png").read_bytes()
+    losses = json.loads((run_dir / "tiny-state" / "losses.json").read_text())  # what the next resume will plot
+    assert losses == json.loads((finished / "tiny-state" / "losses.json").read_text())
+    assert losses["first_step"] == 1 and len(losses["losses"]) == 6
 
 
 # -- 10. the adapter changed between the state and the config ---------------------------------------------------------
