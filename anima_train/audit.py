@@ -28,15 +28,14 @@ from anima_train.cache import add_dataset_arguments, flag_overrides, resolve_dat
 from anima_train.dataset import (
     BucketSettings,
     CacheUnreadable,
-    LATENTS_LAYOUT,
     DatasetError,
     Source,
     cache_bucket,
     cache_command,
+    cache_damage,
     cache_path,
     check_caches,
     image_sources,
-    latents_problem,
     made_with,
     missing_captions,
     parse_wxh,
@@ -109,7 +108,7 @@ def audit(args) -> tuple[list[str], bool]:
         except CacheUnreadable as exc:
             damaged[p] = f"cannot be read ({exc.reason})"
             continue
-        if why := latents_problem(metadata[p].get(LATENTS_LAYOUT), cache_bucket(p)):
+        if why := cache_damage(metadata[p], cache_bucket(p)):
             damaged[p] = why
     out = []
     if not tiers_given:

@@ -169,10 +169,7 @@ def resolve_resume(path: str | os.PathLike) -> Path:
             raise ResumeError(f"resume_from = {str(p)!r} is a run folder, not a saved state: point it at one of its "
                               f"states (the newest is {latest_state(p)}) or at the checkpoint file beside one")
         if not state.exists():
-            raise ResumeError(
-                f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
-                f"inference-only (the run had save_optimizer_state = false); resuming needs the optimizer state. "
-                f"Set [train] save_optimizer_state = true for runs you may want to resume.")
+            raise ResumeError(_no_state_message(p, state))
         p = state
     missing = [n for n in (STATE_FILE, ACCELERATOR_DIR) if not (p / n).exists()]
     missing += [f"{ACCELERATOR_DIR}/{n}" for n in (TRAINABLE_FILE, *TORCH_FILES)
@@ -183,6 +180,45 @@ def resolve_resume(path: str | os.PathLike) -> Path:
                           f"{_states_hint(p.parent, exclude=p)}")
     _check_state_files(p)
     return p
+
+
+def _no_state_message(p: Path, state: Path) -> str:
+    """Why `p` (not a state folder) has no state beside it, as far as the files tell: a folder that is no
+    checkpoint at all, a checkpoint of a run without save_optimizer_state, or one whose state is missing (the run
+    was stopped while writing it, or it was deleted)."""
+    hint = _states_hint(p.parent)
+    if p.is_dir() and not (p / "transformer").is_dir():
+        return (f"resume_from = {str(p)!r} is a folder that is neither a saved state (<run>-step000060-state) nor a "
+                f"checkpoint: point it at a state folder of the run to continue, or at the checkpoint file beside "
+                f"one.{hint}")
+    saved_state = _saved_optimizer_state(p)
+    interrupted = any(q.name.startswith(f".{state.name}.") for q in p.parent.iterdir()) if p.parent.is_dir() else False
+    if not interrupted and not saved_state:
+        why = ("the run had save_optimizer_state = false" if saved_state is False
+               else "saved without its optimizer state, or the state was deleted")
+        return (f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
+                f"inference-only ({why}); resuming needs the optimizer state. Set [train] save_optimizer_state = "
+                f"true for runs you may want to resume.{hint}")
+    why = ("it was being written when the run was interrupted" if interrupted else
+           "the run saved states (save_optimizer_state = true) but this one is missing: it was interrupted while "
+           "being written, or deleted")
+    return (f"resume_from = {str(p)!r}: its state {state.name!r} is not there ({why}), so this checkpoint cannot be "
+            f"resumed.{hint or ' The run has no other state to resume from.'}")
+
+
+def _saved_optimizer_state(checkpoint: Path) -> bool | None:
+    """save_optimizer_state of the run that wrote this checkpoint (its ss_training_config), None when unknown."""
+    files = [checkpoint] if checkpoint.is_file() else sorted(Path(checkpoint).glob("*/*.safetensors"))
+    for f in files:
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(f), "pt") as fh:
+                config = json.loads((fh.metadata() or {})["ss_training_config"])
+            return bool(config["train"]["save_optimizer_state"])
+        except Exception:  # a file without our metadata (or not safetensors): unknown
+            continue
+    return None
 
 
 def _check_state_files(state_dir: Path) -> None:
@@ -217,12 +253,131 @@ def load_state_file(path: Path) -> Iterator[None]:
                           ) from e
 
 
+# state.json's numbers: (key, smallest value, required). Each is read on resume, so each is checked: an edited or
+# damaged file must not resume at step -5 or skip past the end of its epoch.
+STATE_INTS = (("global_step", 1, True), ("epoch", 0, False), ("batch_in_epoch", 0, False),
+              ("steps_per_epoch", 1, False), ("processes", 1, False))
+
+
 def read_state(state_dir: Path) -> dict:
-    path = Path(state_dir) / STATE_FILE
+    """state.json, every value the resume reads checked for type and range, and global_step against the checkpoint
+    the state belongs to (its step tag, the file's recorded step)."""
+    state_dir = Path(state_dir)
+    path = state_dir / STATE_FILE
     with load_state_file(path):
         info = json.loads(path.read_text(encoding="utf-8"))
-        int(info["global_step"])
-    return info
+    if not isinstance(info, dict):
+        raise ResumeError(_bad_state(path, f"holds {type(info).__name__}, not a JSON object of the run's position"))
+    for key, least, required in STATE_INTS:
+        if key not in info:
+            if required:
+                raise ResumeError(_bad_state(path, f"has no {key}"))
+            continue
+        value = info[key]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ResumeError(_bad_state(path, f"{key} = {json.dumps(value)} is not a whole number"))
+        if value < least:
+            raise ResumeError(_bad_state(path, f"{key} = {value} is below {least}"))
+    step = info["global_step"]
+    stem = state_dir.name[: -len(STATE_SUFFIX)] if state_dir.name.endswith(STATE_SUFFIX) else ""
+    m = re.search(r"-step(\d+)$", stem)
+    if m and int(m.group(1)) != step:
+        raise ResumeError(_bad_state(path, f"global_step = {step}, but the state folder is of step {int(m.group(1))}"))
+    checkpoint = info.get("checkpoint")
+    if isinstance(checkpoint, str) and checkpoint:
+        recorded = _metadata_step(state_dir.parent / f"{checkpoint}.safetensors")
+        if recorded is not None and recorded != step:
+            raise ResumeError(_bad_state(path, f"global_step = {step}, but its checkpoint {checkpoint}.safetensors "
+                                               f"was saved at step {recorded}"))
+    return info  # batch_in_epoch's upper bound needs the data: check_position
+
+
+def check_position(state_dir: Path, info: dict, batches_per_epoch: int) -> None:
+    """What only the resume itself reads: the epoch, and batch_in_epoch within an epoch of this run's data (known once
+    the data loader is built)."""
+    if "epoch" not in info:
+        raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE, "has no epoch"))
+    batch = info.get("batch_in_epoch", 0)
+    if batch > batches_per_epoch:
+        raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE,
+                                     f"batch_in_epoch = {batch} is past the end of an epoch ({batches_per_epoch} "
+                                     f"batches per epoch here)"))
+
+
+def _bad_state(path: Path, what: str) -> str:
+    state = path.parent
+    return (f"{path}: {what}; the state file was edited or is damaged, so {state.name} cannot be resumed. Resume "
+            f"from another state, or restore the file.{_states_hint(state.parent, state)}")
+
+
+def describe_adapter(cfg) -> dict:
+    """What the trainable tensors' names and shapes depend on, as state.json records it: a resume with another
+    adapter (rank 8 state, rank 4 config) is named by key before the model loads."""
+    a = cfg.adapter
+    out = {"kind": a.kind, "components": sorted(a.components), "train_llm_adapter": a.train_llm_adapter,
+           "train_text_encoder": a.train_text_encoder}
+    if a.kind != "none":
+        out["rank"] = a.rank
+    if a.train_text_encoder:
+        out["text_encoder_rank"] = a.text_encoder_rank or a.rank
+    if a.kind == "lokr":
+        out.update(lokr_factor=a.lokr_factor, lokr_decompose_both=a.lokr_decompose_both)
+    return out
+
+
+def refuse_adapter_change(state_dir: Path, info: dict, cfg) -> None:
+    saved = info.get("adapter")
+    if not isinstance(saved, dict):
+        return  # a state from before the description: the tensors are compared when they load
+    now = describe_adapter(cfg)
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            def show(v):
+                return "unset" if v is None else json.dumps(v)
+
+            raise ResumeError(
+                f"resume_from = {str(state_dir)!r}: [adapter] {key}: the state has {show(saved.get(key))}, this "
+                f"config has {show(now.get(key))}. A run resumes with the adapter it was trained with: set [adapter] "
+                f"{key} = {show(saved.get(key))} to resume it, or start a new run (no resume_from) for the new "
+                f"adapter.")
+
+
+def refuse_older_state(state_dir: Path, step: int, run_dir: Path, free_name: str) -> None:
+    """A resume into the run folder the state belongs to must start from its newest state: from an older one it
+    would overwrite the run's later final checkpoint, state and config copy (the later periodic files staying
+    beside them). A checkpoint whose state is missing (a run killed while writing it) is no newer state."""
+    try:
+        same_run = Path(state_dir).resolve().parent == Path(run_dir).resolve()
+    except OSError:
+        return
+    newest = latest_state(run_dir) if same_run else None
+    if newest is None or newest.resolve() == Path(state_dir).resolve():
+        return
+    newest_step = int(json.loads((newest / STATE_FILE).read_text(encoding="utf-8"))["global_step"])
+    if newest_step <= step:
+        return
+    raise ResumeError(
+        f"resume_from = {str(state_dir)!r} is at step {step}, but its run folder holds a later state, {newest} "
+        f"(step {newest_step}): resuming from the older one would replace that run's newer files (its final "
+        f"checkpoint, -state and config copy). Resume from the newest state: [train] resume_from = "
+        f"\"{newest.as_posix()}\", or to branch off at step {step}, keep resume_from and give this run a new "
+        f"[train] run_name = \"{free_name}\".")
+
+
+LOSSES_FILE = "losses.json"  # in a state folder: the loss of every step so far, so a resumed run plots all of them
+
+
+def read_losses(state_dir: Path, step: int) -> tuple[int, list[float]]:
+    """(first step, losses up to `step`) from the state's losses.json; (step + 1, []) when it has none (a state
+    from before the file) or it does not end at `step`."""
+    try:
+        data = json.loads((Path(state_dir) / LOSSES_FILE).read_text(encoding="utf-8"))
+        first, losses = int(data["first_step"]), [float(v) for v in data["losses"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return step + 1, []
+    if first < 1 or first + len(losses) - 1 != step:
+        return step + 1, []
+    return first, losses
 
 
 def latest_state(run_dir: Path, exclude: Path | None = None) -> Path | None:

@@ -6,8 +6,8 @@ second and a broken optional dependency in one command cannot take the others do
 
 Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
 ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
-returns 2. Any other exception is an internal error: one line, exit 1, and the traceback only with `--debug` or
-ANIMA_TRAIN_DEBUG=1.
+returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line,
+exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def _report(name: str, exc: Exception) -> int:
             # this one; if it is still alive after the grace period, the error was its own, so it says it.
             time.sleep(errors.QUIET_RANK_GRACE_S)
             print(f"[rank {os.environ.get('RANK')}] anima-train {name}: error: {message}", file=sys.stderr)
-        return errors.USER_ERROR_EXIT
+        return errors.exit_code(exc)
     rank = "" if errors.is_main_process() else f"[rank {os.environ.get('RANK')}] "
     print(f"{rank}anima-train {name}: internal error: {type(exc).__name__}: {exc}\n"
           f"This is a bug in anima-train, not in your input. Re-run with --debug (or {errors.DEBUG_ENV}=1) to see "

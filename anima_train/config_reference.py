@@ -143,13 +143,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="with --reference: write it to FILE instead of printing it")
 
 
+def _write_new(out: Path, text: str) -> None:
+    """--out FILE: written atomically, and never over an existing file (it may be the user's own notes or config;
+    published with a hard link, so a file that appears meanwhile is not replaced either)."""
+    from anima_train.atomic import atomic_path
+
+    refused = UserError(f"--out {out}: the file already exists; give another path, or delete it first to replace it")
+    if out.exists() or out.is_symlink():
+        raise refused
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: the folder {out.parent} does not exist; create it or give another path")
+    try:
+        with atomic_path(out, overwrite=False) as tmp:
+            tmp.write_text(text, encoding="utf-8", newline="")
+    except FileExistsError:
+        raise refused from None
+
+
 def run(args) -> int:
     if args.reference:
         text = reference_markdown()
         if args.out:
-            from anima_train.atomic import write_text
-
-            write_text(Path(args.out), text)
+            _write_new(Path(args.out), text)
             print(f"wrote {args.out}")
         else:
             sys.stdout.write(text)
@@ -161,6 +176,10 @@ def run(args) -> int:
 
     cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
+    from anima_train.dataset import build_training_data
+
+    # the dataset scan `train` does before it loads the model: captions, and stale, damaged or NaN latent caches
+    build_training_data(cfg, cfg.train.model_path)
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
           f"dataset folder(s) and output folder are usable)")
     return 0

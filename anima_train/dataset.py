@@ -272,6 +272,7 @@ class Source:
 
 
 LATENT_CHANNELS = 16
+LATENTS_NONFINITE = "@nonfinite"  # key added by read_cache_metadata: count of NaN/inf latents, when there are any
 LATENTS_LAYOUT = "@latents"  # key added by read_cache_metadata: the tensor's layout from the header, never in a file
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -304,18 +305,38 @@ def latents_problem(got: str | None, bucket: tuple[int, int]) -> str | None:
     return None
 
 
+def _nonfinite(tensor) -> int:
+    import torch
+
+    return int(tensor.numel() - torch.isfinite(tensor).sum()) if tensor.is_floating_point() else 0
+
+
+def cache_damage(meta: dict, bucket: tuple[int, int]) -> str | None:
+    """What is wrong with a cache's latents (read_cache_metadata's meta) for a bucket: the layout, or NaN/inf values;
+    None when nothing is."""
+    why = latents_problem(meta.get(LATENTS_LAYOUT), bucket)
+    if why is None and meta.get(LATENTS_NONFINITE):
+        why = f"its latents hold {meta[LATENTS_NONFINITE]} non-finite value(s) (NaN/inf)"
+    return why
+
+
 def read_cache_metadata(path: Path) -> dict:
-    """The cache's metadata plus LATENTS_LAYOUT: the layout of its tensor `latents` (from the header, no data
-    read), absent when there is none. CacheUnreadable for a truncated or foreign file."""
+    """The cache's metadata plus LATENTS_LAYOUT: the layout of its tensor `latents` (from the header), absent when
+    there is none, and LATENTS_NONFINITE: how many of its values are NaN/inf, absent when none (the data is read:
+    a cache of NaNs trains NaN weights). CacheUnreadable for a truncated or foreign file."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
             meta = dict(f.metadata() or {})
             meta.pop(LATENTS_LAYOUT, None)
+            meta.pop(LATENTS_NONFINITE, None)
             if "latents" in f.keys():
                 tensor = f.get_slice("latents")
                 meta[LATENTS_LAYOUT] = latents_layout(tensor.get_dtype(), tensor.get_shape())
+                bad = _nonfinite(f.get_tensor("latents"))
+                if bad:
+                    meta[LATENTS_NONFINITE] = bad
             return meta
     except Exception as e:  # a truncated/foreign file: say which
         raise CacheUnreadable(path, str(e)) from e
@@ -588,7 +609,7 @@ def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str |
             except CacheUnreadable as exc:
                 why = damaged[path] = f"cannot be read ({exc.reason})"
             else:
-                why = latents_problem(metadata[path].get(LATENTS_LAYOUT), e.plan.bucket)
+                why = cache_damage(metadata[path], e.plan.bucket)
                 if why is not None:
                     damaged[path] = why
                 else:
@@ -707,7 +728,8 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
         raise CacheUnreadable(path, f"{type(e).__name__}: {e}") from e
     bucket = bucket or cache_bucket(path)
     if bucket is not None:
-        why = latents_problem(latents_layout(t.dtype, t.shape), bucket)
+        why = latents_problem(latents_layout(t.dtype, t.shape), bucket) or (
+            f"its latents hold {_nonfinite(t)} non-finite value(s) (NaN/inf)" if _nonfinite(t) else None)
         if why is not None:
             raise DatasetError(f"latent cache {path} is damaged: {why}; re-run anima-train cache (it re-encodes "
                                f"damaged caches), or delete the file when its image is gone")
@@ -858,7 +880,7 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
             raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
                                f"per source: keep one of {', '.join(p.name for p in paths)}")
         bucket = cache_bucket(paths[0])
-        if why := latents_problem(check.metadata[paths[0]].get(LATENTS_LAYOUT), bucket):
+        if why := cache_damage(check.metadata[paths[0]], bucket):
             raise DatasetError(f"latent cache {paths[0]} is damaged: {why}; delete it (its image is gone, so it "
                                f"cannot be re-encoded) or restore the image and re-run anima-train cache")
         bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))

@@ -27,6 +27,7 @@ import sys
 
 USER_ERROR_EXIT = 2
 INTERNAL_ERROR_EXIT = 1
+DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (train.Diverged)
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 
@@ -38,6 +39,12 @@ class UserError(Exception):
     """A problem the user can fix. The message names the file/key and the fix; it is shown without a traceback."""
 
     exit_code = USER_ERROR_EXIT
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit status for an error that user_message describes: its class's own code (a diverged run: 5), else 2."""
+    code = getattr(exc, "exit_code", USER_ERROR_EXIT)
+    return code if isinstance(code, int) and not isinstance(code, bool) else USER_ERROR_EXIT
 
 
 def user_message(exc: BaseException) -> str | None:

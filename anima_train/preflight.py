@@ -43,7 +43,15 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     resume = cfg.train.resume_from
     if resume is not None and not skip(resume):
         try:
-            checkpoints.resolve_resume(resume)
+            state = checkpoints.resolve_resume(resume)  # its state.json is read and checked there
+            info = checkpoints.read_state(state)
+            checkpoints.refuse_adapter_change(state, info, cfg)
+            if saving:  # a run that writes nothing replaces nothing
+                from anima_train.runs import free_run_name
+
+                run_dir = Path(cfg.train.output_dir).expanduser() / cfg.run_stem
+                checkpoints.refuse_older_state(state, info["global_step"], run_dir,
+                                               free_run_name(run_dir.parent, cfg.run_stem))
         except checkpoints.ResumeError as exc:
             problems.append(f"[train] {exc}")
     return problems

@@ -10,9 +10,11 @@ Checked before any model loads, on the main process (the other ranks wait for it
   OS lock (flock / msvcrt) on `.anima-train.lock`: the kernel drops it when its process dies, however it dies, so a
   lock left by a crashed or killed run is taken over (and said so) without guessing from pids;
 * a fresh run into a folder that holds files of an earlier run of that name is refused, naming the folder and the
-  ways out: resume it (resume_from inside the folder is allowed), another run_name, or `--overwrite`, which deletes
-  the earlier run's checkpoints, states and config copy first and lists them. Nothing else in the folder (the
-  ComfyUI node's job files, a user's notes) counts as a run file or is ever deleted.
+  ways out: resume it (resume_from inside the folder is allowed), another run_name, or `--overwrite`, which lists the
+  earlier run's checkpoints, states and config copy and sets them aside (Claim): deleted once the new run has saved
+  its first checkpoint, put back if it ends before. Nothing else in the folder (the ComfyUI node's job files, a
+  user's notes) counts as a run file or is ever deleted. A folder holding only the config copy of a run that saved
+  nothing is no earlier run.
 """
 
 from __future__ import annotations
@@ -96,21 +98,105 @@ def _inside(path: Path, folder: Path) -> bool:
         return False
 
 
+ASIDE_PREFIX = ".anima-train-overwritten-"  # hidden folder in the run folder: an earlier run's files under --overwrite
+
+
+class Claim:
+    """What the run holds of its folder besides the lock: under --overwrite, the earlier run's files, set aside in a
+    hidden folder of the run folder (a rename: nothing is copied or deleted yet). They are deleted only once this run
+    has published its first checkpoint (`published`), and put back if it ends before that (`put_back`): a refused
+    image, a crash or Ctrl-C must not leave the user with neither run."""
+
+    def __init__(self, run_dir: Path, run_stem: str, say: Callable[[str], None], aside: Path | None = None):
+        self.run_dir, self.run_stem, self.say, self.aside = Path(run_dir), run_stem, say, aside
+
+    def published(self) -> None:
+        if self.aside is None:
+            return
+        aside, self.aside = self.aside, None
+        shutil.rmtree(aside, ignore_errors=True)
+        self.say(f"--overwrite: this run saved its first checkpoint; deleted the earlier run's files set aside in "
+                 f"{aside.name}")
+
+    def put_back(self) -> None:
+        if self.aside is None:
+            return
+        aside, self.aside = self.aside, None
+        restored = _restore_aside(self.run_dir, self.run_stem, aside)
+        self.say(f"--overwrite: this run ended without saving a checkpoint; put the earlier run's {restored} file(s) "
+                 f"back in {self.run_dir}")
+
+
+def _aside_dir(run_dir: Path, run_stem: str) -> Path:
+    return Path(run_dir) / f"{ASIDE_PREFIX}{run_stem}"
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def _restore_aside(run_dir: Path, run_stem: str, aside: Path) -> int:
+    """Move the set-aside files back. What the failed run wrote meanwhile under the same names (its config copy,
+    previews, logs; never a checkpoint, or the aside would be gone) makes way for them."""
+    moved = 0
+    for p in sorted(aside.iterdir()):
+        target = Path(run_dir) / p.name
+        if target.exists() or target.is_symlink():
+            _remove(target)
+        os.replace(p, target)
+        moved += 1
+    with contextlib.suppress(OSError):
+        aside.rmdir()
+    return moved
+
+
+def _recover_aside(run_dir: Path, run_stem: str, say: Callable[[str], None]) -> None:
+    """An aside folder left by a --overwrite run that was killed (no Python left to put it back; the caller holds
+    the lock, so that run is gone): put the files back when the killed run published no checkpoint; else that run
+    had replaced them, and they go."""
+    aside = _aside_dir(run_dir, run_stem)
+    if not aside.is_dir():
+        return
+    newer = [p for p in run_files(run_dir, run_stem) if p.name != f"{run_stem}.toml"
+             and (p.name.endswith(".safetensors") or p.name.endswith(STATE_SUFFIX))]
+    if newer:
+        shutil.rmtree(aside, ignore_errors=True)
+        say(f"note: removed {aside}, the earlier run's files set aside by a --overwrite run that was stopped after "
+            f"saving its own checkpoints")
+        return
+    restored = _restore_aside(run_dir, run_stem, aside)
+    say(f"note: a --overwrite run into {run_dir} was stopped before its first checkpoint; put the earlier run's "
+        f"{restored} file(s) it had set aside back")
+
+
 def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, overwrite: bool,
-                say: Callable[[str], None]) -> None:
-    """Refuse to start a fresh run over another run's files, or (overwrite) delete them first, saying which."""
+                say: Callable[[str], None]) -> Path | None:
+    """Refuse to start a fresh run over another run's files, or (overwrite) set them aside, saying which; returns
+    the aside folder (Claim). A folder whose only file of this run is its config copy holds no earlier run: a run
+    that ended before its first checkpoint leaves just that, and the next run writes its own copy over it."""
+    _recover_aside(run_dir, run_stem, say)
     found = run_files(run_dir, run_stem)
     if not found or (resume_state is not None and _inside(resume_state, run_dir)):
-        return  # a new folder, or continuing the run that lives in it
+        return None  # a new folder, or continuing the run that lives in it
+    if [p.name for p in found] == [f"{run_stem}.toml"]:
+        say(f"note: {found[0]} is the config copy of an earlier run that saved no checkpoint; this run replaces it")
+        return None
     names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
     if overwrite:
-        say(f"--overwrite: deleting the earlier run's {len(found)} file(s) in {run_dir}: {names}")
-        for p in found:
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        return
+        aside = _aside_dir(run_dir, run_stem)
+        say(f"--overwrite: deleting the earlier run's {len(found)} file(s) in {run_dir}: {names} (set aside in "
+            f"{aside.name} until this run saves its first checkpoint, and put back if it ends before)")
+        aside.mkdir(exist_ok=True)
+        try:
+            for p in found:
+                os.replace(p, aside / p.name)
+        except BaseException:
+            _restore_aside(run_dir, run_stem, aside)
+            raise
+        return aside
     state = latest_state(run_dir, run_stem)
     resume = (f'resume it: [train] resume_from = "{state.as_posix()}"' if state is not None else
               "resume it: set [train] resume_from to one of its -state folders (it has none: it was saved without "
@@ -120,7 +206,8 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
         f"  - {resume},\n"
         f"  - or give this run another name: [train] run_name = "
         f"\"{free_run_name(run_dir.parent, run_stem)}\",\n"
-        f"  - or pass --overwrite to delete that run's checkpoints, states and config copy first.")
+        f"  - or pass --overwrite to replace that run's checkpoints, states and config copy (deleted once this run "
+        f"saves its first checkpoint).")
 
 
 def check_stop_file(stop_file: str | os.PathLike | None) -> None:
@@ -282,20 +369,23 @@ def _same_file(fd: int, path: Path) -> bool:
 
 @contextlib.contextmanager
 def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path | None, overwrite: bool,
-              stop_file: str | None, saving: bool, say: Callable[[str], None]) -> Iterator[None]:
-    """The start-up checks of a run, and its folder lock for the run's duration.
+              stop_file: str | None, saving: bool, say: Callable[[str], None]) -> Iterator[Claim]:
+    """The start-up checks of a run, and its folder lock for the run's duration. Yields the Claim: call
+    `published()` once the run's first checkpoint is saved.
 
     Only the main process checks and locks; every rank waits for its verdict and raises the same message (the main
     process its own exception), so a refused DDP run ends on all ranks at once instead of hanging in the first
     collective."""
     lock = RunLock(run_dir) if saving else None
     failed: Exception | None = None
+    claim = Claim(run_dir, run_stem, say)
     if accelerator.is_main_process:
         try:
             check_stop_file(stop_file)
             if lock is not None:
                 lock.acquire(say)
-                check_fresh(run_dir, run_stem, resume_state=resume_state, overwrite=overwrite, say=say)
+                claim.aside = check_fresh(run_dir, run_stem, resume_state=resume_state, overwrite=overwrite,
+                                          say=say)
         except Exception as exc:  # noqa: BLE001 (re-raised below, after the other ranks were told)
             if lock is not None:
                 lock.release()
@@ -309,7 +399,10 @@ def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path |
     if failed is not None:
         raise failed
     try:
-        yield
+        yield claim
     finally:
+        # a run that saved no checkpoint (failed, interrupted, or skip_final_save without periodic saves) replaced
+        # nothing: the earlier run comes back, before the lock goes (no other run may see it half restored)
+        claim.put_back()
         if lock is not None:
             lock.release()

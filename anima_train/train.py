@@ -12,6 +12,8 @@ shuffling and dropout change them per epoch. Accelerate runs it on one or many p
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import time
 import traceback
@@ -24,7 +26,7 @@ from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
 from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile,
                                to_device)
-from anima_train.atomic import publish_dir
+from anima_train.atomic import publish_dir, write_text
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
 
@@ -60,6 +62,16 @@ class Run:
     optimizer: object
     scheduler: object
     gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
+    claim: runs.Claim  # the run folder's claim: an --overwrite's set-aside files go once the first save is in place
+    grad_norms: list = field(default_factory=list)  # (step, HostCopy) gradient norms not yet checked to be finite
+    earlier_losses: list = field(default_factory=list)  # a resumed run's losses before it (its state's losses.json)
+    first_loss_step: int = 1  # the step of earlier_losses[0] (or of this run's first loss when there are none)
+
+
+class Diverged(errors.UserError):
+    """The loss or the gradient norm became non-finite: the run stops there, saving nothing of that step on."""
+
+    exit_code = errors.DIVERGED_EXIT
 
 
 def add_arguments(parser) -> None:
@@ -143,8 +155,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run_dir = Path(cfg.train.output_dir) / cfg.run_stem
 
     # -- setup: refuse what cannot work, then data, model, optimizer, accelerator ---------------------------------
-    state_dir = _refuse_early(cfg, accelerator, run_dir, say, dry_run=dry_run, no_save=no_save, stop_file=stop_file,
-                              overwrite=overwrite, cleanup=cleanup)
+    state_dir, claim = _refuse_early(cfg, accelerator, run_dir, say, dry_run=dry_run, no_save=no_save,
+                                     stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
     data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
     progress.event("status", message="loading model")
@@ -170,7 +182,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     global_step, start_epoch, skip_batches = 0, 0, 0
     if state_dir is not None:
         global_step, start_epoch, skip_batches = _load_state(state_dir, trainable, optimizer, scheduler, gens,
-                                                              accelerator)
+                                                              accelerator, batches_per_epoch=len(loader))
         if global_step >= total and not dry_run:  # the exact total is known only now (data, processes)
             raise ckpt.finished_error(state_dir, global_step, total, cfg.train.max_steps, cfg.train.epochs)
         say(f"resumed from {state_dir} at step {global_step} (epoch {start_epoch + 1}, batch {skip_batches})")
@@ -187,7 +199,11 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
     run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
               run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
-              gens=gens)
+              gens=gens, claim=claim)
+    if state_dir is not None:  # the losses before the resume, for the plot and the next state
+        run.first_loss_step, run.earlier_losses = ckpt.read_losses(state_dir, start_step)
+    else:
+        run.first_loss_step = start_step + 1
     tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
     cleanup.callback(tracker.close)
     previews = sampling.Previewer(
@@ -228,10 +244,14 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                        and _stop_vote(stop_file))
                     stats_sum, micro = None, 0
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.optimizer.max_grad_norm > 0:
-                    norm = accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
-                    if norm is not None and tracker.on:  # pre-clip, for TensorBoard: read at the next report
-                        norms.append((global_step + 1, HostCopy(norm.float().reshape(1))))
+                if accelerator.sync_gradients:
+                    norm = (accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
+                            if cfg.optimizer.max_grad_norm > 0 else _grad_norm(params))
+                    if norm is not None:  # pre-clip; checked to be finite one step late, or before a save
+                        copy = HostCopy(norm.float().reshape(1))
+                        run.grad_norms.append((global_step + 1, copy))
+                        if tracker.on:  # for TensorBoard: read at the next report
+                            norms.append((global_step + 1, copy))
                 if phase is not None:  # absolute each time, never compounded: scheduler LR x the phase's lr_mul
                     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                         group["lr"] = lr * phase.lr_mul
@@ -246,7 +266,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             global_step += 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
                 plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked, device, say)
+            _check_grad_norms(run, before=global_step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = _read(readout, accelerator)
+            if not math.isfinite(stats[0]):
+                raise _diverged(run, global_step, f"the loss is {stats[0]}")
             result.losses.append(stats[0])
             result.global_step = global_step
             step_stats = _step_stats(cfg, stats, step=global_step, epoch=epoch, lrs=used_lrs, phase=phase,
@@ -281,6 +304,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             _save(run, epoch=epoch, batch_index=0, epoch_tag=epoch)
 
     # -- the end: last previews, final checkpoint, loss plot ---------------------------------------------------
+    _check_grad_norms(run)  # the last step's gradient, before anything shows or saves its weights
     for step_of, norm in norms:
         tracker.grad_norm(step_of, norm.read()[0])
     if not result.stopped:
@@ -293,8 +317,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     if accelerator.is_main_process and not no_save and result.losses:
         from anima_train.plot import plot_losses
 
-        plot_losses(result.losses, run_dir / runs.LOSS_PLOT_NAME, title=f"training loss: {cfg.run_stem}",
-                    first_step=start_step + 1)
+        plot_losses(run.earlier_losses + result.losses, run_dir / runs.LOSS_PLOT_NAME,
+                    title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step)
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
     result.trainable_digest = _digest(accelerator.unwrap_model(m) for m in trainable)
@@ -310,24 +334,27 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 # -- setup ------------------------------------------------------------------------------------------------------
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
-                  stop_file: str | None, overwrite: bool, cleanup: contextlib.ExitStack) -> Path | None:
+                  stop_file: str | None, overwrite: bool,
+                  cleanup: contextlib.ExitStack) -> tuple[Path | None, runs.Claim]:
     """The checks that need no model, and the claim on the run folder. Returns the state folder a resume starts
-    from (None: a fresh run)."""
+    from (None: a fresh run) and the claim (runs.Claim: told when the first checkpoint is saved)."""
     from anima_train.texture import refuse_multi_process
 
     # texture phases: one process unless allow_multi_gpu_texture (CONFIG.md §1)
     refuse_multi_process(cfg, accelerator.num_processes)
     if note := _precision_note():
         say(note)
-    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading
+    # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading (a resume:
+    # its state.json, the adapter it was trained with, and no newer state of its run that it would overwrite)
     preflight.check_run_paths(cfg, saving=not no_save)
     state_dir = ckpt.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
     if state_dir is not None and not dry_run:
         ckpt.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
-    cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
-                                         overwrite=overwrite, stop_file=stop_file, saving=not no_save, say=say))
-    return state_dir
+    claim = cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
+                                                 overwrite=overwrite, stop_file=stop_file, saving=not no_save,
+                                                 say=say))
+    return state_dir, claim
 
 
 def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, allow_missing_captions: bool):
@@ -582,6 +609,37 @@ def _read(readout: HostCopy, accelerator) -> tuple[list[float], list[float], lis
     return stats, votes, [round(p, 2) for p in peaks] if accelerator.device.type == "cuda" else []
 
 
+def _grad_norm(params) -> torch.Tensor | None:
+    """The total gradient norm (what clip_grad_norm_ returns) when nothing clips: queued on the device, not read."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
+def _check_grad_norms(run: Run, before: int | None = None) -> None:
+    """Raise Diverged at the first non-finite gradient norm of the steps before `before` (None: every step so far,
+    which waits for the last backward: done before a save, which waits for it anyway)."""
+    while run.grad_norms and (before is None or run.grad_norms[0][0] < before):
+        step, copy = run.grad_norms.pop(0)
+        value = copy.read()[0]
+        if not math.isfinite(value):
+            raise _diverged(run, step, f"the gradient norm is {value}")
+
+
+def _diverged(run: Run, step: int, what: str) -> Diverged:
+    """Every rank sees the same loss (the mean over ranks) and norm (after the all-reduce): all stop here."""
+    cfg = run.cfg
+    newest = ckpt.latest_state(run.run_dir) if run.run_dir.is_dir() else None
+    kept = (f"the last good checkpoint and state are kept (newest: {newest})" if newest is not None
+            else "the checkpoints saved before it are kept" if run.result.saved
+            else "nothing was saved before it")
+    clip = ("" if cfg.optimizer.max_grad_norm > 0
+            else ", set [optimizer] max_grad_norm (gradient clipping, e.g. 1.0)")
+    return Diverged(
+        f"training diverged at step {step}: {what}; nothing from this step on was saved, {kept}. Lower [optimizer] "
+        f"lr (now {cfg.optimizer.lr:g}){clip}, or look for damaged data, then resume from the newest state or start "
+        f"again")
+
+
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
 def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epoch_tag: int | None = None,
@@ -591,6 +649,7 @@ def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, ep
     batches."""
     cfg, accelerator, progress, result, run_dir = run.cfg, run.accelerator, run.progress, run.result, run.run_dir
     per_epoch = run.per_epoch
+    _check_grad_norms(run)  # never a checkpoint of weights that a non-finite gradient has touched
     stem = ckpt.checkpoint_stem(cfg.run_stem, step=None if final else step,
                                 epoch=None if final else epoch_tag)
     accelerator.wait_for_everyone()
@@ -610,7 +669,11 @@ def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, ep
         _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
                     run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,
-                         steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem))
+                         steps_per_epoch=per_epoch, run=cfg.run_stem, checkpoint=stem,
+                         adapter=ckpt.describe_adapter(cfg)),
+                    losses=dict(first_step=run.first_loss_step, losses=run.earlier_losses + result.losses))
+    if accelerator.is_main_process:
+        run.claim.published()
     if accelerator.is_main_process and not final:
         for p in ckpt.prune_checkpoints(run_dir, cfg.run_stem, cfg.train.keep_last_n, per_epoch,
                                         protect=cfg.train.resume_from):
@@ -711,8 +774,10 @@ def _trainable_state(models) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, gens, info: dict) -> None:
-    """`<stem>-state/`: state.json + accelerator/ {trainable weights, optimizer, scheduler, per-rank RNG}.
+def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, gens, info: dict,
+                losses: dict | None = None) -> None:
+    """`<stem>-state/`: state.json + accelerator/ {trainable weights, optimizer, scheduler, per-rank RNG}, and
+    losses.json (every step's loss so far: the plot of a resumed run covers the whole run).
 
     Only the trainable tensors are stored (a LoRA run's state is megabytes, not the 4 GB base). Every file is
     safetensors or a `torch.save` of plain tensors/numbers that `torch.load(weights_only=True)` reads back."""
@@ -739,6 +804,8 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
             write(f"{acc}/{ckpt.TRAINABLE_FILE}", lambda p: save_file(_trainable_state(unwrapped), str(p)))
             write(f"{acc}/optimizer.pt", lambda p: torch.save(optimizer.state_dict(), p))
             write(f"{acc}/scheduler.pt", lambda p: torch.save(scheduler.state_dict(), p))
+            if losses is not None:
+                write(ckpt.LOSSES_FILE, lambda p: write_text(p, json.dumps(losses) + "\n"))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write(ckpt.STATE_FILE,
@@ -751,10 +818,12 @@ def _save_state(state_dir: Path, accelerator, trainable, optimizer, scheduler, g
     accelerator.wait_for_everyone()
 
 
-def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelerator) -> tuple[int, int, int]:
+def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelerator, *,
+                batches_per_epoch: int) -> tuple[int, int, int]:
     from safetensors.torch import load_file
 
     info = ckpt.read_state(state_dir)
+    ckpt.check_position(state_dir, info, batches_per_epoch)
     if info.get("processes", 1) != accelerator.num_processes:
         raise ckpt.ResumeError(
             f"{state_dir} was saved by {info.get('processes')} process(es), this run has {accelerator.num_processes}: "
@@ -769,6 +838,13 @@ def _load_state(state_dir: Path, trainable, optimizer, scheduler, gens, accelera
         if expected != have:
             raise ckpt.ResumeError(f"{state_dir}: its trainable tensors do not match this run's "
                                    f"({len(have)} saved vs {len(expected)} here); was the adapter config changed?")
+        for n, p in own.items():  # a state from before state.json described its adapter: shapes, by tensor
+            saved = weights[f"{i}/{n}"]
+            if saved.shape != p.shape:
+                raise ckpt.ResumeError(
+                    f"{state_dir}: its tensor {n} is {list(saved.shape)}, this run's is {list(p.shape)}: the [adapter] "
+                    f"settings (rank, kind, components) differ from the run that saved it; set them back to resume "
+                    f"it, or start a new run")
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(weights[f"{i}/{n}"])

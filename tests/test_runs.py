@@ -63,9 +63,9 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_resuming_it_wor
     statuses = [json.loads(line).get("message") for line in events.read_text().splitlines()] if events.exists() else []
     assert "loading model" not in statuses  # refused before the model loads
 
-    # resuming the run that lives in the folder is not a fresh run: allowed
+    # resuming the run that lives in the folder (from its newest state) is not a fresh run: allowed
     resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=3, save_optimizer_state="true",
-                             resume_from=f'"{run_dir / "tiny-step000001-state"}"'), cpu=True)
+                             resume_from=f'"{run_dir / "tiny-state"}"'), cpu=True)
     assert resumed.global_step == 3 and resumed.losses and earlier.global_step == 2
 
 
