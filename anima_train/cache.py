@@ -23,9 +23,11 @@ from types import SimpleNamespace
 from anima_train.atomic import atomic_path
 from anima_train.buckets import DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import DTYPE_NAMES
+from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
 from anima_train.dataset import (
     BucketSettings,
     DatasetError,
+    UnreadableImages,
     cache_path,
     check_caches,
     encode_latents,
@@ -166,9 +168,12 @@ def save_cache(path: Path, latents, metadata: dict[str, str]) -> None:
 def run(args) -> int:
     try:
         return _run(args)
+    except UnreadableImages as e:  # a verdict on the data, not a mistake in the command
+        print(f"anima-train cache: error: {e}", file=sys.stderr)
+        return DATA_VERDICT_EXIT
     except DatasetError as e:
         print(f"anima-train cache: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
 
 
 def _run(args) -> int:
@@ -181,7 +186,8 @@ def _run(args) -> int:
     scan = scan_folders(subsets)
     for f in scan.folders:  # caching reads images; cache-only folders are left alone
         f.mode = "images" if f.images else "latents"
-    sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable)
+    # decoded in full (threads), so a truncated or corrupt image is named before any encoding starts
+    sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable, decode=True)
     if not sources:
         raise DatasetError("no readable images to cache in " + ", ".join(str(s.path) for s in subsets))
     missing = missing_captions(scan, sources)
@@ -256,6 +262,8 @@ def _run(args) -> int:
     print(f"wrote    {written} cache file(s) in {dt:.1f} s ({written / max(dt, 1e-9):.2f} img/s)")
     if failed:
         listing = "\n".join(f"  {p}  ({why})" for p, why in failed)
-        print(f"{len(failed)} image(s) could not be decoded and have no cache:\n{listing}", file=sys.stderr)
-        return 0 if args.skip_unreadable else 1
+        print(f"anima-train cache: error: {len(failed)} image(s) could not be decoded and have no cache:\n{listing}\n"
+              f"fix or delete them, then run the same command again (it skips the caches already written)",
+              file=sys.stderr)
+        return 0 if args.skip_unreadable else DATA_VERDICT_EXIT
     return 0
