@@ -176,6 +176,31 @@ def run(args) -> int:
         return USER_ERROR_EXIT
 
 
+def _device(name: str | None) -> str:
+    """The --device to encode on, checked: a name torch knows, and a device this machine has."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DatasetError(f"--device {name}: not a device name; use cpu, cuda or cuda:N (or leave it out: cuda "
+                           f"when a GPU is visible, else cpu)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DatasetError(f"--device {name}: no CUDA GPU is visible to this process; use --device cpu (or check "
+                               f"the driver and CUDA_VISIBLE_DEVICES)")
+        if device.index is not None and device.index >= count:
+            raise DatasetError(f"--device {name}: this machine has {count} CUDA GPU(s), numbered 0 to {count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DatasetError(f"--device {name}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "mps"):
+        raise DatasetError(f"--device {name}: anima-train encodes on cpu, cuda or mps")
+    return str(device)
+
+
 def _run(args) -> int:
     import torch
     from tqdm import tqdm
@@ -183,6 +208,7 @@ def _run(args) -> int:
     subsets, settings, model_path, _ = resolve_dataset_args(args)
     if args.batch_size < 1:
         raise DatasetError("--batch-size must be >= 1")
+    device = _device(args.device)  # before the scan: a typo must not wait for it
     scan = scan_folders(subsets)
     for f in scan.folders:  # caching reads images; cache-only folders are left alone
         f.mode = "images" if f.images else "latents"
@@ -224,7 +250,6 @@ def _run(args) -> int:
     if args.dry_run or not jobs:
         return 0
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     vae = load_vae(model_path, device, dtype)
     if vae_id is None:
