@@ -351,16 +351,7 @@ def image_sources(scan: Scan, *, skip_unreadable: bool = False,
     (UnreadableImages); with skip_unreadable they are left out and returned as (path, reason)."""
     todo = [(fi, f, stem, path) for fi, f in enumerate(scan.folders) if f.mode != "latents"
             for stem, path in f.images.items()]
-
-    def size_of(job):
-        try:
-            return (decoded_size if decode else header_size)(job[3]), None
-        except Exception as e:  # noqa: BLE001 (any failure to read the file is reported with its name)
-            return None, _read_failure(e)
-
-    workers = max(1, min(8, os.cpu_count() or 1, len(todo))) if decode else 1
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(size_of, todo))
+    results = _read_sizes([job[3] for job in todo], decode)
     sources, bad = [], []
     for (fi, f, stem, path), (size, why) in zip(todo, results):
         if why is not None:
@@ -370,6 +361,19 @@ def image_sources(scan: Scan, *, skip_unreadable: bool = False,
     if bad and not skip_unreadable:
         raise UnreadableImages(bad)
     return sources, bad
+
+
+def _read_sizes(paths: Sequence[Path], decode: bool) -> list[tuple[tuple[int, int] | None, str | None]]:
+    """(viewer size, None) or (None, why it cannot be read) per path; decoding runs in threads."""
+    def size_of(path):
+        try:
+            return (decoded_size if decode else header_size)(path), None
+        except Exception as e:  # noqa: BLE001 (any failure to read the file is reported with its name)
+            return None, _read_failure(e)
+
+    workers = max(1, min(8, os.cpu_count() or 1, len(paths))) if decode else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(size_of, paths))
 
 
 def _read_failure(e: Exception) -> str:
@@ -949,6 +953,20 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
                         + (" ..." if len(bad) > 5 else ""))
         plan = plan_sources(sources, settings)
         check = check_caches(scan, plan, settings, vae_id) if mode == "images" else None
+        if check is not None and check.missing:
+            # images that still need a cache will be decoded by `cache`: one that cannot be is named now, not
+            # behind a "run cache" that then fails on it
+            need = sorted({plan.sources[e.source].image for e, _ in check.missing})
+            undecodable = [(p, why) for p, (_, why) in zip(need, _read_sizes(need, True)) if why is not None]
+            if undecodable and not skip_unreadable:
+                raise UnreadableImages(undecodable)
+            if undecodable:
+                gone = {p for p, _ in undecodable}
+                warn.append(f"skipped {len(gone)} undecodable image(s) without a cache: "
+                            + ", ".join(str(p) for p in sorted(gone)[:5]) + (" ..." if len(gone) > 5 else ""))
+                sources = [s for s in sources if s.image not in gone]
+                plan = plan_sources(sources, settings)
+                check = check_caches(scan, plan, settings, vae_id)
         orphans = sum(1 for f in scan.folders for stem in f.caches if stem not in f.images)
         if orphans and mode == "images":
             warn.append(f"{orphans} cached stem(s) have no image and are not used under source = images: set "
