@@ -7,8 +7,8 @@ ladder and of the suggested one, and a verdict: SAFE to delete the images only w
 at every configured tier with the current settings (and, when the model's VAE is found, by that VAE), no cache
 file is damaged (unreadable, or latents of the wrong shape/dtype for its bucket) and every source has its caption;
 otherwise NOT SAFE with the reasons and counts. The dataset warnings the trainer prints (tier collapse,
-min_source_area drops, unused caches) come as "warning:" lines. Every image is decoded (a truncated one is a
-NOT SAFE reason, by name). Exit status 0 = SAFE, 4 = NOT SAFE (errors.DATA_VERDICT_EXIT), 2 = error.
+min_source_area drops, unused caches) come as "warning:" lines. Every image without a valid cache is decoded (a
+truncated one is a NOT SAFE reason, by name: it can never be cached). Exit status 0 = SAFE, 4 = NOT SAFE (errors.DATA_VERDICT_EXIT), 2 = error.
 
 Tiers and bucket settings: --resolution / flags, else --config, else the settings recorded in the caches
 themselves (the most common record), else the defaults (resolution 1024).
@@ -35,6 +35,7 @@ from anima_train.dataset import (
     cache_command,
     cache_path,
     check_caches,
+    find_undecodable,
     image_sources,
     latents_problem,
     made_with,
@@ -128,7 +129,7 @@ def audit(args) -> tuple[list[str], bool]:
     # sources: every image (header), plus cached stems whose image is gone (size from the cache metadata)
     for f in scan.folders:
         f.mode = "images"
-    image_srcs, unreadable = image_sources(scan, skip_unreadable=True, decode=True)
+    image_srcs, unreadable = image_sources(scan, skip_unreadable=True)  # headers: sizes of a large set, fast
     cache_only = []
     for fi, f in enumerate(scan.folders):
         for stem, paths in f.caches.items():
@@ -160,6 +161,9 @@ def audit(args) -> tuple[list[str], bool]:
         src = plan.sources[e.source]
         return bool(scan.folders[src.folder].caches.get(src.stem.name))
 
+    # an image without a valid cache must be decodable to ever get one: decode those (threads), name the bad ones
+    unreadable += find_undecodable(plan.sources[e.source].image for e, _ in check.missing
+                                   if plan.sources[e.source].image is not None)
     never = [e for e, _ in check.missing if not cached_stem(e)]
     stale = [e for e, _ in check.missing
              if cached_stem(e) and cache_path(plan.sources[e.source].stem, e.plan.bucket) not in damaged]

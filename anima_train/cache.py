@@ -31,6 +31,7 @@ from anima_train.dataset import (
     cache_path,
     check_caches,
     encode_latents,
+    find_undecodable,
     image_sources,
     load_pixels,
     missing_captions,
@@ -212,8 +213,7 @@ def _run(args) -> int:
     scan = scan_folders(subsets)
     for f in scan.folders:  # caching reads images; cache-only folders are left alone
         f.mode = "images" if f.images else "latents"
-    # decoded in full (threads), so a truncated or corrupt image is named before any encoding starts
-    sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable, decode=True)
+    sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable)
     if not sources:
         raise DatasetError("no readable images to cache in " + ", ".join(str(s.path) for s in subsets))
     missing = missing_captions(scan, sources)
@@ -242,6 +242,16 @@ def _run(args) -> int:
         if key not in seen:
             seen.add(key)
             jobs.append(e)
+    # the images to encode are decoded in full first (threads; once more when encoding, a second read of files
+    # the OS has just cached), so a truncated or corrupt one is named before any encoding starts
+    undecodable = find_undecodable(plan.sources[e.source].image for e in jobs)
+    if undecodable and not args.skip_unreadable:
+        raise UnreadableImages(undecodable)
+    if undecodable:
+        gone = {p for p, _ in undecodable}
+        jobs = [e for e in jobs if plan.sources[e.source].image not in gone]
+        print(f"skipped  {len(gone)} undecodable image(s) (--skip-unreadable): "
+              + ", ".join(str(p) for p in sorted(gone)[:5]) + (" ..." if len(gone) > 5 else ""))
     stale = sum(1 for e in jobs if cache_path(plan.sources[e.source].stem, e.plan.bucket).exists())
     n_files = len({(e.source, e.plan.bucket) for e in plan.entries})
     print(f"todo     {len(jobs)} of {n_files} cache file(s) to write" +

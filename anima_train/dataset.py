@@ -189,7 +189,7 @@ def _entries(path: Path, want_dirs: bool) -> list[str]:
     cannot be followed is refused by name: silently dropping it would drop the images the user put behind it."""
     names = []
     with os.scandir(path) as it:
-        for e in it:
+        for e in sorted(it, key=lambda e: e.name):  # sorted: the first bad link named is the same on every run
             if e.name.startswith("."):
                 continue
             try:
@@ -374,6 +374,12 @@ def _read_sizes(paths: Sequence[Path], decode: bool) -> list[tuple[tuple[int, in
     workers = max(1, min(8, os.cpu_count() or 1, len(paths))) if decode else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(size_of, paths))
+
+
+def find_undecodable(paths: Iterable[Path]) -> list[tuple[Path, str]]:
+    """(path, why) for each image that cannot be decoded in full (threads)."""
+    paths = sorted(set(paths))
+    return [(p, why) for p, (_, why) in zip(paths, _read_sizes(paths, True)) if why is not None]
 
 
 def _read_failure(e: Exception) -> str:
@@ -956,8 +962,7 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
         if check is not None and check.missing:
             # images that still need a cache will be decoded by `cache`: one that cannot be is named now, not
             # behind a "run cache" that then fails on it
-            need = sorted({plan.sources[e.source].image for e, _ in check.missing})
-            undecodable = [(p, why) for p, (_, why) in zip(need, _read_sizes(need, True)) if why is not None]
+            undecodable = find_undecodable(plan.sources[e.source].image for e, _ in check.missing)
             if undecodable and not skip_unreadable:
                 raise UnreadableImages(undecodable)
             if undecodable:
