@@ -384,7 +384,7 @@ def find_undecodable(paths: Iterable[Path]) -> list[tuple[Path, str]]:
 
 def _read_failure(e: Exception) -> str:
     text = str(e)
-    if "truncated" in text:
+    if "truncated" in text.lower():
         return "truncated: the file ends early (an interrupted download or copy)"
     return f"{type(e).__name__}: {text}"
 
