@@ -22,6 +22,9 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from anima_train import errors, parent_watch
+from anima_train.config import TextureConfig
+from anima_train.images import decoded_size, header_size
+from anima_train.texture import texture_sample
 from anima_train.tiny import make_synthetic_dataset
 from tests.fixtures_tiny import small_run_toml
 
@@ -186,6 +189,17 @@ def test_an_image_caches_as_a_viewer_shows_it(cached_pairs, case):
     assert odd[0].name.replace("odd_", "") == twin[0].name.replace("twin_", ""), "different buckets (sizes)"
     a, b = load_file(odd[0])["latents"], load_file(twin[0])["latents"]
     assert torch.equal(a, b), f"{case}: max |diff| {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("case", list(IMAGE_CASES))
+def test_texture_crops_and_the_audit_see_the_same_image(tmp_path, case):
+    """The other readers use the same loader: texture crops are pixel-equal to the twin's, and the scan's sizes
+    (which the audit reports) are the twin's."""
+    IMAGE_CASES[case](tmp_path)
+    odd, twin = (next(tmp_path.glob(f"{kind}_{case}.*")) for kind in ("odd", "twin"))
+    assert header_size(odd) == header_size(twin) == decoded_size(odd)
+    a, b = (texture_sample(p, (32, 32), TextureConfig(), seed=0, epoch=0, index=0)["pixels"] for p in (odd, twin))
+    assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------------ undecodable images (item 8)
