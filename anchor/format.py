@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -265,11 +266,14 @@ def _check_version(path, version):
 
 def _load_pt(path):
     try:  # a file object, not the path: torch.load would route a '.safetensors' name to safetensors itself
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols are not the user's business
             blob = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise AnchorError(f"{path}: neither a safetensors file nor a torch file loadable with weights_only=True "
-                          f"({type(e).__name__}: {e}); convert it with a trusted tool first") from e
+        # not torch's text: it advises weights_only=False, which would run whatever code the file holds
+        raise AnchorError(f"{path}: not an anchor file: neither safetensors nor a torch file of plain tensors "
+                          f"(random bytes, or a pickle of other objects); give the anchor's .safetensors or .pt "
+                          f"file") from e
     if not isinstance(blob, dict):
         raise AnchorError(f"{path}: a torch file holding {type(blob).__name__}, expected a dict")
     if "format" in blob:

@@ -7,8 +7,8 @@ ladder and of the suggested one, and a verdict: SAFE to delete the images only w
 at every configured tier with the current settings (and, when the model's VAE is found, by that VAE), no cache
 file is damaged (unreadable, or latents of the wrong shape/dtype for its bucket) and every source has its caption;
 otherwise NOT SAFE with the reasons and counts. The dataset warnings the trainer prints (tier collapse,
-min_source_area drops, unused caches) come as "warning:" lines. Exit status 0 = SAFE, 1 = NOT SAFE,
-2 = error.
+min_source_area drops, unused caches) come as "warning:" lines. Every image without a valid cache is decoded (a
+truncated one is a NOT SAFE reason, by name: it can never be cached). Exit status 0 = SAFE, 4 = NOT SAFE (errors.DATA_VERDICT_EXIT), 2 = error.
 
 Tiers and bucket settings: --resolution / flags, else --config, else the settings recorded in the caches
 themselves (the most common record), else the defaults (resolution 1024).
@@ -35,6 +35,7 @@ from anima_train.dataset import (
     cache_damage,
     cache_path,
     check_caches,
+    find_undecodable,
     image_sources,
     made_with,
     missing_captions,
@@ -47,6 +48,7 @@ from anima_train.dataset import (
     settings_record,
     vae_identity,
 )
+from anima_train.errors import DATA_VERDICT_EXIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +62,7 @@ def run(args) -> int:
         print(f"anima-train audit: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(lines))
-    return 0 if safe else 1
+    return 0 if safe else DATA_VERDICT_EXIT
 
 
 def settings_from_caches(metadata: dict) -> BucketSettings | None:
@@ -126,7 +128,7 @@ def audit(args) -> tuple[list[str], bool]:
     # sources: every image (header), plus cached stems whose image is gone (size from the cache metadata)
     for f in scan.folders:
         f.mode = "images"
-    image_srcs, unreadable = image_sources(scan, skip_unreadable=True)
+    image_srcs, unreadable = image_sources(scan, skip_unreadable=True)  # headers: sizes of a large set, fast
     cache_only = []
     for fi, f in enumerate(scan.folders):
         for stem, paths in f.caches.items():
@@ -158,6 +160,9 @@ def audit(args) -> tuple[list[str], bool]:
         src = plan.sources[e.source]
         return bool(scan.folders[src.folder].caches.get(src.stem.name))
 
+    # an image without a valid cache must be decodable to ever get one: decode those (threads), name the bad ones
+    unreadable += find_undecodable(plan.sources[e.source].image for e, _ in check.missing
+                                   if plan.sources[e.source].image is not None)
     never = [e for e, _ in check.missing if not cached_stem(e)]
     stale = [e for e, _ in check.missing
              if cached_stem(e) and cache_path(plan.sources[e.source].stem, e.plan.bucket) not in damaged]
@@ -179,8 +184,9 @@ def audit(args) -> tuple[list[str], bool]:
     if uncaptioned:
         reasons.append(f"{len(uncaptioned)} source(s) have no caption file: " + _examples(p.name for p in uncaptioned))
     if unreadable:
-        reasons.append(f"{len(unreadable)} image(s) cannot be read, so they have no cache: "
-                       + _examples(p.name for p, _ in unreadable))
+        reasons.append(f"{len(unreadable)} image(s) cannot be read, so they have no cache (fix or delete them): "
+                       + "; ".join(f"{p} ({why})" for p, why in unreadable[:4])
+                       + (f" and {len(unreadable) - 4} more" if len(unreadable) > 4 else ""))
     vaes = {settings_record(m).get("vae") for m in metadata.values()} - {None}
     if plan.unbucketable:
         reasons.append(f"{len(plan.unbucketable)} source(s) cannot be bucketed with these settings (so no cache): "

@@ -126,6 +126,12 @@ class Bucketer:
                 f"resolution ({resolution}), bucket_reso_steps ({bucket_reso_steps}) and min_bucket_reso "
                 f"({min_bucket_reso}) must be positive"
             )
+        if resolution < bucket_reso_steps:  # the smallest bucket, steps x steps, is already larger than the tier
+            raise BucketError(
+                f"resolution {resolution} is below bucket_reso_steps ({bucket_reso_steps}): bucket sides are "
+                f"multiples of bucket_reso_steps, so no image fits a {resolution}x{resolution} area; raise the "
+                f"resolution (e.g. 1024) or lower bucket_reso_steps"
+            )
         # sd-scripts asserts the same two relations (in both branches)
         if max_bucket_reso < resolution:
             raise BucketError(

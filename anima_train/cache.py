@@ -23,12 +23,15 @@ from types import SimpleNamespace
 from anima_train.atomic import atomic_path
 from anima_train.buckets import DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import DTYPE_NAMES
+from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
 from anima_train.dataset import (
     BucketSettings,
     DatasetError,
+    UnreadableImages,
     cache_path,
     check_caches,
     encode_latents,
+    find_undecodable,
     image_sources,
     load_pixels,
     missing_captions,
@@ -166,9 +169,37 @@ def save_cache(path: Path, latents, metadata: dict[str, str]) -> None:
 def run(args) -> int:
     try:
         return _run(args)
+    except UnreadableImages as e:  # a verdict on the data, not a mistake in the command
+        print(f"anima-train cache: error: {e}", file=sys.stderr)
+        return DATA_VERDICT_EXIT
     except DatasetError as e:
         print(f"anima-train cache: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT
+
+
+def _device(name: str | None) -> str:
+    """The --device to encode on, checked: a name torch knows, and a device this machine has."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DatasetError(f"--device {name}: not a device name; use cpu, cuda or cuda:N (or leave it out: cuda "
+                           f"when a GPU is visible, else cpu)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DatasetError(f"--device {name}: no CUDA GPU is visible to this process; use --device cpu (or check "
+                               f"the driver and CUDA_VISIBLE_DEVICES)")
+        if device.index is not None and device.index >= count:
+            raise DatasetError(f"--device {name}: this machine has {count} CUDA GPU(s), numbered 0 to {count - 1}")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise DatasetError(f"--device {name}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "mps"):
+        raise DatasetError(f"--device {name}: anima-train encodes on cpu, cuda or mps")
+    return str(device)
 
 
 def _run(args) -> int:
@@ -178,6 +209,7 @@ def _run(args) -> int:
     subsets, settings, model_path, _ = resolve_dataset_args(args)
     if args.batch_size < 1:
         raise DatasetError("--batch-size must be >= 1")
+    device = _device(args.device)  # before the scan: a typo must not wait for it
     scan = scan_folders(subsets)
     for f in scan.folders:  # caching reads images; cache-only folders are left alone
         f.mode = "images" if f.images else "latents"
@@ -210,6 +242,16 @@ def _run(args) -> int:
         if key not in seen:
             seen.add(key)
             jobs.append(e)
+    # the images to encode are decoded in full first (threads; once more when encoding, a second read of files
+    # the OS has just cached), so a truncated or corrupt one is named before any encoding starts
+    undecodable = find_undecodable(plan.sources[e.source].image for e in jobs)
+    if undecodable and not args.skip_unreadable:
+        raise UnreadableImages(undecodable)
+    if undecodable:
+        gone = {p for p, _ in undecodable}
+        jobs = [e for e in jobs if plan.sources[e.source].image not in gone]
+        print(f"skipped  {len(gone)} undecodable image(s) (--skip-unreadable): "
+              + ", ".join(str(p) for p in sorted(gone)[:5]) + (" ..." if len(gone) > 5 else ""))
     stale = sum(1 for e in jobs if cache_path(plan.sources[e.source].stem, e.plan.bucket).exists())
     n_files = len({(e.source, e.plan.bucket) for e in plan.entries})
     print(f"todo     {len(jobs)} of {n_files} cache file(s) to write" +
@@ -218,7 +260,6 @@ def _run(args) -> int:
     if args.dry_run or not jobs:
         return 0
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     vae = load_vae(model_path, device, dtype)
     if vae_id is None:
@@ -256,6 +297,8 @@ def _run(args) -> int:
     print(f"wrote    {written} cache file(s) in {dt:.1f} s ({written / max(dt, 1e-9):.2f} img/s)")
     if failed:
         listing = "\n".join(f"  {p}  ({why})" for p, why in failed)
-        print(f"{len(failed)} image(s) could not be decoded and have no cache:\n{listing}", file=sys.stderr)
-        return 0 if args.skip_unreadable else 1
+        print(f"anima-train cache: error: {len(failed)} image(s) could not be decoded and have no cache:\n{listing}\n"
+              f"fix or delete them, then run the same command again (it skips the caches already written)",
+              file=sys.stderr)
+        return 0 if args.skip_unreadable else DATA_VERDICT_EXIT
     return 0

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(f"anima-train {name}: interrupted", file=sys.stderr)
-        return 130
+        return errors.INTERRUPTED_EXIT
     except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
         if debug:
             raise

@@ -48,6 +48,8 @@ CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
 ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
 TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
+MAX_RANK = 4096  # above every layer width of Anima and Qwen3: a larger rank adds nothing (and 10**20 crashes torch)
+MAX_REPEATS = 10_000  # per subset/folder; an epoch holds every repeat, so 10**20 would never end (or overflow)
 
 # Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
@@ -139,7 +141,7 @@ class TrainConfig:
 @dataclass
 class SubsetConfig:
     path: str = _key(MISSING, nonempty=True, help="source directory")
-    num_repeats: int = _key(1, ge=1, help="repeat this subset's entries N times per epoch")
+    num_repeats: int = _key(1, ge=1, le=MAX_REPEATS, help="repeat this subset's entries N times per epoch")
     texture: bool = _key(True, help="false = always full-resolution with its captions, even in texture phases")
 
 
@@ -212,7 +214,7 @@ class DatasetConfig:
     bucket_reso_steps: int = _key(64, gt=0, help="bucket sides are multiples of this (a multiple of 16)")
     bucket_no_upscale: bool = _key(True, help="never enlarge a source (changing it invalidates caches)")
     multires_training: bool = _key(False, help="area tie-break among equal aspect ratios (upscale branch)")
-    num_repeats: int = _key(1, ge=1, help="repeat factor of the single-path form")
+    num_repeats: int = _key(1, ge=1, le=MAX_REPEATS, help="repeat factor of the single-path form")
     source: str = _key("auto", choices=("images", "latents", "encode", "auto"),
                        help="images (cached latents), latents (caches only), encode (VAE in the loop), auto")
     caption: CaptionConfig = _table(CaptionConfig, "caption handling")
@@ -287,14 +289,14 @@ class ComponentLRConfig:
 @dataclass
 class AdapterConfig:
     kind: str = _key("lora", choices=("lora", "lokr", "none"), help="lora, lokr, or none (= full finetune)")
-    rank: int = _key(32, ge=1, help="adapter rank")
+    rank: int = _key(32, ge=1, le=MAX_RANK, help="adapter rank")
     alpha: float = _key(32.0, gt=0.0, help="scale alpha/rank (alpha = rank keeps the LR rank-independent)")
     dropout: float = _key(0.0, ge=0.0, lt=1.0, help="LoRA dropout (LoKr: rank dropout)")
     components: list[str] = _key(factory=lambda: ["self_attn", "cross_attn", "mlp"], choices=DIT_COMPONENTS,
                                  help="DiT parts that get an adapter")
     train_llm_adapter: bool = _key(False, help="also adapt the LLM adapter (text conditioner)")
     train_text_encoder: bool = _key(False, help="LoRA on Qwen3, exported to a _te file")
-    text_encoder_rank: int | None = _key(None, ge=1, help="rank of the Qwen3 LoRA (unset = rank)")
+    text_encoder_rank: int | None = _key(None, ge=1, le=MAX_RANK, help="rank of the Qwen3 LoRA (unset = rank)")
     lokr_factor: int = _key(-1, help="LoKr only: Kronecker factor; -1 = most balanced")
     lokr_decompose_both: bool = _key(False, help="LoKr only: decompose both Kronecker factors")
     output_format: str = _key("peft", choices=LORA_FORMATS,
@@ -473,6 +475,15 @@ class _Mismatch(Exception):
     pass
 
 
+class _BadEntry(_Mismatch):
+    """A table of the right kind with one wrong key or value: the message says which (not "expected a table,
+    got a table")."""
+
+    def __init__(self, why: str):
+        super().__init__()
+        self.why = why
+
+
 def _describe(tp: Any) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is bool:
@@ -516,13 +527,18 @@ def _coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
     elif origin in (typing.Union, types.UnionType):
+        entry = None
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg)
+            except _BadEntry as exc:
+                entry = exc  # the value is this kind of thing, with one bad entry: that is the message
             except _Mismatch:
                 pass
+        if entry is not None:
+            raise entry
     elif origin is Literal:
         if any(value == a and type(value) is type(a) for a in args):
             return value
@@ -536,9 +552,13 @@ def _coerce(value: Any, tp: Any) -> Any:
             for k, v in value.items():
                 if key_type is int:
                     if not re.fullmatch(r"\s*-?\d+\s*", k):
-                        raise _Mismatch()
+                        raise _BadEntry(f"the key {as_toml(k)} is not a whole number; every key of this table is "
+                                        f"an integer (e.g. {{ 768 = 16, 1024 = 12 }})")
                     k = int(k)
-                out[k] = _coerce(v, value_type)
+                try:
+                    out[k] = _coerce(v, value_type)
+                except _Mismatch:
+                    raise _BadEntry(f"the value of {k} is {_toml_type(v)}, expected {_describe(value_type)}") from None
             return out
     raise _Mismatch()
 
@@ -647,6 +667,9 @@ def _build(cls: type, raw: dict, table: str, where: str, prefix: str, p: Problem
         value = raw[name]
         try:
             value = _coerce(value, hints[name])
+        except _BadEntry as exc:
+            p.error(f"{where} {name} = {as_toml(value)}: {exc.why}", dotted)
+            continue
         except _Mismatch as exc:
             expected = (exc.args[0] if exc.args else "") or f.metadata.get("type_desc") or _describe(hints[name])
             example = _field_default(f)

@@ -141,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", action="store_true",
                         help="print the reference of every config key (docs/config.md)")
     parser.add_argument("--out", metavar="FILE", help="with --reference: write it to FILE instead of printing it")
+    # the dataset is checked as `train` checks it, so the flags that change train's verdict are here too
+    parser.add_argument("--skip-unreadable", action="store_true", help="as train: skip unreadable images")
+    parser.add_argument("--allow-missing-captions", action="store_true",
+                        help="as train: accept images without a <stem>.txt")
 
 
 def _write_new(out: Path, text: str) -> None:
@@ -172,14 +176,17 @@ def run(args) -> int:
     if not args.config:
         raise UserError("give a config file to check (anima-train config CFG.toml), or --reference for the list "
                         "of every key")
+    from anima_train.dataset import build_training_data
     from anima_train.preflight import check_run_paths
 
     cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
-    from anima_train.dataset import build_training_data
-
-    # the dataset scan `train` does before it loads the model: captions, and stale, damaged or NaN latent caches
-    build_training_data(cfg, cfg.train.model_path)
+    # what `train` checks before it loads the model: images (decoded when they will be), captions, caches, buckets
+    data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=args.skip_unreadable,
+                               allow_missing_captions=args.allow_missing_captions)
+    for text in data.warnings:
+        print(f"warning: {text}")
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
-          f"dataset folder(s) and output folder are usable)")
+          f"dataset ({len(data.sources)} source(s), {len(data.entries)} entries, {data.mode}) and output folder are "
+          f"usable)")
     return 0

@@ -58,6 +58,15 @@ def _check_train_and_tiers(cfg: Config, raw: dict, p: Problems) -> None:
                     f"per-side cap); lower the tier or raise max_bucket_reso", f"dataset.{key}")
             tiers_ok = False
 
+    if tiers_ok and p.ok("dataset.bucket_reso_steps"):
+        too_small = [t for t in d.tiers if t < d.bucket_reso_steps]
+        if too_small:  # no bucket (sides are multiples of bucket_reso_steps) fits such a tier's area
+            key = "resolutions" if d.resolutions is not None else "resolution"
+            p.error(f"[dataset] {key}: tier(s) {as_toml(too_small)} are below bucket_reso_steps = "
+                    f"{d.bucket_reso_steps} (the bucket side step), so no image can be bucketed; raise the tier "
+                    f"(e.g. 1024) or lower bucket_reso_steps", f"dataset.{key}")
+            tiers_ok = False
+
     blocks = cfg.train.checkpoint_blocks
     if isinstance(blocks, str) and blocks not in ("auto", "all") and p.ok("train.checkpoint_blocks"):
         p.error(f"[train] checkpoint_blocks = {as_toml(blocks)}: choose \"auto\", \"all\" or a number of blocks",

@@ -35,6 +35,7 @@ import json
 import os
 import re
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -54,8 +55,9 @@ from anima_train.buckets import (
     tier_report,
 )
 from anima_train.captions import CaptionError, build_caption, read_caption_files
-from anima_train.config import check_table
+from anima_train.config import MAX_REPEATS, check_table
 from anima_train.errors import UserError
+from anima_train.images import decoded_size, header_size, open_image
 from anima_train.sampler import BucketBatchSampler
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
@@ -182,9 +184,26 @@ class Scan:
     notes: list[str]  # things worth printing (ignored subfolders, ...)
 
 
+def _entries(path: Path, want_dirs: bool) -> list[str]:
+    """The sorted names of the files (or folders) in `path`, hidden ones left out. A symbolic link that loops or
+    cannot be followed is refused by name: silently dropping it would drop the images the user put behind it."""
+    names = []
+    with os.scandir(path) as it:
+        for e in sorted(it, key=lambda e: e.name):  # sorted: the first bad link named is the same on every run
+            if e.name.startswith("."):
+                continue
+            try:
+                kind = e.is_dir() if want_dirs else e.is_file()
+            except OSError as exc:
+                raise DatasetError(f"{path / e.name}: a symbolic link that cannot be followed ({exc.strerror}): "
+                                   f"remove it or point it at a real file or folder") from None
+            if kind:
+                names.append(e.name)
+    return sorted(names)
+
+
 def _list_folder(folder: Folder) -> None:
-    with os.scandir(folder.path) as it:
-        names = sorted(e.name for e in it if e.is_file() and not e.name.startswith("."))
+    names = _entries(folder.path, want_dirs=False)
     for name in names:
         lower = name.lower()
         if lower.endswith(CACHE_TAIL):
@@ -208,13 +227,12 @@ def scan_folders(subsets) -> Scan:
     for i, sub in enumerate(subsets):
         root = Path(sub.path).expanduser()
         if not root.is_dir():
-            raise DatasetError(f"dataset folder {root} does not exist (or is not a folder): fix the path in the config")
+            # no "in the config": `cache DIR` and `audit DIR` get here with a folder typed on the command line
+            raise DatasetError(f"dataset folder {root} does not exist (or is not a folder): check the path")
         top = Folder(i, root, int(sub.num_repeats), bool(sub.texture))
         _list_folder(top)
         mine = [top]
-        with os.scandir(root) as it:
-            subdirs = sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
-        for name in subdirs:
+        for name in _entries(root, want_dirs=True):
             m = REPEAT_FOLDER.match(name)
             if not m:
                 notes.append(f"{root / name}: not scanned (only N_name subfolders such as 10_{name} are)")
@@ -222,6 +240,9 @@ def scan_folders(subsets) -> Scan:
             n = int(m["n"])
             if n < 1:
                 raise DatasetError(f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
+            if n * int(sub.num_repeats) > MAX_REPEATS:
+                raise DatasetError(f"{root / name}: {n} x num_repeats {sub.num_repeats} = {n * int(sub.num_repeats)} "
+                                   f"repeats is more than {MAX_REPEATS}; rename the folder with a smaller N")
             sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))
             _list_folder(sub_folder)
             mine.append(sub_folder)
@@ -342,29 +363,63 @@ def read_cache_metadata(path: Path) -> dict:
         raise CacheUnreadable(path, str(e)) from e
 
 
-def image_sources(scan: Scan, *, skip_unreadable: bool = False) -> tuple[list[Source], list[tuple[Path, str]]]:
-    """Sources from the image files (header read only). Unreadable images are all listed at once; with
-    skip_unreadable they are left out and returned as (path, reason)."""
-    from PIL import Image
-
+def image_sources(scan: Scan, *, skip_unreadable: bool = False,
+                  decode: bool = False) -> tuple[list[Source], list[tuple[Path, str]]]:
+    """Sources from the image files, each sized as a viewer shows it (images.viewer_size). With `decode`, every
+    image is decoded in full (in threads: PIL releases the GIL while decoding), so a truncated or corrupt file is
+    found now, by name, not at the training step that first draws it; without, only headers are read (for images
+    that are trained from their caches and never decoded). Unreadable images are all listed at once
+    (UnreadableImages); with skip_unreadable they are left out and returned as (path, reason)."""
+    todo = [(fi, f, stem, path) for fi, f in enumerate(scan.folders) if f.mode != "latents"
+            for stem, path in f.images.items()]
+    results = _read_sizes([job[3] for job in todo], decode)
     sources, bad = [], []
-    for fi, f in enumerate(scan.folders):
-        if f.mode == "latents":
-            continue
-        for stem, path in f.images.items():
-            try:
-                with Image.open(path) as im:
-                    size = im.size
-            except Exception as e:
-                bad.append((path, f"{type(e).__name__}: {e}"))
-                continue
+    for (fi, f, stem, path), (size, why) in zip(todo, results):
+        if why is not None:
+            bad.append((path, why))
+        else:
             sources.append(Source(fi, f.path / stem, path, (int(size[0]), int(size[1]))))
     if bad and not skip_unreadable:
+        raise UnreadableImages(bad)
+    return sources, bad
+
+
+def _read_sizes(paths: Sequence[Path], decode: bool) -> list[tuple[tuple[int, int] | None, str | None]]:
+    """(viewer size, None) or (None, why it cannot be read) per path; decoding runs in threads."""
+    def size_of(path):
+        try:
+            return (decoded_size if decode else header_size)(path), None
+        except Exception as e:  # noqa: BLE001 (any failure to read the file is reported with its name)
+            return None, _read_failure(e)
+
+    workers = max(1, min(8, os.cpu_count() or 1, len(paths))) if decode else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(size_of, paths))
+
+
+def find_undecodable(paths: Iterable[Path]) -> list[tuple[Path, str]]:
+    """(path, why) for each image that cannot be decoded in full (threads)."""
+    paths = sorted(set(paths))
+    return [(p, why) for p, (_, why) in zip(paths, _read_sizes(paths, True)) if why is not None]
+
+
+def _read_failure(e: Exception) -> str:
+    text = str(e)
+    if "truncated" in text.lower():
+        return "truncated: the file ends early (an interrupted download or copy)"
+    return f"{type(e).__name__}: {text}"
+
+
+class UnreadableImages(DatasetError):
+    """Images that cannot be decoded; `bad` = [(path, why)]. `anima-train cache` reports this as a data verdict."""
+
+    def __init__(self, bad: Sequence[tuple[Path, str]]):
         shown = "\n".join(f"  {p}  ({why})" for p, why in bad[:50])
         more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
-        raise DatasetError(f"{len(bad)} image(s) cannot be read:\n{shown}{more}\nfix or delete them, or skip them "
-                           f"(--skip-unreadable on the command line, skip_unreadable=True in code)")
-    return sources, bad
+        super().__init__(f"{len(bad)} image(s) cannot be read:\n{shown}{more}\nfix or delete them (re-download or "
+                         f"re-export them), or skip them (--skip-unreadable on the command line, skip_unreadable=True "
+                         f"in code)")
+        self.bad = list(bad)
 
 
 def cache_sources(scan: Scan, metadata: dict[Path, dict]) -> list[Source]:
@@ -688,11 +743,15 @@ def load_pixels(image: Path, plan: BucketPlan):
     import torch
     from PIL import Image
 
-    with Image.open(image) as im:
+    try:
+        im = open_image(image)
+    except Exception as e:  # noqa: BLE001 (the scan decoded it: the file changed or broke since)
+        raise DatasetError(f"{image} cannot be read ({_read_failure(e)}): the file changed during the run; fix "
+                           f"or delete it and restart") from e
+    with im:
         if im.size != plan.source:
             raise DatasetError(f"{image} is {_wxh(im.size)} but was scanned as {_wxh(plan.source)}: the file "
                                f"changed during the run; restart to re-scan")
-        im = im.convert("RGB")
         if im.size != plan.resized:
             im = im.resize(plan.resized, Image.LANCZOS)
         (x, y), (w, h) = plan.trim, plan.bucket
@@ -915,12 +974,26 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     if mode == "latents":
         sources, plan, check = _latents_entries(scan, settings, vae_id, warn)
     else:
-        sources, bad = image_sources(scan, skip_unreadable=skip_unreadable)
+        # encode decodes every image while training: decode them all now (cached images are never decoded)
+        sources, bad = image_sources(scan, skip_unreadable=skip_unreadable, decode=mode == "encode")
         if bad:
             warn.append(f"skipped {len(bad)} unreadable image(s): " + ", ".join(str(p) for p, _ in bad[:5])
                         + (" ..." if len(bad) > 5 else ""))
         plan = plan_sources(sources, settings)
         check = check_caches(scan, plan, settings, vae_id) if mode == "images" else None
+        if check is not None and check.missing:
+            # images that still need a cache will be decoded by `cache`: one that cannot be is named now, not
+            # behind a "run cache" that then fails on it
+            undecodable = find_undecodable(plan.sources[e.source].image for e, _ in check.missing)
+            if undecodable and not skip_unreadable:
+                raise UnreadableImages(undecodable)
+            if undecodable:
+                gone = {p for p, _ in undecodable}
+                warn.append(f"skipped {len(gone)} undecodable image(s) without a cache: "
+                            + ", ".join(str(p) for p in sorted(gone)[:5]) + (" ..." if len(gone) > 5 else ""))
+                sources = [s for s in sources if s.image not in gone]
+                plan = plan_sources(sources, settings)
+                check = check_caches(scan, plan, settings, vae_id)
         orphans = sum(1 for f in scan.folders for stem in f.caches if stem not in f.images)
         if orphans and mode == "images":
             warn.append(f"{orphans} cached stem(s) have no image and are not used under source = images: set "

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from anima_train.errors import UserError
+
 DEMO_TOML = """\
 # anima-train demo: a tiny model and a generated dataset. A real run differs in model_path, dataset path,
 # resolution (1024), dtype (bfloat16) and learning rate (1e-4 .. 2.5e-5); everything else works the same.
@@ -80,6 +82,9 @@ def run(args) -> int:
     from anima_train.runs import LOSS_PLOT_NAME
     from anima_train.train import train
 
+    for flag, value in (("--steps", args.steps), ("--images", args.images)):
+        if value < 1:  # before anything is built or written
+            raise UserError(f"{flag} {value}: must be at least 1 (defaults: --steps 40, --images 24)")
     t0 = time.perf_counter()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="anima-train-demo-"))
     if out.exists() and any(out.iterdir()):
@@ -149,7 +154,6 @@ def tiny_model_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tiny_model_run(args) -> int:
     """A tiny random-weight Anima (seconds, no downloads) to try configs, datasets and ComfyUI wiring on."""
-    from anima_train.errors import UserError
     from anima_train.tiny import build_tiny_anima
 
     out = Path(args.out)

@@ -25,9 +25,12 @@ import errno
 import os
 import sys
 
-USER_ERROR_EXIT = 2
-INTERNAL_ERROR_EXIT = 1
+# exit statuses of every command (the README's table is tested against these; 3 = parent_watch.EXIT_PARENT_GONE)
+INTERNAL_ERROR_EXIT = 1  # a bug in anima-train
+USER_ERROR_EXIT = 2  # bad input: a config key, a path, a flag, a damaged file
+DATA_VERDICT_EXIT = 4  # the command ran and judged the data: `cache` found images it cannot decode, `audit` NOT SAFE
 DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (train.Diverged)
+INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT)
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 

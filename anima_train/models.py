@@ -13,6 +13,7 @@ without tokenizers fails in a second with a message naming the fix, not after lo
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,129 @@ def check_repo(model_path: str | os.PathLike) -> Path:
             f"train (captions are tokenized on every step) and conversion cannot synthesise them. "
             + tokenizer_fix_hint(root))
     return root
+
+
+# what each weight folder is converted from (`anima-train convert` flags), for the fix of a damaged one
+WEIGHT_SOURCES = {"transformer": "--anima", "text_conditioner": "--anima", "text_encoder": "--qwen", "vae": "--vae"}
+_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                            "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def damaged(path: Path, what: str) -> str:
+    """The message for a damaged file of the repo: the component, the file, what is wrong and the fix."""
+    component = path.parent.name
+    source = WEIGHT_SOURCES.get(component, "--anima/--qwen/--vae")
+    return (f"{path} ({component}) is damaged: {what}. Re-convert the model into a new folder with `anima-train "
+            f"convert --anima F --qwen F --vae F --out DIR` (this file comes from {source}), or download the repo "
+            f"again, and point model_path at it")
+
+
+def safetensors_header(path: Path) -> dict:
+    """The tensors' header of a safetensors file ({name: {dtype, shape, data_offsets}}), checked against the file:
+    a header that parses and tensors whose bytes all lie inside the file. Raises ModelRepoError (damaged)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or n > size - 8:
+            raise ModelRepoError(damaged(path, f"not a safetensors file (its first bytes are no header; the file "
+                                               f"has {size} bytes)"))
+        try:
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise ModelRepoError(damaged(path, f"its safetensors header is not valid JSON ({exc})")) from None
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = (int(x) for x in info["data_offsets"])
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            width = _SAFETENSORS_DTYPE_BYTES.get(info["dtype"])  # a dtype not listed here: its size is not checked
+            if start > stop or (width is not None and stop - start != count * width):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise ModelRepoError(damaged(path, f"the header entry of tensor {name!r} is inconsistent")) from None
+        end = max(end, stop)
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "longer than its header says"
+        raise ModelRepoError(damaged(path, f"{what} ({size} bytes; its header needs {8 + n + end})"))
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+        return value
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelRepoError(damaged(path, f"not valid JSON ({exc})")) from None
+
+
+def check_weights(model_path: str | os.PathLike) -> dict[str, dict[str, tuple[list[int], Path]]]:
+    """Read every config.json and every safetensors header of the weight folders (no weights): a damaged file
+    raises ModelRepoError naming the component and the file. Returns {component: {tensor: (shape, file)}}."""
+    root = check_repo(model_path)
+    shapes = {}
+    for sub in WEIGHT_SOURCES:
+        folder = root / sub
+        _read_json(folder / "config.json")
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelRepoError(damaged(folder / "config.json", "its folder holds no *.safetensors weights"))
+        for index in folder.glob("*.safetensors.index.json"):
+            _read_json(index)
+        shapes[sub] = {k: (list(v["shape"]), f) for f in files for k, v in safetensors_header(f).items()}
+    return shapes
+
+
+def check_weight_shapes(model_path: str | os.PathLike) -> None:
+    """check_weights, then every tensor's shape against the model its config.json builds (on the meta device: no
+    memory, no weights read). Raises ModelRepoError naming the component, the tensor and both shapes."""
+    from accelerate import init_empty_weights
+
+    root = Path(model_path).expanduser()
+    shapes = check_weights(root)
+    for sub, model in _empty_models(root, init_empty_weights).items():
+        for name, tensor in model.state_dict().items():
+            got, file = shapes[sub].get(name, (None, None))
+            if got is not None and list(tensor.shape) != got:
+                raise ModelRepoError(damaged(file, f"tensor {name} has shape {got}, but {sub}/config.json builds "
+                                                   f"{list(tensor.shape)} (the weights and the config do not belong "
+                                                   f"together)"))
+
+
+def _empty_models(root: Path, init_empty_weights) -> dict:
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen3Config, Qwen3Model
+
+    models = {}
+    with init_empty_weights():
+        for sub, cls in (("transformer", CosmosTransformer3DModel), ("text_conditioner", AnimaTextConditioner),
+                         ("vae", AutoencoderKLQwenImage)):
+            try:
+                models[sub] = cls.from_config(cls.load_config(root, subfolder=sub))
+            except Exception as exc:  # noqa: BLE001 (a config with wrong values: name the file)
+                raise ModelRepoError(damaged(root / sub / "config.json", f"it does not build a model ({exc})")) from None
+        try:
+            models["text_encoder"] = Qwen3Model(Qwen3Config.from_pretrained(root, subfolder="text_encoder"))
+        except Exception as exc:  # noqa: BLE001
+            raise ModelRepoError(damaged(root / "text_encoder" / "config.json",
+                                         f"it does not build a model ({exc})")) from None
+    return models
+
+
+def load_damage(root: Path, sub: str, exc: Exception) -> ModelRepoError:
+    """A weight folder that failed to load after the checks passed (diffusers/transformers' own error, minus its
+    advice to ignore mismatched sizes): the component, the folder and the fix."""
+    text = str(exc).split(" If you want to")[0].split(" You may consider")[0].strip()
+    return ModelRepoError(damaged(root / sub / "config.json", f"loading {sub}/ failed ({type(exc).__name__}: {text})"))
 
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the [train] dtype names -> torch dtypes
@@ -131,10 +255,19 @@ def load_components(model_path: str | os.PathLike, dtype: str | torch.dtype = to
     def ready(model):
         return model.to(device).eval().requires_grad_(False)
 
+    def load(cls, sub):
+        try:
+            return ready(cls.from_pretrained(root, subfolder=sub, dtype=dtype))
+        except Exception as exc:  # a damaged file the header check cannot see (diffusers/transformers/safetensors)
+            file_error = isinstance(exc, (ValueError, RuntimeError)) or type(exc).__module__.startswith("safetensors")
+            if not file_error and not (isinstance(exc, OSError) and exc.errno is None):
+                raise  # the machine's (disk, permissions: an errno) or a bug: not the file's
+            raise load_damage(root, sub, exc) from exc
+
     parts = AnimaComponents(
-        transformer=ready(CosmosTransformer3DModel.from_pretrained(root, subfolder="transformer", dtype=dtype)),
-        text_conditioner=ready(AnimaTextConditioner.from_pretrained(root, subfolder="text_conditioner", dtype=dtype)),
-        text_encoder=ready(Qwen3Model.from_pretrained(root, subfolder="text_encoder", dtype=dtype)),
+        transformer=load(CosmosTransformer3DModel, "transformer"),
+        text_conditioner=load(AnimaTextConditioner, "text_conditioner"),
+        text_encoder=load(Qwen3Model, "text_encoder"),
         tokenizer=tokenizer, t5_tokenizer=t5_tokenizer, scheduler=scheduler,
         model_path=root, dtype=dtype, device=device)
     if load_vae:

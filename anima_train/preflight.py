@@ -19,13 +19,13 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
     True for a value not known yet (a ComfyUI input linked from another node)."""
     from anima_train import checkpoints
-    from anima_train.models import ModelRepoError, check_repo
+    from anima_train.models import ModelRepoError, check_weights
 
     problems = []
     model = cfg.train.model_path
     if not skip(model):
         try:
-            check_repo(model)
+            check_weights(model)  # the folders, and every config.json and weight header (no weights read)
         except ModelRepoError as exc:
             problems.append(str(exc) if str(exc).startswith("model_path") else f"[train] model_path: {exc}")
     for i, sub in enumerate(cfg.dataset.resolved_subsets()):
@@ -77,7 +77,14 @@ def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
 
 def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
     """Raise one ConfigError listing every unusable path of `cfg` (see path_problems)."""
+    from anima_train.models import ModelRepoError, check_weight_shapes
+
     problems = path_problems(cfg, saving=saving)
+    if not problems:
+        try:  # the weights' shapes against their configs: needs diffusers, so not in path_problems (the node's)
+            check_weight_shapes(cfg.train.model_path)
+        except ModelRepoError as exc:
+            problems.append(f"[train] model_path: {exc}")
     if problems:
         name = str(cfg.source_path) if cfg.source_path is not None else "the config"
         n = len(problems)

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from anima_train.errors import UserError
+
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 
 
@@ -89,6 +91,21 @@ def _peak(stats: StepStats) -> str:
     return f"peak {'/'.join(f'{g:.1f}' for g in stats.peak_gb)}GB" if stats.peak_gb else ""
 
 
+def _open_events(path: str) -> IO[str]:
+    """The events file, opened for appending; a path that cannot be one is the user's to fix (one line)."""
+    if os.path.isdir(path):
+        raise UserError(f"--events {path}: is a folder; give a file path in it (e.g. {os.path.join(path, 'events.jsonl')})"
+                        f" or - for stdout")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"--events {path}: the folder {folder} does not exist; create it first or give a path in an "
+                        f"existing folder")
+    try:
+        return open(path, "a", encoding="utf-8", buffering=1)
+    except OSError as exc:
+        raise UserError(f"--events {path}: cannot be opened for writing ({exc.strerror}); give another path") from None
+
+
 class Progress:
     def __init__(self, mode: str, total_steps: int, *, enabled: bool = True, events: str | None = None,
                  stream: IO[str] | None = None, start_step: int = 0):
@@ -104,7 +121,7 @@ class Progress:
             if events == "-":
                 self._events = sys.stdout
             else:
-                self._events = open(events, "a", encoding="utf-8", buffering=1)
+                self._events = _open_events(events)
                 self._own_events = True
         if mode == "auto":
             mode = "bar" if _isatty(self.stream) else "plain"

@@ -43,6 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from anima_train.errors import UserError
+from anima_train.images import open_image
 
 VAE_FACTOR = 8  # image px per latent cell
 MIN_MASK_SIDE = 4  # latent px: the supervised region is never smaller than this
@@ -231,11 +232,10 @@ def texture_sample(image_path, canvas: tuple[int, int], tcfg, seed: int, epoch: 
     """What the dataset yields for a texture-eligible sample in a texture phase: pixels [3, 1, ch, cw] in [-1, 1]
     (the same scaling as dataset.load_pixels), loss_mask [1, 1, ch/8, cw/8] and the trigger caption."""
     import torch
-    from PIL import Image
 
     rng = random.Random(f"anima-texture/{int(seed)}/{int(epoch)}/{int(index)}")
-    with Image.open(image_path) as im:
-        crop = crop_texture(im.convert("RGB"), canvas, tcfg, rng)
+    with open_image(image_path) as im:  # as a viewer shows it, like dataset.load_pixels
+        crop = crop_texture(im, canvas, tcfg, rng)
     cw, ch = canvas
     mask = supervised_mask((cw // VAE_FACTOR, ch // VAE_FACTOR), tcfg.mask_ratio, tcfg.feather_latent_px, rng)
     if tcfg.mask_padding and crop.valid is not None:

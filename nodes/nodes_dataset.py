@@ -206,10 +206,13 @@ class AnimaTrainAudit(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset_dir="", resolutions="", model_path="", config=None):
+        from anima_train.errors import DATA_VERDICT_EXIT
+
         config_file = _config_file(config)
         try:
             args = ["audit"] + dataset_args(dataset_dir, resolutions, model_path, config_file)
-            result = run_cli(args, "anima-train audit", ok_codes=(0, 1))  # 1 = NOT SAFE, a finding, not an error
+            # NOT SAFE (exit 4) is a finding, not an error
+            result = run_cli(args, "anima-train audit", ok_codes=(0, DATA_VERDICT_EXIT))
         finally:
             if config_file:
                 os.unlink(config_file)

@@ -60,7 +60,7 @@ def audit(capsys, *args) -> tuple[int, str]:
 def test_safe_only_when_every_image_is_cached_and_captioned(cached_set, capsys):
     flags = ("--resolution", 96, 128, "--bucket-reso-steps", 32)
     rc, out = audit(capsys, cached_set, *flags)
-    assert rc == 1 and "NOT SAFE" in out and "(image, tier) pair(s) have no cache" in out
+    assert rc == 4 and "NOT SAFE" in out and "(image, tier) pair(s) have no cache" in out
     assert "fix: anima-train cache" in out
     caches = fake_caches(cached_set, SIZES, SETTINGS)
     rc, out = audit(capsys, cached_set, *flags)
@@ -70,25 +70,25 @@ def test_safe_only_when_every_image_is_cached_and_captioned(cached_set, capsys):
     data = caches[0].read_bytes()
     caches[0].unlink()
     rc, out = audit(capsys, cached_set, *flags)
-    assert rc == 1 and "1 (image, tier) pair(s)" in out and "NOT SAFE" in out
+    assert rc == 4 and "1 (image, tier) pair(s)" in out and "NOT SAFE" in out
     caches[0].write_bytes(data)
     # one caption missing
     (cached_set / "c.txt").unlink()
     rc, out = audit(capsys, cached_set, *flags)
-    assert rc == 1 and "1 source(s) have no caption file: c.txt" in out
+    assert rc == 4 and "1 source(s) have no caption file: c.txt" in out
     (cached_set / "c.txt").write_text("x")
     # an unreadable image
     (cached_set / "e.png").write_bytes(b"nope")
     (cached_set / "e.txt").write_text("x")
     rc, out = audit(capsys, cached_set, *flags)
-    assert rc == 1 and "1 image(s) cannot be read" in out
+    assert rc == 4 and "1 image(s) cannot be read" in out
     (cached_set / "e.png").unlink()
     (cached_set / "e.txt").unlink()
     # other settings than the caches were made with
     rc, out = audit(capsys, cached_set, "--resolution", 96, 128, "--bucket-reso-steps", 64)
-    assert rc == 1 and "bucket_reso_steps=32, the config says 64" in out
+    assert rc == 4 and "bucket_reso_steps=32, the config says 64" in out
     rc, out = audit(capsys, cached_set, "--resolution", 64, 96, 128, "--bucket-reso-steps", 32)
-    assert rc == 1 and "resolutions=[96, 128], the config says [64, 96, 128]" in out
+    assert rc == 4 and "resolutions=[96, 128], the config says [64, 96, 128]" in out
     assert audit(capsys, cached_set, *flags)[0] == 0
 
 
@@ -118,7 +118,7 @@ def test_percentiles_ladders_and_collapse(tmp_path, capsys):
     areas = [w * h for w, h in sizes]
     ladder = suggest_ladder(areas, 64, 1920)
     rc, out = audit(capsys, folder, "--resolution", 768, 1024, 1280)
-    assert rc == 1  # nothing cached
+    assert rc == 4  # nothing cached
     assert "source-area distribution (20 sources)" in out and "p10" in out
     assert f"suggested ladder: resolutions = [{', '.join(map(str, ladder))}]" in out
     configured = next(line for line in out.splitlines() if line.strip().startswith("configured"))
@@ -140,20 +140,20 @@ def test_a_damaged_cache_is_not_safe_and_named(cached_set, capsys):
         meta = f.metadata()
     save_file({"latents": torch.zeros(16, 1, 8, 8)}, str(bad), metadata=meta)
     rc, out = audit(capsys, cached_set, *flags)
-    assert rc == 1 and "NOT SAFE" in out and "verdict  SAFE" not in out
+    assert rc == 4 and "NOT SAFE" in out and "verdict  SAFE" not in out
     assert f"{bad} (latents float32 [16, 1, 8, 8], but bucket 128x128 needs float32 [16, 1, 16, 16])" in out
     assert "fix: anima-train cache" in out
     # with the images gone (settings from the caches) it is still not safe: the file cannot be re-made later
     for p in cached_set.glob("*.png"):
         p.unlink()
     rc, out = audit(capsys, cached_set)
-    assert rc == 1 and "1 cache file(s) are damaged" in out and str(bad) in out
+    assert rc == 4 and "1 cache file(s) are damaged" in out and str(bad) in out
     # a truncated cache: a NOT SAFE finding naming it, not an error
     save_file({"latents": torch.zeros(16, 1, 16, 16)}, str(bad), metadata=meta)
     assert audit(capsys, cached_set)[0] == 0
     bad.write_bytes(bad.read_bytes()[:-64])
     rc, out = audit(capsys, cached_set)
-    assert rc == 1 and f"{bad} (cannot be read" in out
+    assert rc == 4 and f"{bad} (cannot be read" in out
 
 
 def test_audit_prints_the_dataset_warnings(cached_set, capsys, tmp_path):

@@ -17,6 +17,7 @@ from anima_train.buckets import Bucketer
 from anima_train.config import load_config
 from anima_train.dataset import (DatasetError, build_training_data, collate, encode_latents, load_pixels,
                                   vae_identity)
+from anima_train.errors import DATA_VERDICT_EXIT
 from anima_train.tiny import CONFIGS, make_synthetic_dataset
 
 SIZES = [(64, 64), (96, 64), (64, 128), (128, 96)]
@@ -161,7 +162,7 @@ def test_captions_unreadable_and_config(images, vae_repo, tmp_path, capsys):
     (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     (images / "broken2.webp").write_bytes(b"RIFF")
     assert cache_cli(images, "--resolution", 64, "--bucket-reso-steps", 32, "--allow-missing-captions",
-                     "--dry-run") == 2
+                     "--dry-run") == DATA_VERDICT_EXIT  # a verdict on the data (issue 24)
     err = capsys.readouterr().err
     assert "broken.png" in err and "broken2.webp" in err and "2 image(s) cannot be read" in err
     assert cache_cli(images, "--resolution", 64, "--bucket-reso-steps", 32, "--allow-missing-captions",

@@ -258,7 +258,7 @@ def test_subsets_as_single_table_asks_for_double_brackets():
     (D + "[optimizer]\nbetas = 0.9\n", "betas = 0.9: expected a list of numbers"),
     (D + "[adapter]\ncomponents = \"mlp\"\n", "expected a list of strings"),
     (D + "[dataset.texture]\ncanvases = [1024, 1024]\n", "expected a list of lists of integers"),
-    (D + "[train]\nbatch_size = { big = 4 }\n", "expected an integer or a table of integers keyed by tier"),
+    (D + "[train]\nbatch_size = { big = 4 }\n", 'the key "big" is not a whole number'),
     (D + "[quant]\nuse_quantized_matmul = \"yes\"\n", 'expected true or false or "auto"'),
     (D + "[quant]\nuse_quantized_matmul = 1\n", 'expected true or false or "auto"'),
 ])
