@@ -45,6 +45,7 @@ class BlockCheckpointing:
     blocks: list
     recompute: set = field(default_factory=set)  # ids of the blocks that recompute
     measure: Measure | None = None
+    retries: int | None = None  # the allocator's retry count when the auto plan was made (then watched)
 
     def __call__(self, block, *args):
         if id(block) not in self.recompute:
@@ -106,9 +107,21 @@ def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: fl
 
     The all-checkpointed peak is the steady memory plus a step's transient part; the transient part and a block's
     activations grow linearly with tokens x batch (`scale` = the largest batch's tokens over the measured step's).
-    Each block that keeps its activations adds them to the peak (they are all alive when backward starts)."""
+    That peak comes in the backward of the last block, while its recomputed activations are alive: keeping that
+    block's activations instead (the kept blocks are the last ones) costs nothing more. Each further kept block adds
+    its activations (all kept ones are alive when backward starts). Measured on an H200, 1024x1024 LoRA r32: one
+    kept block raised the peak by 0.23 GiB at batch 2 and 0.35 GiB at batch 4, against 0.71 and 1.41 GiB of
+    activations (the earlier model charged the full 1.41 GiB and left 3.4 GiB of a 12 GiB cap unused)."""
     usable = budget - max(int(budget * MARGIN_FRACTION), MARGIN_BYTES)
     base = steady + int(max(peak - steady, 0) * scale)
     per_block = max(int(act * scale), 1)
-    keep = max(0, min(n_blocks, math.floor((usable - base) / per_block)))
-    return keep, base + keep * per_block
+    if base > usable:
+        return 0, base
+    keep = min(n_blocks, 1 + math.floor((usable - base) / per_block))
+    return keep, base + max(keep - 1, 0) * per_block
+
+
+def fits(*, peak: int, steady: int, scale: float, budget: int) -> bool:
+    """The all-checkpointed step at the largest batch fits under the budget (with the margin)."""
+    usable = budget - max(int(budget * MARGIN_FRACTION), MARGIN_BYTES)
+    return steady + int(max(peak - steady, 0) * scale) <= usable
