@@ -12,7 +12,11 @@ its captions with Qwen3 and runs the LLM adapter, because that is what training 
         --seed-tar shared/bench/peers/seed-*.tar.gz [--cap-gib 24] [--steps 12]
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
-lean full finetune). `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
+lean full finetune); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
+`NAME:off` with its own `gradient_checkpointing = false`. Compare with the seed's best at the same memory
+(`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
+memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
+configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
 torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
 
 Texture mode (CONFIG.md §B.10) needs images, not latents (source = "encode": the VAE runs every step). `encode_bN`
@@ -296,7 +300,8 @@ def baseline_rows(script: str, names: list[str], steps: int, cap_gib: float | No
 
 def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[str], steps: int,
               compile_mode: str | None, cap_gib: float | None, work: Path) -> dict:
-    """{our run name: seed JSON}: the seed's own trainer, unmodified, checkpointing every block (its default)."""
+    """{our run name: seed JSON}: the seed's own trainer, unmodified, checkpointing every block (its default) or,
+    for NAME:off, with its checkpointing switched off."""
     src = work / "seed_src"
     if not src.exists():
         with tarfile.open(tar) as t:
