@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,23 +175,30 @@ _EXPANDABLE = {"set": False}  # use_expandable_segments() turned them on in this
 def expandable_segments_on() -> bool:
     """The CUDA allocator grows segments in place: set here, or by the user's PYTORCH_CUDA_ALLOC_CONF."""
     conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "").replace(" ", "")
-    return _EXPANDABLE["set"] or "expandable_segments:true" in conf.lower()
+    return _EXPANDABLE["set"] or ("expandable_segments:true" in conf.lower() and sys.platform.startswith("linux"))
 
 
 def use_expandable_segments(device) -> bool:
     """Let the CUDA caching allocator grow its segments in place instead of carving fixed ones: with a step's
     tensors of many sizes the fixed segments fragment (measured on an H200 capped at 8 GiB, LoRA batch 2: 7.85 GiB
     reserved for a 6.6 GiB peak; expandable: 6.94 GiB). The seed trainer sets the same. A user's own
-    PYTORCH_CUDA_ALLOC_CONF wins; the setting changes where tensors live, never a number."""
-    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+    PYTORCH_CUDA_ALLOC_CONF wins; the setting changes where tensors live, never a number. Linux only: elsewhere
+    PyTorch ignores the setting (with a warning), and the planner must keep the fixed segments' margin."""
+    if device.type != "cuda" or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") \
+            or not sys.platform.startswith("linux"):
         return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
-        or getattr(torch.cuda.memory, "_set_allocator_settings", None)  # the older name, deprecated in torch 2.10
-    if setter is None:
-        return False
-    setter("expandable_segments:True")
-    _EXPANDABLE["set"] = True
-    return True
+    # private calls whose name moved (torch 2.11 deprecates the second): the first that takes the setting wins
+    for setter in (getattr(torch._C, "_accelerator_setAllocatorSettings", None),
+                   getattr(torch.cuda.memory, "_set_allocator_settings", None)):
+        if setter is None:
+            continue
+        try:
+            setter("expandable_segments:True")
+        except (RuntimeError, TypeError, ValueError):
+            continue
+        _EXPANDABLE["set"] = True
+        return True
+    return False
 
 
 def compile_transformer(transformer, cfg: Config, mode: str) -> None:

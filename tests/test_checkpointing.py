@@ -310,6 +310,9 @@ def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setitem(speed._EXPANDABLE, "set", False)
+    monkeypatch.setattr(speed.sys, "platform", "win32")  # PyTorch ignores the setting there
+    assert not use_expandable_segments(CUDA) and asked == []
+    monkeypatch.setattr(speed.sys, "platform", "linux")
     assert not use_expandable_segments(CPU) and asked == [] and not expandable_segments_on()
     assert use_expandable_segments(CUDA) and asked == ["expandable_segments:True"] and expandable_segments_on()
     monkeypatch.setitem(speed._EXPANDABLE, "set", False)
