@@ -24,8 +24,8 @@ import torch
 
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
-from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, resolve_compile,
-                               to_device)
+from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, relieve,
+                               resolve_compile, to_device, use_expandable_segments)
 from anima_train.atomic import publish_dir, write_text
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
@@ -161,6 +161,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                          allow_missing_captions=allow_missing_captions)
     progress.event("status", message="loading model")
     gens = _seed(cfg.train.seed + rank, device)
+    if use_expandable_segments(device):  # before the weights load: they are the first segments
+        say("speed    CUDA allocator: expandable segments")
     model = _build_model(cfg, data, device, dtype, say)
 
     optimizer = build_optimizer(model.groups, cfg.optimizer)
@@ -266,6 +268,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
             global_step += 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
                 plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked, device, say)
+            elif model.block_ckpt.retries is not None:  # after the plan: a step that stalled the allocator
+                relieve(model.block_ckpt, model.parked, device, say)
             _check_grad_norms(run, before=global_step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = _read(readout, accelerator)
             if not math.isfinite(stats[0]):

@@ -12,7 +12,11 @@ its captions with Qwen3 and runs the LLM adapter, because that is what training 
         --seed-tar shared/bench/peers/seed-*.tar.gz [--cap-gib 24] [--steps 12]
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
-lean full finetune). `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
+lean full finetune); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
+`NAME:off` with its own `gradient_checkpointing = false`. Compare with the seed's best at the same memory
+(`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
+memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
+configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
 torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
 
 Texture mode (CONFIG.md §B.10) needs images, not latents (source = "encode": the VAE runs every step). `encode_bN`
@@ -162,6 +166,8 @@ resolution = {resolution}
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
           preview_steps: int = 20) -> dict:
+    name, _, own_blocks = name.partition(":")  # lora_b2:all = this run with checkpoint_blocks = "all"
+    checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
     if kind in IMAGE_KINDS:
         data = prepare_images(work)
@@ -190,7 +196,8 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                images_per_s=round(batch * world / med, 2) if deltas else None,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
                first_step_s=round(times[0] - stamps[0]["time"], 1) if times else None, wall_s=round(wall, 1),
-               loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4))
+               loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4),
+               **allocator_stats())
     rounds = [r for r in stamps if r["event"] == "samples"]
     if rounds:
         rec.update(preview_rounds=len(rounds), preview_s=[r["seconds"] for r in rounds],
@@ -199,6 +206,47 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     del result
     torch.cuda.empty_cache()
     return rec
+
+
+def allocator_stats() -> dict:
+    """The caching allocator's counters: a retry is a failed cudaMalloc answered by freeing every cached block and
+    trying again (a sync and a stall); near a memory cap, retries every step mean the plan thrashes."""
+    s = torch.cuda.memory_stats()
+    return dict(alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0),
+                peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / 2**30, 2),
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+
+
+def install_diag() -> None:
+    """--diag: one JSON line per micro-step (memory now, peaks so far, allocator retries) and one for the plan
+    checkpoint_blocks = "auto" makes after the first step, with what it measured."""
+    import anima_train.train as train_module
+
+    loss_fn, plan_fn = train_module._flow_matching_loss, train_module.plan_checkpointing
+    count = [0]
+
+    def loss(*args, **kwargs):
+        s = torch.cuda.memory_stats()
+        print(json.dumps({"diag": "micro", "n": count[0], "t": round(time.perf_counter(), 3),
+                          "alloc_gib": round(s.get("allocated_bytes.all.current", 0) / 2**30, 2),
+                          "peak_gib": round(s.get("allocated_bytes.all.peak", 0) / 2**30, 2),
+                          "reserved_gib": round(s.get("reserved_bytes.all.current", 0) / 2**30, 2),
+                          "peak_reserved_gib": round(s.get("reserved_bytes.all.peak", 0) / 2**30, 2),
+                          "retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0)}), flush=True)
+        count[0] += 1
+        return loss_fn(*args, **kwargs)
+
+    def plan(block_ckpt, largest_tokens, parked, device, say):
+        m = block_ckpt.measure
+        seen = dict(act_gib=round(m.act / 2**30, 3), tokens=m.tokens, largest_tokens=largest_tokens)
+
+        def tell(message):
+            say(message)
+            print(json.dumps({"diag": "plan", "message": message, **seen}), flush=True)
+
+        return plan_fn(block_ckpt, largest_tokens, parked, device, tell)
+
+    train_module._flow_matching_loss, train_module.plan_checkpointing = loss, plan
 
 
 def capped_python(cap_gib: float | None) -> list[str]:
@@ -222,10 +270,10 @@ def json_lines(text: str) -> list[dict]:
     return out
 
 
-def run_peer(cmd: list[str], log: Path) -> list[dict]:
+def run_peer(cmd: list[str], log: Path, env: dict | None = None) -> list[dict]:
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log.write_text(proc.stdout + proc.stderr)
     rows = json_lines(proc.stdout)
     for r in rows:
@@ -240,7 +288,7 @@ def baseline_rows(script: str, names: list[str], steps: int, cap_gib: float | No
     """{our run name: baseline JSON} for the runs the baseline has (it checkpoints every block, eager)."""
     wanted = {}
     for n in names:
-        kind, b = parse_run(n)
+        kind, b = parse_run(n.partition(":")[0])
         if kind in BASELINE_NAMES:
             wanted[BASELINE_NAMES[kind].format(b=b)] = n
     if not wanted:
@@ -252,7 +300,8 @@ def baseline_rows(script: str, names: list[str], steps: int, cap_gib: float | No
 
 def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[str], steps: int,
               compile_mode: str | None, cap_gib: float | None, work: Path) -> dict:
-    """{our run name: seed JSON}: the seed's own trainer, unmodified, checkpointing every block (its default)."""
+    """{our run name: seed JSON}: the seed's own trainer, unmodified, checkpointing every block (its default) or,
+    for NAME:off, with its checkpointing switched off."""
     src = work / "seed_src"
     if not src.exists():
         with tarfile.open(tar) as t:
@@ -260,7 +309,7 @@ def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[s
     roots = [p.parent for p in src.glob("*/anima")] or [src]
     out = {}
     for n in names:
-        kind, b = parse_run(n)
+        kind, b = parse_run(n.partition(":")[0])
         if kind not in SEED_MODES:
             continue
         cmd = capped_python(cap_gib) + [bench_script, "--seed-src", str(roots[0]), "--repo", str(repo),
@@ -268,7 +317,13 @@ def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[s
                                         "--mode", SEED_MODES[kind], "--batch", str(b), "--steps", str(steps)]
         if compile_mode and compile_mode != "off":
             cmd += ["--compile", compile_mode]
-        rows = run_peer(cmd, work / f"seed_{n}.log")
+        if n.endswith(":off"):  # the seed's own switch: gradient_checkpointing = false
+            cmd.append("--no-grad-ckpt")
+        # The seed sets expandable segments at import, before torch touches CUDA; the cap wrapper touches CUDA
+        # first, so hand it the same setting through the environment, as a user's run of the seed has it.
+        env = dict(os.environ)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        rows = run_peer(cmd, work / f"seed_{n.replace(':', '_')}.log", env)
         if rows:
             out[n] = dict(rows[-1], who="seed")
     return out
@@ -306,6 +361,7 @@ def main() -> int:
                     help="set a torch config before our runs (experiments), e.g. "
                          "torch._functorch.config.activation_memory_budget=0.5 or "
                          "torch._inductor.config.coordinate_descent_tuning=True")
+    ap.add_argument("--diag", action="store_true", help="print memory and allocator counters every micro-step")
     ap.add_argument("--previews", type=int, default=0, metavar="N",
                     help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
     ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
@@ -317,7 +373,9 @@ def main() -> int:
                       "setup_s": round(time.perf_counter() - t0, 1), "cap_gib": args.cap_gib}), flush=True)
     names = args.only.split(",")
     for n in names:
-        parse_run(n)
+        parse_run(n.partition(":")[0])
+    if args.diag:
+        install_diag()
     for item in args.torch_set:
         set_torch_config(item)
     if args.cap_gib:
@@ -345,9 +403,9 @@ def main() -> int:
     for r in ours:
         sd, nv = seed.get(r["run"]), naive.get(r["run"])
         for row in [x for x in (nv, sd) if x]:
-            print(f"{r['run']:<16}{row['who']:<7}{row['batch']:>6}{row['s_per_image']:>10.4f}"
+            print(f"{row['name'][:16]:<16}{row['who']:<7}{row['batch']:>6}{row['s_per_image']:>10.4f}"
                   f"{row.get('peak_gib') or 0:>9.1f}{row.get('first_step_s') or 0:>11.1f}")
-        print(f"{r['run']:<16}{'ours':<7}{r['batch']:>6}{r['s_per_image']:>10.4f}{r['peak_gib']:>9.1f}"
+        print(f"{r['name'][:16]:<16}{'ours':<7}{r['batch']:>6}{r['s_per_image']:>10.4f}{r['peak_gib']:>9.1f}"
               f"{r['first_step_s'] or 0:>11.1f}"
               f"{(sd['s_per_image'] / r['s_per_image']) if sd else float('nan'):>10.2f}"
               f"{(nv['s_per_image'] / r['s_per_image']) if nv else float('nan'):>11.2f}")
