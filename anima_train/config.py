@@ -844,10 +844,13 @@ def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
     return None, source
 
 
+TEXT_SOURCE = "<config text>"  # how messages name a config given as text rather than a file
+
+
 def load_config(source: str | os.PathLike) -> Config:
     """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem."""
     path, text = _read_source(source)
-    name = str(path) if path is not None else "<config text>"
+    name = str(path) if path is not None else TEXT_SOURCE
     try:
         raw = tomllib.loads(text.removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as exc:

@@ -256,6 +256,10 @@ def _model_and_data_digest(cfg) -> dict:
             "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
 
 
+class ConfigRefused(ValueError):
+    """The Training config's problems, one message for the whole node (see AnimaTrainConfig.validate_inputs)."""
+
+
 class AnimaTrainConfig(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -277,12 +281,14 @@ class AnimaTrainConfig(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, **values):
-        from anima_train.config import ConfigError
+        # Raised, not returned: ComfyUI files a returned message once for every input the method receives (all of
+        # this node's ~36: the Errors panel counted 36 identical entries), an exception once, against this node.
+        from anima_train.config import TEXT_SOURCE, ConfigError
 
         try:
             build_config(values)
         except ConfigError as exc:
-            return str(exc)
+            raise ConfigRefused(str(exc).removeprefix(f"{TEXT_SOURCE}: ")) from None
         return True
 
     @classmethod

@@ -146,6 +146,13 @@ def test_no_config_widget_gets_a_control_after_generate_widget(comfy_env):
     assert not {p.id for p in ints} & {"seed", "noise_seed"}
 
 
+def refusal(nt, **values) -> str:
+    """The message the Training config's validate_inputs raises for these widget values (ComfyUI shows it once)."""
+    with pytest.raises(nt.ConfigRefused) as refused:
+        nt.AnimaTrainConfig.validate_inputs(**values)
+    return str(refused.value)
+
+
 def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima, dataset):
     nt = comfy_env.nt
     good = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="my run", epochs=2)
@@ -158,15 +165,15 @@ def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima,
     assert cfg.train.max_steps is None and cfg.flow.shift is None  # 0 = unset
 
     # the CLI's own rule messages reach the node
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[flow]\nshift = 0.0\n"))
-    assert isinstance(bad, str) and "[flow] shift" in bad
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train]\nepochz = 3\n"))
+    bad = refusal(nt, **dict(good, extra_toml="[flow]\nshift = 0.0\n"))
+    assert "[flow] shift" in bad and not bad.startswith("<config text>")
+    bad = refusal(nt, **dict(good, extra_toml="[train]\nepochz = 3\n"))
     assert "epochz" in bad
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train\n"))
+    bad = refusal(nt, **dict(good, extra_toml="[train\n"))
     assert "extra_toml: not valid TOML" in bad
-    missing = nt.AnimaTrainConfig.validate_inputs(**dict(good, dataset_path=str(dataset / "nope")))
+    missing = refusal(nt, **dict(good, dataset_path=str(dataset / "nope")))
     assert "dataset folder" in missing and "nope" in missing
-    no_repo = nt.AnimaTrainConfig.validate_inputs(**dict(good, model_path=str(dataset)))
+    no_repo = refusal(nt, **dict(good, model_path=str(dataset)))
     assert "not a complete Anima diffusers repo" in no_repo
     with pytest.raises(ConfigError):
         nt.AnimaTrainConfig.execute(**dict(good, model_path=""))
@@ -193,8 +200,8 @@ def test_output_format_widget_reaches_the_lora_file_format(comfy_env, tiny_anima
     assert "lora_unet_" in port.options["tooltip"]
     values = widgets(nt, tiny_anima.diffusers_dir, dataset, output_format="kohya")
     assert load_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(values, adapter="lokr"))
-    assert isinstance(bad, str) and '[adapter] output_format = "kohya" applies to kind = "lora"' in bad
+    bad = refusal(nt, **dict(values, adapter="lokr"))
+    assert '[adapter] output_format = "kohya" applies to kind = "lora"' in bad
 
 
 def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
