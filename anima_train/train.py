@@ -265,8 +265,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
                 say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
-                if not no_save:
-                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
+                if not no_save:  # a stop is not a finished run: keep what resuming needs unless opted out
+                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step,
+                          with_state=cfg.train.save_state_on_stop)
                 done = True
                 break
             every = cfg.train.save_every_steps
@@ -585,10 +586,10 @@ def _read(readout: HostCopy, accelerator) -> tuple[list[float], list[float], lis
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
 def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epoch_tag: int | None = None,
-          final: bool = False) -> Path:
-    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state, its resume state;
-    then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based) after `batch_index` of its
-    batches."""
+          final: bool = False, with_state: bool = False) -> Path:
+    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state (or `with_state`: a
+    stop), its resume state; then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based)
+    after `batch_index` of its batches."""
     cfg, accelerator, progress, result, run_dir = run.cfg, run.accelerator, run.progress, run.result, run.run_dir
     per_epoch = run.per_epoch
     stem = ckpt.checkpoint_stem(cfg.run_stem, step=None if final else step,
@@ -606,7 +607,7 @@ def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, ep
         result.saved.append(path)
         progress.event("checkpoint", path=str(path), step=result.global_step)
         progress.message(f"saved {path}")
-    if cfg.train.save_optimizer_state:
+    if cfg.train.save_optimizer_state or with_state:
         _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
                     run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,

@@ -22,6 +22,14 @@ function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
 }
 
+function clearText(node) {
+  const widget = node.widgets?.find((w) => w.name === "anima_text");
+  if (widget?.element && widget.element.textContent) {
+    widget.element.textContent = "";
+    node.setDirtyCanvas(true, true);
+  }
+}
+
 function showText(node, text) {
   let widget = node.widgets?.find((w) => w.name === "anima_text");
   if (!widget) {
@@ -213,6 +221,11 @@ function onProgress(detail) {
   if (!node || node.comfyClass !== TRAIN_NODE) return; // not on this canvas: the state waits in `runs`
   const widget = chartWidget(node) ?? addChartWidget(node);
   widget.chart.key = id;
+  // a new run: the result text of the one before (e.g. "trained …" or "re-used …") no longer describes the node
+  if (node.animaTextRun !== key) {
+    node.animaTextRun = key;
+    clearText(node);
+  }
   scheduleDraw(node);
 }
 
