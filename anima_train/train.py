@@ -147,6 +147,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                               overwrite=overwrite, cleanup=cleanup)
     data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
+    for text in _not_honoured(cfg, data.sampler, steps_per_epoch(len(data.sampler), world,
+                                                                 cfg.train.gradient_accumulation_steps)):
+        progress.warning(text)  # before the model loads: on the node before the run starts
     progress.event("status", message="loading model")
     gens = _seed(cfg.train.seed + rank, device)
     model = _build_model(cfg, data, device, dtype, say)
@@ -342,6 +345,24 @@ def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, all
     for text in data.warnings:
         progress.warning(text)
     return data
+
+
+def _not_honoured(cfg: Config, sampler, per_epoch: int) -> list[str]:
+    """Settings this run cannot follow as written, one line each: a batch size no bucket fills (a batch never mixes
+    buckets), and a max_steps beyond what the epochs give (the epochs still bound the run)."""
+    out = []
+    groups = sampler.groups
+    if all(sampler.batch_sizes[k] > len(groups[k]) for k in sampler.keys):
+        largest = max(len(g) for g in groups.values())
+        out.append(f"[train] batch_size = {cfg.train.batch_size}: no bucket holds that many images (the largest "
+                   f"holds {largest}; a batch never mixes buckets), so every batch is smaller; lower batch_size "
+                   f"or add images")
+    epochs_total = per_epoch * cfg.train.epochs
+    if cfg.train.max_steps and cfg.train.max_steps > epochs_total:
+        out.append(f"[train] max_steps = {cfg.train.max_steps} is more than epochs = {cfg.train.epochs} give "
+                   f"({per_epoch} step(s) each, {epochs_total} in all): the run stops at step {epochs_total}; "
+                   f"raise epochs to train {cfg.train.max_steps} steps")
+    return out
 
 
 def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
