@@ -115,6 +115,11 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _overlap(a: dict, b: dict) -> bool:
+    """Two nodes' boxes (graph coordinates, title bar included) share some area."""
+    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+
+
 def _history(url: str, prompt_id: str) -> dict:
     with urllib.request.urlopen(f"{url}/history/{prompt_id}", timeout=30) as r:
         return json.loads(r.read())[prompt_id]
@@ -177,5 +182,13 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
     for nid in savers:
         image = saved_images[nid][0]
         assert (comfy["base"] / "output" / image["subfolder"] / image["filename"]).is_file()
+    # 5. what a node shows after the run (the anchor's usage card) is whole and covered by no other node
+    nodes = r["layout"]
+    for node in nodes:
+        for widget in node["widgets"]:
+            assert widget["scrolls"] is False, (node["type"], widget)
+        if node["widgets"]:
+            others = [o for o in nodes if o["id"] != node["id"] and _overlap(node, o)]
+            assert not others, f"{node['type']} {node['id']} is covered by {[o['type'] for o in others]}: {node}"
     print(f"\nMEASURED {name}: browser session {time.perf_counter() - t0:.1f} s, prompt {run_info['seconds']:.1f} s "
           f"(models built in {comfy['models_s']:.1f} s)")

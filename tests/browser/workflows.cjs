@@ -104,6 +104,16 @@ async function main() {
       return { promptId, queued, end, seconds: (performance.now() - t0) / 1000,
                events: events.filter((e) => e.detail?.prompt_id === promptId) };
     }, cfg.timeoutMs ?? 600000);
+    await page.waitForTimeout(1000); // a node that grew to its new content (a usage card) is laid out again
+    // where every node and every text/card widget of ours lies on the canvas after the run (graph coordinates)
+    result.layout = await page.evaluate(() => window.comfyAPI.app.app.graph.nodes.map((n) => {
+      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+      const ours = (n.widgets ?? []).filter((w) => ["anchor_card", "anima_text"].includes(w.name))
+        .map((w) => ({ name: w.name, y: n.pos[1] + (w.last_y ?? w.y ?? 0), height: w.computedHeight ?? null,
+                       scrolls: w.element ? w.element.scrollHeight > w.element.clientHeight + 1 : null }));
+      return { id: n.id, type: n.type, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title,
+               widgets: ours };
+    }));
     await page.screenshot({ path: path.join(cfg.outDir, "page.png") });
   } finally {
     await browser.close();
