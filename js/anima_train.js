@@ -19,7 +19,8 @@ const CHART_WIDGET = "anima_loss_chart";
 const MAX_RUNS = 32; // runs remembered per page (one per prompt and Train node id); old ones are dropped
 const PREVIEW_HEIGHT = 120; // px: the thumbnail row under the chart
 const TEXT_MAX_PX = 480; // a node's result text grows the node up to this height, then scrolls
-const TEXT_MAX_WIDTH_PX = 820; // ... and widens it to its longest line up to this width, then wraps
+const TEXT_MAX_WIDTH_PX = 820; // the Check node widens to its longest line up to this width, then wraps
+const CHECK_NODE = "AnimaTrainEnvironmentCheck";
 
 function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
@@ -46,7 +47,9 @@ function showText(node, text) {
     widget.element = el;
   }
   widget.element.textContent = text;
-  fitToContent(node, widget, { maxHeight: TEXT_MAX_PX, maxWidth: TEXT_MAX_WIDTH_PX });
+  // the Check report is a table (wrapping its rows makes it unreadable): that node widens; the others wrap
+  const maxWidth = node.comfyClass === CHECK_NODE ? TEXT_MAX_WIDTH_PX : 0;
+  fitToContent(node, widget, { maxHeight: TEXT_MAX_PX, maxWidth });
 }
 
 // ---- live loss chart -------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 import urllib.request
@@ -130,7 +131,10 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
     workflow = json.loads((ROOT / "example_workflows" / f"{name}.json").read_text())
     cfg = {"url": comfy["url"] + "/", "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "chrome"),
            "outDir": str(tmp_path), "module": comfy_browser.PACK_NAME, "name": name,
-           "substitute": comfy["substitute"], "timeoutMs": RUN_TIMEOUT_S * 1000}
+           "substitute": comfy["substitute"], "timeoutMs": RUN_TIMEOUT_S * 1000,
+           # ANIMA_TEMPLATE_THUMBNAILS=1: (re)write example_workflows/<name>.jpg, the Templates browser's picture
+           "thumbnail": str(ROOT / "example_workflows" / f"{name}.jpg") if os.environ.get(
+               "ANIMA_TEMPLATE_THUMBNAILS") else None}
     t0 = time.perf_counter()
     run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 180)

@@ -14,6 +14,7 @@ returned in the CONDITIONING layout ComfyUI's Anima model consumes; ComfyUI's ow
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 
@@ -339,6 +341,12 @@ def test_every_node_is_listed_and_the_workflows_are_templates(comfy):
     # both templates map onto the live schemas: every widget value has its input, every link its socket
     for name in templates[PACK_NAME]:
         to_api(load_workflow(name), info)
+        # the Templates browser shows <name>.jpg beside the file as the template's picture (frontend 1.47 asks for
+        # exactly that URL); ours are screenshots of the loaded template in the real UI (test_browser_workflows)
+        status, body = _get(comfy["port"], f"/api/workflow_templates/{PACK_NAME}/{name}.jpg")
+        assert status == 200 and body[:3] == b"\xff\xd8\xff", (name, status)
+        with Image.open(io.BytesIO(body)) as picture:
+            assert picture.format == "JPEG" and picture.width >= 400 and picture.height >= 250, picture.size
 
 
 def test_train_load_sample_streams_progress_and_changes_the_image(comfy):
