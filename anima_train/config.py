@@ -123,6 +123,9 @@ class TrainConfig:
     save_every_epochs: int = _key(1, ge=0, help="periodic checkpoint every N epochs (0 = none)")
     save_native: bool = _key(True, help="full finetune: native single file; false = diffusers folders")
     save_optimizer_state: bool = _key(False, help="also write <stem>-state/ (required to resume)")
+    save_state_on_stop: bool = _key(True, help="a stop (Cancel, the stop file, ComfyUI or the console closing) "
+                                               "writes <stem>-state/ too, so the run resumes; false skips it "
+                                               "(a full finetune's state is large)")
     keep_last_n: int | None = _key(None, ge=1, help="prune older periodic checkpoints, keeping the newest N")
     resume_from: str | None = _key(None, nonempty=True, help="checkpoint file or its -state folder to resume")
     skip_final_save: bool = _key(False, help="do not write the final checkpoint (benchmarking only)")
@@ -867,10 +870,13 @@ def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
     return None, source
 
 
+TEXT_SOURCE = "<config text>"  # how messages name a config given as text rather than a file
+
+
 def load_config(source: str | os.PathLike) -> Config:
     """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem."""
     path, text = _read_source(source)
-    name = str(path) if path is not None else "<config text>"
+    name = str(path) if path is not None else TEXT_SOURCE
     try:
         raw = tomllib.loads(text.removeprefix("\ufeff"))
     except tomllib.TOMLDecodeError as exc:

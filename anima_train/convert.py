@@ -7,12 +7,15 @@ Writes transformer/, text_conditioner/, text_encoder/, vae/, scheduler/, tokeniz
 modular_model_index.json (skip with --no-modular-index). Rules:
 - The inputs are only read. Each is checked before conversion: unreadable/truncated files and a file passed in the
   wrong slot ("--vae got a Qwen3 text encoder") are refused with the file named.
-- --out must be absent or empty: merging into an existing repo would let a stale file survive a re-convert.
+- --out must be absent or empty: merging into an existing repo would let a stale file survive a re-convert. One
+  exception: a repo this command wrote from the same three files (its convert record names their sizes and times,
+  and every weight file is as written) is completed, not refused: the tokenizers it lacks are added, and a
+  complete one is left as it is ("up to date").
 - Everything is written into a temp folder beside --out and renamed at the end, so a failed run leaves no half repo.
 - Tokenizers cannot be derived from weights. --tokenizers takes a local folder (always wins; it must hold
   tokenizer/ and t5_tokenizer/), a Hugging Face repo id (only those two folders are downloaded, via allow_patterns,
-  into the normal HF cache) or `none`. An unreachable repo only warns: the weights are converted anyway and the
-  warning says how to add the tokenizers later.
+  into the normal HF cache) or `none`. They are fetched before any weight is read: an unreachable repo refuses the
+  conversion with nothing written (a repo without tokenizers cannot train), unless `none` asks for exactly that.
 
 Default tokenizer repo: circlestone-labs/Anima-Base-v1.0-Diffusers, the diffusers repo published by Anima's authors
 (the original trainer README used a community mirror, Bluvoll/Anima-v1.0-Base-Diffusers, and notes both give
@@ -53,7 +56,10 @@ class ConvertError(UserError, ValueError):
 
 
 class TokenizersMissingWarning(UserWarning):
-    """The repo was written without tokenizers (skipped or unreachable)."""
+    """The repo was written without tokenizers (--tokenizers none)."""
+
+
+RECORD_NAME = "anima-convert.json"  # in the repo: the inputs it was converted from and the weight files written
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -227,8 +233,7 @@ def resolve_tokenizers(value: str) -> Path | str | None:
 
 def fetch_tokenizers(repo_id: str) -> tuple[Path | None, str]:
     """Download only tokenizer/ and t5_tokenizer/ of `repo_id` into the HF cache -> (folder, ""), or
-    (None, reason) if that fails for any reason: a conversion that has already read several GB is not thrown
-    away over 13 MB of vocabulary."""
+    (None, reason) if that fails for any reason."""
     try:
         from huggingface_hub import snapshot_download
 
@@ -251,13 +256,29 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
 
     inputs = {"anima": Path(anima).expanduser(), "qwen": Path(qwen).expanduser(), "vae": Path(vae).expanduser()}
     out = Path(out).expanduser().absolute()
-    # cheap checks first: output folder, tokenizer source, every input's header and slot
+    # cheap checks first: output folder, tokenizer source, every input's header and slot; then the tokenizers
+    # (a download) before any weight is read, so a repo is never written without them unless asked
+    earlier = None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConvertError(f"--out {out} exists and is not an empty folder; convert refuses to merge into an "
-                           f"existing repo (a stale file would survive). Choose a new folder or empty this one")
+        earlier = _same_conversion(out, inputs)
+        if earlier is None:
+            raise ConvertError(f"--out {out} exists and is not an empty folder; convert refuses to merge into an "
+                               f"existing repo (a stale file would survive). Choose a new folder or empty this one")
     token_source = resolve_tokenizers(tokenizers)
     for slot, path in inputs.items():
         check_slot(path, slot, read_keys(path, slot))
+    if isinstance(token_source, str):
+        log(f"fetching tokenizer/ and t5_tokenizer/ from {token_source} (only those folders)")
+        fetched, why_not = fetch_tokenizers(token_source)
+        if fetched is None:
+            raise ConvertError(
+                f"--tokenizers {token_source}: could not fetch tokenizer/ and t5_tokenizer/ ({why_not}); nothing "
+                f"was written. Point --tokenizers (the Convert node's `tokenizers`) at a local folder holding "
+                f"tokenizer/ and t5_tokenizer/, e.g. a downloaded diffusers Anima repo, or give `none` to convert "
+                f"without them (training then needs them added)")
+        token_source = fetched
+    if earlier is not None:
+        return _complete(out, earlier, token_source, log)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -308,29 +329,79 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         del model, vae_sd
 
         FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(tmp / "scheduler")
-        if isinstance(token_source, str):
-            log(f"fetching tokenizer/ and t5_tokenizer/ from {token_source} (only those folders)")
-            fetched, why_not = fetch_tokenizers(token_source)
-            token_source = fetched if fetched is not None else f"could not be fetched from {token_source} ({why_not})"
         if isinstance(token_source, Path):
             for t in TOKENIZER_FOLDERS:
                 shutil.copytree(token_source / t, tmp / t)
             log(f"tokenizers: copied from {token_source}")
         if modular_index:
             write_modular_index(tmp, out)
+        _write_record(tmp, inputs)
         publish_dir(tmp, out)  # `out` is absent or empty (checked above)
         log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not isinstance(token_source, Path):
-        why = "skipped (--tokenizers none)" if token_source is None else token_source
-        message = (f"tokenizers {why}: {out} holds every weight, but training needs tokenizer/ and t5_tokenizer/. "
-                   + tokenizer_fix_hint(out))
-        warnings.warn(message, TokenizersMissingWarning, stacklevel=2)
-        log(f"WARNING: {message}")
-    return {"out": out, "counts": counts,
-            "tokenizers": token_source if isinstance(token_source, Path) else None}
+    if token_source is None:
+        _warn_no_tokenizers(out, log)
+    return {"out": out, "counts": counts, "tokenizers": token_source}
+
+
+def _warn_no_tokenizers(out: Path, log) -> None:
+    message = (f"tokenizers skipped (--tokenizers none): {out} holds every weight, but training needs tokenizer/ "
+               f"and t5_tokenizer/. " + tokenizer_fix_hint(out))
+    warnings.warn(message, TokenizersMissingWarning, stacklevel=3)
+    log(f"WARNING: {message}")
+
+
+def _file_record(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_record(repo: Path, inputs: dict[str, Path]) -> None:
+    """What a later convert into the same folder compares with: the three inputs (path, size, time) and every
+    weight file written (size), relative to the repo."""
+    weights = {str(p.relative_to(repo)): p.stat().st_size for p in sorted(repo.rglob("*.safetensors"))}
+    record = {"inputs": {slot: {"path": str(path.absolute()), **_file_record(path)} for slot, path in inputs.items()},
+              "weights": weights}
+    (repo / RECORD_NAME).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+def _same_conversion(out: Path, inputs: dict[str, Path]) -> dict | None:
+    """The record of `out` when this command wrote it from these same three files and its weights are still as
+    written, else None."""
+    try:
+        record = json.loads((out / RECORD_NAME).read_text(encoding="utf-8"))
+        for slot, path in inputs.items():
+            if record["inputs"][slot] != {"path": str(path.absolute()), **_file_record(path)}:
+                return None
+        for rel, size in record["weights"].items():
+            if (out / rel).stat().st_size != size:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def _complete(out: Path, record: dict, token_source: Path | None, log) -> dict:
+    """A repo converted earlier from the same files: add the tokenizers it lacks (each folder copied beside it and
+    renamed in), or say it is up to date."""
+    missing = [t for t in TOKENIZER_FOLDERS if not (out / t).is_dir()]
+    counts = {"weight files": len(record["weights"])}
+    if not missing:
+        log(f"{out} was converted from these same files and is complete: up to date, nothing written")
+        return {"out": out, "counts": counts, "tokenizers": token_source, "completed": []}
+    if token_source is None:
+        _warn_no_tokenizers(out, log)
+        return {"out": out, "counts": counts, "tokenizers": None, "completed": []}
+    for folder in missing:
+        tmp = out / f".{folder}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(token_source / folder, tmp)
+        os.replace(tmp, out / folder)
+    log(f"{out} was converted from these same files ({len(record['weights'])} weight files checked): added "
+        f"{' and '.join(m + '/' for m in missing)} from {token_source}")
+    return {"out": out, "counts": counts, "tokenizers": token_source, "completed": missing}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,10 +43,10 @@ class ModelRepoError(UserError, FileNotFoundError):
 
 
 def tokenizer_fix_hint(model_path: str | os.PathLike) -> str:
-    return (f"Add them in one of two ways: convert again into a new folder with "
-            f"`anima-train convert ... --tokenizers DIR|REPO_ID` (default repo {DEFAULT_TOKENIZER_REPO}), or copy "
-            f"the two folders into the existing repo, e.g. `hf download {DEFAULT_TOKENIZER_REPO} --include "
-            f"'tokenizer/*' 't5_tokenizer/*' --local-dir {model_path}`")
+    return (f"Add them in one of two ways: run the same `anima-train convert` (or Convert node) again, same files "
+            f"and out folder, with `--tokenizers DIR|REPO_ID` (default repo {DEFAULT_TOKENIZER_REPO}): it adds them "
+            f"to the repo it wrote; or copy the two folders into the repo, e.g. `hf download "
+            f"{DEFAULT_TOKENIZER_REPO} --include 'tokenizer/*' 't5_tokenizer/*' --local-dir {model_path}`")
 
 
 def check_repo(model_path: str | os.PathLike) -> Path:

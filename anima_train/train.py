@@ -159,6 +159,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                      stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
     data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
+    for text in _not_honoured(cfg, data.sampler, steps_per_epoch(len(data.sampler), world,
+                                                                 cfg.train.gradient_accumulation_steps)):
+        progress.warning(text)  # before the model loads: on the node before the run starts
     progress.event("status", message="loading model")
     gens = _seed(cfg.train.seed + rank, device)
     if use_expandable_segments(device):  # before the weights load: they are the first segments
@@ -292,8 +295,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
                 say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
-                if not no_save:
-                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step)
+                if not no_save:  # a stop is not a finished run: keep what resuming needs unless opted out
+                    _save(run, epoch=epoch, batch_index=batch_index, step=global_step,
+                          with_state=cfg.train.save_state_on_stop)
                 done = True
                 break
             every = cfg.train.save_every_steps
@@ -372,6 +376,24 @@ def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, all
     for text in data.warnings:
         progress.warning(text)
     return data
+
+
+def _not_honoured(cfg: Config, sampler, per_epoch: int) -> list[str]:
+    """Settings this run cannot follow as written, one line each: a batch size no bucket fills (a batch never mixes
+    buckets), and a max_steps beyond what the epochs give (the epochs still bound the run)."""
+    out = []
+    groups = sampler.groups
+    if all(sampler.batch_sizes[k] > len(groups[k]) for k in sampler.keys):
+        largest = max(len(g) for g in groups.values())
+        out.append(f"[train] batch_size = {cfg.train.batch_size}: no bucket holds that many images (the largest "
+                   f"holds {largest}; a batch never mixes buckets), so every batch is smaller; lower batch_size "
+                   f"or add images")
+    epochs_total = per_epoch * cfg.train.epochs
+    if cfg.train.max_steps and cfg.train.max_steps > epochs_total:
+        out.append(f"[train] max_steps = {cfg.train.max_steps} is more than epochs = {cfg.train.epochs} give "
+                   f"({per_epoch} step(s) each, {epochs_total} in all): the run stops at step {epochs_total}; "
+                   f"raise epochs to train {cfg.train.max_steps} steps")
+    return out
 
 
 def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
@@ -647,10 +669,10 @@ def _diverged(run: Run, step: int, what: str) -> Diverged:
 # -- checkpoints ----------------------------------------------------------------------------------------------
 
 def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epoch_tag: int | None = None,
-          final: bool = False) -> Path:
-    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state, its resume state;
-    then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based) after `batch_index` of its
-    batches."""
+          final: bool = False, with_state: bool = False) -> Path:
+    """A checkpoint (named by step, by epoch, or the final one) and, with save_optimizer_state (or `with_state`: a
+    stop), its resume state; then older checkpoints pruned to keep_last_n. A resume continues at `epoch` (0-based)
+    after `batch_index` of its batches."""
     cfg, accelerator, progress, result, run_dir = run.cfg, run.accelerator, run.progress, run.result, run.run_dir
     per_epoch = run.per_epoch
     _check_grad_norms(run)  # never a checkpoint of weights that a non-finite gradient has touched
@@ -669,7 +691,7 @@ def _save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, ep
         result.saved.append(path)
         progress.event("checkpoint", path=str(path), step=result.global_step)
         progress.message(f"saved {path}")
-    if cfg.train.save_optimizer_state:
+    if cfg.train.save_optimizer_state or with_state:
         _save_state(run_dir / f"{stem}{ckpt.STATE_SUFFIX}", accelerator, run.trainable, run.optimizer,
                     run.scheduler, run.gens,
                     dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index,

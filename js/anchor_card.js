@@ -2,6 +2,9 @@
 // The node sends its card as `ui.anchor_card = [card]` (nodes/nodes_anchor.py). Every value comes from the file's
 // metadata, so it is set with textContent only, never parsed as HTML: a file cannot inject markup into the page.
 import { app } from "../../scripts/app.js";
+import { fitToContent } from "./fit_content.js";
+
+const CARD_MAX_PX = 480; // beyond this the card scrolls
 
 const NODE_ID = "AnimaAnchorLoader";
 
@@ -37,7 +40,7 @@ function badge(text, colour) {
 
 function renderCard(card) {
   const root = el("div", null,
-    "padding:5px 7px;font:11px/1.35 sans-serif;overflow:auto;max-height:360px;border-radius:4px;" +
+    "padding:5px 7px;font:11px/1.35 sans-serif;overflow:auto;height:100%;box-sizing:border-box;border-radius:4px;" +
     "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);");
   const title = el("div", null, "font-weight:bold;font-size:12px;margin-bottom:3px;");
   title.append(el("span", card.display_name || "unnamed"));
@@ -71,7 +74,8 @@ function showCard(node, card) {
     widget.element = holder;
   }
   widget.element.replaceChildren(renderCard(card));
-  node.setDirtyCanvas(true, true);
+  widget.element.style.height = "100%";
+  fitToContent(node, widget, { maxHeight: CARD_MAX_PX });
 }
 
 app.registerExtension({

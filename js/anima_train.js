@@ -9,6 +9,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
+import { fitToContent } from "./fit_content.js";
 import { PromptBook, chartRunKey, follows, runKey } from "./run_follow.js";
 
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
@@ -17,9 +18,20 @@ const PROGRESS_EVENT = "anima_train.progress";
 const CHART_WIDGET = "anima_loss_chart";
 const MAX_RUNS = 32; // runs remembered per page (one per prompt and Train node id); old ones are dropped
 const PREVIEW_HEIGHT = 120; // px: the thumbnail row under the chart
+const TEXT_MAX_PX = 480; // a node's result text grows the node up to this height, then scrolls
+const TEXT_MAX_WIDTH_PX = 820; // the Check node widens to its longest line up to this width, then wraps
+const CHECK_NODE = "AnimaTrainEnvironmentCheck";
 
 function isOurs(nodeData) {
   return PACK_NODE_PREFIXES.some((p) => (nodeData?.name || "").startsWith(p));
+}
+
+function clearText(node) {
+  const widget = node.widgets?.find((w) => w.name === "anima_text");
+  if (widget?.element && widget.element.textContent) {
+    widget.element.textContent = "";
+    node.setDirtyCanvas(true, true);
+  }
 }
 
 function showText(node, text) {
@@ -29,13 +41,15 @@ function showText(node, text) {
     el.className = "anima-train-text";
     el.style.cssText =
       "margin:0;padding:4px 6px;font:11px/1.35 monospace;white-space:pre-wrap;overflow:auto;" +
-      "max-height:320px;background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border-radius:4px;";
+      "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border-radius:4px;";
     widget = node.addDOMWidget("anima_text", "anima_text", el, { serialize: false });
     widget.serialize = false; // options.serialize keeps it out of the prompt, this out of the saved workflow
     widget.element = el;
   }
   widget.element.textContent = text;
-  node.setDirtyCanvas(true, true);
+  // the Check report is a table (wrapping its rows makes it unreadable): that node widens; the others wrap
+  const maxWidth = node.comfyClass === CHECK_NODE ? TEXT_MAX_WIDTH_PX : 0;
+  fitToContent(node, widget, { maxHeight: TEXT_MAX_PX, maxWidth });
 }
 
 // ---- live loss chart -------------------------------------------------------------------------------------
@@ -213,6 +227,11 @@ function onProgress(detail) {
   if (!node || node.comfyClass !== TRAIN_NODE) return; // not on this canvas: the state waits in `runs`
   const widget = chartWidget(node) ?? addChartWidget(node);
   widget.chart.key = id;
+  // a new run: the result text of the one before (e.g. "trained …" or "re-used …") no longer describes the node
+  if (node.animaTextRun !== key) {
+    node.animaTextRun = key;
+    clearText(node);
+  }
   scheduleDraw(node);
 }
 

@@ -22,7 +22,7 @@ const COLOURS = {
 
 export function newRun() {
   return {
-    phase: "idle", // idle | preparing | running | done | error
+    phase: "idle", // idle | preparing | running | done | cancelled | error
     steps: [], loss: [], ema: [], mse: [], hf: [],
     emaAcc: 0, emaCount: 0,
     total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0,
@@ -30,8 +30,22 @@ export function newRun() {
     note: "", // latest status / message / checkpoint line
     warnings: [], // the trainer's dataset warnings ("warning" events), shown until the next run
     samples: null, // the latest preview set: {step, images: [data URL], prompts: [text]} ("samples" events)
-    done: null, error: null,
+    done: null, error: null, cancelled: null,
   };
+}
+
+// One loss point, with the bias-corrected EMA (no ramp up from 0)
+function addPoint(run, step, loss, mse, hf) {
+  run.emaAcc = EMA_BETA * run.emaAcc + (1 - EMA_BETA) * loss;
+  run.emaCount += 1;
+  run.steps.push(step);
+  run.loss.push(loss);
+  run.ema.push(run.emaAcc / (1 - Math.pow(EMA_BETA, run.emaCount)));
+  run.mse.push(finite(mse) ? mse : NaN);
+  run.hf.push(finite(hf) ? hf : NaN);
+  if (run.steps.length > MAX_POINTS) {
+    for (const k of ["steps", "loss", "ema", "mse", "hf"]) run[k] = run[k].filter((_, i) => i % 2 === 1);
+  }
 }
 
 const SHOWN_WARNINGS = 5; // more are summarised in one line (the node's result text and the log list them all)
@@ -43,7 +57,7 @@ const finite = (v) => typeof v === "number" && Number.isFinite(v);
 export function applyEvent(run, ev) {
   if (!ev || typeof ev !== "object") return run;
   run = run || newRun();
-  const finished = run.phase === "done" || run.phase === "error";
+  const finished = run.phase === "done" || run.phase === "error" || run.phase === "cancelled";
   switch (ev.event) {
     case "status":
       if (finished) run = newRun();
@@ -74,17 +88,7 @@ export function applyEvent(run, ev) {
         const keep = { total: run.total, epochs: run.epochs, processes: run.processes };
         run = Object.assign(newRun(), keep, { phase: "running", resumedStep: ev.step - 1 });
       }
-      run.emaAcc = EMA_BETA * run.emaAcc + (1 - EMA_BETA) * ev.loss;
-      run.emaCount += 1;
-      const ema = run.emaAcc / (1 - Math.pow(EMA_BETA, run.emaCount)); // bias-corrected: no ramp up from 0
-      run.steps.push(ev.step);
-      run.loss.push(ev.loss);
-      run.ema.push(ema);
-      run.mse.push(finite(ev.mse) ? ev.mse : NaN);
-      run.hf.push(finite(ev.hf) ? ev.hf : NaN);
-      if (run.steps.length > MAX_POINTS) {
-        for (const k of ["steps", "loss", "ema", "mse", "hf"]) run[k] = run[k].filter((_, i) => i % 2 === 1);
-      }
+      addPoint(run, ev.step, ev.loss, ev.mse, ev.hf);
       run.last = ev;
       break;
     }
@@ -107,9 +111,18 @@ export function applyEvent(run, ev) {
       break;
     }
     case "done":
-      if (ev.reused) run = newRun(); // the node re-used a finished run: nothing was trained, no curve to show
+      if (ev.reused) {
+        // the node re-used a finished run: nothing was trained now; its recorded losses are the curve
+        run = newRun();
+        const losses = Array.isArray(ev.losses) ? ev.losses : [];
+        losses.forEach((loss, i) => { if (finite(loss)) addPoint(run, i + 1, loss); });
+      }
       run.phase = "done";
       run.done = ev;
+      break;
+    case "cancelled": // Cancel: where the run stopped, what was saved and how it goes on (nodes_train._cancelled)
+      run.phase = "cancelled";
+      run.cancelled = ev;
       break;
     case "error":
       run.phase = "error";
@@ -201,6 +214,8 @@ function mainStatusLines(run) {
     const what = d.reused ? "re-used the finished run" : "done";
     lines.push({ text: `${what}: ${d.step ?? "?"}/${d.total ?? "?"} steps${took}` + (d.final ? ` → ${d.final}` : ""),
                  kind: "done" });
+  } else if (run.phase === "cancelled") {
+    lines.push({ text: String(run.cancelled?.text ?? "cancelled"), kind: "warning" });
   } else if (run.phase === "error") {
     lines.push({ text: `error: ${run.error?.message ?? "unknown"}`, kind: "error" });
   } else if (run.note) {

@@ -36,8 +36,14 @@ PUBLISH_SUBDIR = "anima_train"  # models/loras/anima_train/<run>.safetensors (fu
 JOB_CONFIG_NAME = "comfyui-job.toml"
 JOB_LOCK_NAME = ".comfyui-job.lock"  # held by the node from picking a run folder until its worker has ended
 LOSS_PLOT_NAME = "comfyui-loss.png"
-GRACE_WITH_STATE_S = 60.0  # Cancel: time for the worker to save checkpoint + optimizer state before it is killed
-GRACE_PLAIN_S = 10.0  # ... to save just the adapter file
+# Cancel: the worker stops after the step in progress and saves (checkpoint + resume state), then it is ended. It
+# gets two of its slowest steps so far plus GRACE_SAVE_S for the save, never more than GRACE_MAX_S in all.
+GRACE_SAVE_S = 60.0
+GRACE_MAX_S = 900.0
+
+
+def cancel_grace(slowest_step_s: float) -> float:
+    return min(GRACE_MAX_S, GRACE_SAVE_S + 2.0 * max(0.0, slowest_step_s))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,6 +262,10 @@ def _model_and_data_digest(cfg) -> dict:
             "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
 
 
+class ConfigRefused(ValueError):
+    """The Training config's problems, one message for the whole node (see AnimaTrainConfig.validate_inputs)."""
+
+
 class AnimaTrainConfig(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -277,12 +287,14 @@ class AnimaTrainConfig(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, **values):
-        from anima_train.config import ConfigError
+        # Raised, not returned: ComfyUI files a returned message once for every input the method receives (all of
+        # this node's ~36: the Errors panel counted 36 identical entries), an exception once, against this node.
+        from anima_train.config import TEXT_SOURCE, ConfigError
 
         try:
             build_config(values)
         except ConfigError as exc:
-            return str(exc)
+            raise ConfigRefused(str(exc).removeprefix(f"{TEXT_SOURCE}: ")) from None
         return True
 
     @classmethod
@@ -316,6 +328,9 @@ class Relay:
         self.losses: list[float] = []
         self.warnings: list[str] = []  # the trainer's `warning` events (dataset warnings), for the result text
         self.steps_seen = 0
+        self.slowest_step_s = 0.0  # the Cancel grace follows the step time (cancel_grace)
+        self.last_step: dict = {}
+        self.stop_done: dict | None = None  # the trainer's `done` event printed while it stopped after Cancel
 
     def send(self, event: dict) -> None:
         comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **event}, self.sid)
@@ -328,6 +343,9 @@ class Relay:
             self.bar.update_absolute(int(event.get("resumed_step") or 0), self.total)
         elif kind == "step":
             self.steps_seen += 1
+            self.last_step = event
+            if isinstance(event.get("s_per_step"), (int, float)):
+                self.slowest_step_s = max(self.slowest_step_s, float(event["s_per_step"]))
             if event.get("loss") is not None:
                 self.losses.append(float(event["loss"]))
             if self.bar is not None:
@@ -341,6 +359,8 @@ class Relay:
 
     def after_stop(self, event: dict) -> None:
         """Events printed while the worker stops after Cancel: forwarded, never raising."""
+        if event.get("event") == "done":
+            self.stop_done = event
         try:
             self.send(event)
         except Exception:  # noqa: BLE001
@@ -383,9 +403,10 @@ def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
 
 def pick_run(cfg, toml: str, key: str):
     """(cfg, toml, run_dir, manifest, note, job_lock) of the folder this job uses: a finished run of these exact
-    inputs (re-used: manifest), the folder of the run being resumed, or else the first of run_name, run_name-2,
-    run_name-3, ... that holds no other run and no running job — a new run never replaces another run's files.
-    When that is not run_name itself, the TOML and config get the new name and `note` says so.
+    inputs (re-used: manifest), a run of these exact inputs that Cancel stopped with a resume state (resumed there:
+    the TOML gets its resume_from), the folder of the run being resumed, or else the first of run_name,
+    run_name-2, run_name-3, ... that holds no other run and no running job — a new run never replaces another run's
+    files. When that is not run_name itself, the TOML and config get the new name and `note` says so.
 
     job_lock (None when re-used) is the node's lock on the folder, held until the caller releases it: the trainer
     locks the folder only once its worker has started (seconds later), and in that gap another ComfyUI's node
@@ -396,14 +417,15 @@ def pick_run(cfg, toml: str, key: str):
 
     output_dir = Path(cfg.train.output_dir)
     resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
-    n, job_lock = 1, None
+    n, job_lock, cancelled = 1, None, None
     while True:
         stem = cfg.run_stem if n == 1 else f"{cfg.run_stem}-{n}"
         run_dir = output_dir / stem
         manifest = worker.reusable_result(run_dir, key)
         if manifest is not None:
             break
-        resuming = resumed is not None and resumed == run_dir.resolve()
+        cancelled = None if resumed is not None else worker.resumable_cancel(run_dir, key)
+        resuming = cancelled is not None or (resumed is not None and resumed == run_dir.resolve())
         if resuming or (not runs.run_files(run_dir, stem) and runs.lock_holder(run_dir) is None):
             job_lock = runs.RunLock(run_dir, JOB_LOCK_NAME)
             try:
@@ -414,7 +436,14 @@ def pick_run(cfg, toml: str, key: str):
                 if resuming:
                     raise
         n += 1
-    if stem == cfg.run_stem:
+    notes = []
+    if stem != cfg.run_stem:
+        notes.append(f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run or a running "
+                     f"job, so this one is {stem!r} ({run_dir})")
+    if cancelled is not None:
+        notes.append(f"resuming the run cancelled at step {cancelled['step']} of {cancelled['total']} "
+                     f"(from {cancelled['state']})")
+    if not notes:
         return cfg, toml, run_dir, manifest, None, job_lock
     import tomlkit
 
@@ -422,10 +451,10 @@ def pick_run(cfg, toml: str, key: str):
     if "train" not in doc:
         doc["train"] = tomlkit.table()
     doc["train"]["run_name"] = stem
+    if cancelled is not None:
+        doc["train"]["resume_from"] = cancelled["state"]
     toml = tomlkit.dumps(doc)
-    note = (f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run or a running job, so this "
-            f"one is {stem!r} ({run_dir})")
-    return load_config(toml), toml, run_dir, manifest, note, job_lock
+    return load_config(toml), toml, run_dir, manifest, "\n".join(notes), job_lock
 
 
 def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None) -> str:
@@ -495,7 +524,7 @@ class AnimaTrainTrain(io.ComfyNode):
             losses = [float(x) for x in manifest.get("losses", [])]
             published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
             relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
-                        "final": str(final), "reused": True})
+                        "final": str(final), "reused": True, "losses": losses})  # the chart shows the run
             image = loss_image(losses, run_dir / LOSS_PLOT_NAME)
             text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
                             note)
@@ -504,16 +533,20 @@ class AnimaTrainTrain(io.ComfyNode):
         comfy.free_vram()
         job_config = run_dir / JOB_CONFIG_NAME
         write_text(job_config, toml)
-        grace = GRACE_WITH_STATE_S if cfg.train.save_optimizer_state else GRACE_PLAIN_S
         # The trainer reads the stop file after each optimizer step: before the first one (model loading) there is
         # nothing to save, so a Cancel then ends the worker at once instead of waiting out the grace period.
-        grace_now = lambda: grace if relay.steps_seen else 0.0  # noqa: E731
+        grace_now = lambda: cancel_grace(relay.slowest_step_s) if relay.steps_seen else 0.0  # noqa: E731
         stop_file = worker.job_stop_file(run_dir)
-        result = worker.run_job(train_command(job_config, stop_file, gpus),
-                                log_path=run_dir / worker.LOG_NAME, on_event=relay,
-                                check_interrupt=comfy.throw_if_interrupted, env=worker.worker_env(),
-                                cwd=str(run_dir), stop_file=stop_file, grace_s=grace_now,
-                                on_stop_event=relay.after_stop)
+        try:
+            result = worker.run_job(train_command(job_config, stop_file, gpus),
+                                    log_path=run_dir / worker.LOG_NAME, on_event=relay,
+                                    check_interrupt=comfy.throw_if_interrupted, env=worker.worker_env(),
+                                    cwd=str(run_dir), stop_file=stop_file, grace_s=grace_now,
+                                    on_stop_event=relay.after_stop)
+        except BaseException:  # Cancel (ComfyUI's interrupt) or a failed callback: the worker has been stopped
+            cls._cancelled(cfg, run_dir, key, relay)
+            raise
+        (run_dir / worker.CANCELLED_NAME).unlink(missing_ok=True)  # this run is past its Cancel now
         worker.raise_for_failure(result, f"training {cfg.run_stem}")
         done = result.last("done") or {}
         if not done.get("final"):
@@ -526,6 +559,34 @@ class AnimaTrainTrain(io.ComfyNode):
         image = loss_image(relay.losses, run_dir / LOSS_PLOT_NAME)
         text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
+
+
+    @classmethod
+    def _cancelled(cls, cfg, run_dir: Path, key: str, relay: Relay) -> None:
+        """After Cancel: say on the node where the run stopped and how it goes on, and record a resumable stop so
+        that queueing the same inputs again resumes it. Never raises (ComfyUI's interrupt must go on)."""
+        from anima_train.checkpoints import state_dir_for
+
+        try:
+            done = relay.stop_done or {}
+            step, total = done.get("step") or relay.last_step.get("step"), done.get("total") or relay.total
+            saved = [Path(p) for p in done.get("saved") or []]
+            state = state_dir_for(saved[-1]) if saved else None
+            if not done or not saved:
+                text = (f"cancelled at step {step} of {total}: the worker was ended before it saved (nothing new "
+                        f"was written); queue again to start over" if step else
+                        "cancelled before the first step: nothing was trained or saved")
+            elif state is not None and state.is_dir():
+                worker.write_cancelled(run_dir, key, state, step, total)
+                text = (f"cancelled at step {step} of {total}: saved {saved[-1]} and its resume state; queue "
+                        f"again (same inputs) to resume from step {step}")
+            else:
+                text = (f"cancelled at step {step} of {total}: saved {saved[-1]} (no resume state: "
+                        f"save_state_on_stop = false)")
+            relay.after_stop({"event": "cancelled", "step": step, "total": total, "text": text,
+                              "resumable": bool(state is not None and state.is_dir())})
+        except Exception:  # noqa: BLE001
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from anchor.atomic import atomic_path, write_text
 LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
 STOP_NAME = "comfyui-stop"  # .comfyui-stop-<job id>: created to ask one job's trainer to save and exit
 MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for which inputs
+CANCELLED_NAME = "comfyui-cancelled.json"  # a run cancelled with a resume state, and for which inputs
 POLL_S = 0.25  # interrupt-check cadence; COMFYUI.md §3 asks for at least every 0.5 s
 TERM_WAIT_S = 5.0  # SIGTERM -> SIGKILL
 IS_WINDOWS = os.name == "nt"
@@ -542,6 +543,23 @@ def reusable_result(run_dir: str | os.PathLike, key: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return manifest
+
+
+def write_cancelled(run_dir: str | os.PathLike, key: str, state: str | os.PathLike, step: int, total) -> Path:
+    """Record a run Cancel stopped with a resume state: the next queue of the same inputs resumes it."""
+    return write_json_atomic(Path(run_dir) / CANCELLED_NAME,
+                             {"key": key, "state": str(state), "step": step, "total": total, "cancelled": time.time()})
+
+
+def resumable_cancel(run_dir: str | os.PathLike, key: str) -> dict | None:
+    """The record of a cancelled run with this exact key whose resume state is still there, else None."""
+    try:
+        record = json.loads((Path(run_dir) / CANCELLED_NAME).read_text(encoding="utf-8"))
+        if record.get("key") != key or not Path(record["state"]).is_dir():
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
 
 
 def _same_content(a: Path, b: Path) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 import urllib.request
@@ -115,6 +116,11 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _overlap(a: dict, b: dict) -> bool:
+    """Two nodes' boxes (graph coordinates, title bar included) share some area."""
+    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+
+
 def _history(url: str, prompt_id: str) -> dict:
     with urllib.request.urlopen(f"{url}/history/{prompt_id}", timeout=30) as r:
         return json.loads(r.read())[prompt_id]
@@ -125,7 +131,10 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
     workflow = json.loads((ROOT / "example_workflows" / f"{name}.json").read_text())
     cfg = {"url": comfy["url"] + "/", "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "chrome"),
            "outDir": str(tmp_path), "module": comfy_browser.PACK_NAME, "name": name,
-           "substitute": comfy["substitute"], "timeoutMs": RUN_TIMEOUT_S * 1000}
+           "substitute": comfy["substitute"], "timeoutMs": RUN_TIMEOUT_S * 1000,
+           # ANIMA_TEMPLATE_THUMBNAILS=1: (re)write example_workflows/<name>.jpg, the Templates browser's picture
+           "thumbnail": str(ROOT / "example_workflows" / f"{name}.jpg") if os.environ.get(
+               "ANIMA_TEMPLATE_THUMBNAILS") else None}
     t0 = time.perf_counter()
     run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 180)
@@ -177,5 +186,13 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
     for nid in savers:
         image = saved_images[nid][0]
         assert (comfy["base"] / "output" / image["subfolder"] / image["filename"]).is_file()
+    # 5. what a node shows after the run (the anchor's usage card) is whole and covered by no other node
+    nodes = r["layout"]
+    for node in nodes:
+        for widget in node["widgets"]:
+            assert widget["scrolls"] is False, (node["type"], widget)
+        if node["widgets"]:
+            others = [o for o in nodes if o["id"] != node["id"] and _overlap(node, o)]
+            assert not others, f"{node['type']} {node['id']} is covered by {[o['type'] for o in others]}: {node}"
     print(f"\nMEASURED {name}: browser session {time.perf_counter() - t0:.1f} s, prompt {run_info['seconds']:.1f} s "
           f"(models built in {comfy['models_s']:.1f} s)")

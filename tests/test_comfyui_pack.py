@@ -14,6 +14,7 @@ returned in the CONDITIONING layout ComfyUI's Anima model consumes; ComfyUI's ow
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 
@@ -339,6 +341,12 @@ def test_every_node_is_listed_and_the_workflows_are_templates(comfy):
     # both templates map onto the live schemas: every widget value has its input, every link its socket
     for name in templates[PACK_NAME]:
         to_api(load_workflow(name), info)
+        # the Templates browser shows <name>.jpg beside the file as the template's picture (frontend 1.47 asks for
+        # exactly that URL); ours are screenshots of the loaded template in the real UI (test_browser_workflows)
+        status, body = _get(comfy["port"], f"/api/workflow_templates/{PACK_NAME}/{name}.jpg")
+        assert status == 200 and body[:3] == b"\xff\xd8\xff", (name, status)
+        with Image.open(io.BytesIO(body)) as picture:
+            assert picture.format == "JPEG" and picture.width >= 400 and picture.height >= 250, picture.size
 
 
 def test_train_load_sample_streams_progress_and_changes_the_image(comfy):
@@ -420,10 +428,12 @@ def _workers_alive(marker: str) -> list[int]:
     return alive
 
 
-def test_cancel_mid_training_leaves_no_worker_and_a_resumable_checkpoint(comfy):
+def test_cancel_keeps_the_run_and_the_next_queue_resumes_it(comfy):
+    """The default config (save_optimizer_state off): Cancel saves the weights and a resume state, ends every worker
+    process, says on the node where it stopped and how to go on; queueing the same graph again resumes there."""
     client = uuid.uuid4().hex
     messages = Messages(comfy["port"], client)
-    prompt = tiny_train_workflow(comfy, "itest_cancel", max_steps=500, epochs=200, save_optimizer_state=True)
+    prompt = tiny_train_workflow(comfy, "itest_cancel", max_steps=40, epochs=200)
     prompt_id = queue(comfy, prompt, messages, client)
     messages.wait(lambda m: m.get("type") == "anima_train.progress" and m["data"]["event"] == "step"
                   and m["data"]["step"] >= 2, 600, "two training steps")
@@ -435,14 +445,28 @@ def test_cancel_mid_training_leaves_no_worker_and_a_resumable_checkpoint(comfy):
     assert end["type"] == "execution_interrupted", end
     time.sleep(5.0)
     assert _workers_alive("itest_cancel") == [], "a worker process outlived Cancel"
-    # the worker stopped gracefully: it saved a step checkpoint with its optimizer state (resumable)
-    saved = [e for e in progress_events(messages) if e["event"] == "checkpoint"]
+    # the worker stopped gracefully: a step checkpoint with its resume state, and the node says so
+    events = progress_events(messages)
+    saved = [e for e in events if e["event"] == "checkpoint"]
     assert saved, "no checkpoint was saved on Cancel"
-    ckpt = Path(saved[-1]["path"])
+    ckpt, step = Path(saved[-1]["path"]), saved[-1]["step"]
     state = ckpt.with_name(ckpt.name.removesuffix(".safetensors") + "-state")
     assert ckpt.is_file() and (state / "state.json").is_file()
-    print(f"\nMEASURED Cancel -> execution_interrupted {t_stop:.1f} s (graceful save of step {saved[-1]['step']} "
-          f"with optimizer state included)")
+    (said,) = [e for e in events if e["event"] == "cancelled"]
+    assert said["text"] == (f"cancelled at step {step} of 40: saved {ckpt} and its resume state; queue again "
+                            f"(same inputs) to resume from step {step}"), said
+    print(f"\nMEASURED Cancel -> execution_interrupted {t_stop:.1f} s (graceful save of step {step} with its "
+          f"resume state)")
+
+    since = len(messages.items)
+    prompt_id = queue(comfy, prompt, messages, client)
+    end = messages.wait(finished(prompt_id), 600, "the re-queued prompt")
+    assert end["type"] == "execution_success", end
+    events = progress_events(messages, since)
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert start["resumed_step"] == step and start["run_dir"] == str(ckpt.parent), start
+    done = [e for e in events if e["event"] == "done"][-1]
+    assert done["step"] == 40 and done["final"] == str(ckpt.parent / "itest_cancel.safetensors"), done
     messages.ws.close()
 
 

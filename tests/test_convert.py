@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from anima_train import cli, convert, keymaps
-from anima_train.models import load_components
+from anima_train.models import check_repo, load_components
 from tests import fixtures_tiny
 
 WEIGHT_FILES = {"transformer": "diffusion_pytorch_model.safetensors",
@@ -70,7 +70,7 @@ def test_converted_repo_layout_and_modular_index(tiny_anima, converted):
     out = converted[0]["out"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["transformer", "text_conditioner", "text_encoder", "vae", "scheduler", "tokenizer", "t5_tokenizer",
-         "modular_model_index.json"])
+         "modular_model_index.json", convert.RECORD_NAME])
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temp folder left behind"
     # the index equals the one AnimaModularPipeline.save_pretrained wrote for the tiny repo, modulo the path
     ours = json.loads((out / "modular_model_index.json").read_text())
@@ -189,18 +189,57 @@ def test_tokenizers_from_a_repo_id_fetch_only_the_two_folders(tiny_anima, tmp_pa
     assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").is_file()
 
 
-def test_unreachable_tokenizer_repo_warns_and_still_converts(tiny_anima, tmp_path, monkeypatch, capsys):
+def test_unreachable_tokenizer_repo_refuses_before_reading_a_weight_and_writes_nothing(tiny_anima, tmp_path,
+                                                                                       monkeypatch, capsys):
+    # the trap this closes: offline, the repo was written without tokenizers ("success" with a warning), training
+    # then failed, and a Convert with the tokenizers fixed refused the non-empty folder
     import huggingface_hub
 
     def offline(*a, **k):
         raise ConnectionError("no network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.warns(convert.TokenizersMissingWarning, match=r"ConnectionError: no network.*--tokenizers"):
-        assert run_convert(tiny_anima, tmp_path / "out", "--tokenizers", "someone/anima-tokenizers") == 0
-    out = capsys.readouterr().out
-    assert "WARNING: tokenizers could not be fetched from someone/anima-tokenizers" in out and "hf download" in out
-    assert (tmp_path / "out" / "vae" / "config.json").is_file() and not (tmp_path / "out" / "tokenizer").exists()
+    monkeypatch.setattr(convert, "load_tensors", lambda *a: pytest.fail("weights were read"))
+    assert run_convert(tiny_anima, tmp_path / "out", "--tokenizers", "someone/anima-tokenizers") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"anima-train convert: (error: )?--tokenizers someone/anima-tokenizers: could "
+                                      r"not fetch tokenizer/ and t5_tokenizer/ \(ConnectionError: no network\); "
+                                      r"nothing was written\.", err[0]), err
+    assert "a local folder holding tokenizer/ and t5_tokenizer/" in err[0] and "`none`" in err[0]
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_converting_again_with_the_tokenizers_completes_the_repo_it_wrote(tiny_anima, tmp_path, capsys):
+    out = tmp_path / "repo"
+    with pytest.warns(convert.TokenizersMissingWarning, match=r"same `anima-train convert`.*same files"):
+        assert run_convert(tiny_anima, out, "--tokenizers", "none") == 0
+    weights = {p: digest(p) for p in out.rglob("*.safetensors")}
+    assert weights and not (out / "tokenizer").exists()
+    capsys.readouterr()
+    # the same files, the same folder, the tokenizers now given: completed, the weights left as they were
+    assert run_convert(tiny_anima, out, "--tokenizers", str(tiny_anima.diffusers_dir)) == 0
+    said = capsys.readouterr().out
+    assert f"{out} was converted from these same files" in said and "added tokenizer/ and t5_tokenizer/" in said
+    assert {p: digest(p) for p in out.rglob("*.safetensors")} == weights
+    check_repo(out)  # trainable now
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp folder left
+    # once more: up to date, nothing written
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    assert run_convert(tiny_anima, out, "--tokenizers", str(tiny_anima.diffusers_dir)) == 0
+    assert "is complete: up to date, nothing written" in capsys.readouterr().out
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+    # other input files (here: the same file touched since) are another conversion: refused, repo untouched
+    import os
+
+    os.utime(tiny_anima.vae_file, ns=(tiny_anima.vae_file.stat().st_atime_ns,
+                                      tiny_anima.vae_file.stat().st_mtime_ns + 1))
+    try:
+        assert run_convert(tiny_anima, out, "--tokenizers", "none") == 2
+        assert "not an empty folder" in capsys.readouterr().err
+    finally:
+        os.utime(tiny_anima.vae_file, ns=(tiny_anima.vae_file.stat().st_atime_ns,
+                                          tiny_anima.vae_file.stat().st_mtime_ns - 1))
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
 
 
 def test_bad_tokenizer_source_is_refused_before_reading_weights(tiny_anima, tmp_path, monkeypatch):

@@ -30,8 +30,14 @@ FAKE_TRAINER = textwrap.dedent(r'''
         ev("warning", text="tier 1024: 3/3 sources (100.0%) are smaller than this tier")
     ev("start", total=3, steps_per_epoch=3, epochs=1, processes=1, run_dir=run_dir, resumed_step=0)
     for step in (1, 2, 3):
-        if os.path.exists(stop_file):
-            ev("checkpoint", path=os.path.join(run_dir, "stopped.safetensors"), step=step - 1)
+        if os.path.exists(stop_file):  # as the trainer stops: a step checkpoint, its resume state, `done`
+            stem = os.path.join(run_dir, "%s-step%06d" % (cfg["train"]["run_name"], step - 1))
+            open(stem + ".safetensors", "wb").write(b"lora weights")
+            if cfg["train"].get("save_state_on_stop", True):
+                os.makedirs(stem + "-state")
+                open(os.path.join(stem + "-state", "state.json"), "w").write("{}")
+            ev("checkpoint", path=stem + ".safetensors", step=step - 1)
+            ev("done", step=step - 1, total=3, final=None, stopped=True, saved=[stem + ".safetensors"])
             sys.exit(0)
         if mode == "fail" and step == 2:
             print("RuntimeError: CUDA out of memory (fake)", file=sys.stderr, flush=True)
@@ -146,6 +152,13 @@ def test_no_config_widget_gets_a_control_after_generate_widget(comfy_env):
     assert not {p.id for p in ints} & {"seed", "noise_seed"}
 
 
+def refusal(nt, **values) -> str:
+    """The message the Training config's validate_inputs raises for these widget values (ComfyUI shows it once)."""
+    with pytest.raises(nt.ConfigRefused) as refused:
+        nt.AnimaTrainConfig.validate_inputs(**values)
+    return str(refused.value)
+
+
 def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima, dataset):
     nt = comfy_env.nt
     good = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="my run", epochs=2)
@@ -158,15 +171,15 @@ def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima,
     assert cfg.train.max_steps is None and cfg.flow.shift is None  # 0 = unset
 
     # the CLI's own rule messages reach the node
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[flow]\nshift = 0.0\n"))
-    assert isinstance(bad, str) and "[flow] shift" in bad
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train]\nepochz = 3\n"))
+    bad = refusal(nt, **dict(good, extra_toml="[flow]\nshift = 0.0\n"))
+    assert "[flow] shift" in bad and not bad.startswith("<config text>")
+    bad = refusal(nt, **dict(good, extra_toml="[train]\nepochz = 3\n"))
     assert "epochz" in bad
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(good, extra_toml="[train\n"))
+    bad = refusal(nt, **dict(good, extra_toml="[train\n"))
     assert "extra_toml: not valid TOML" in bad
-    missing = nt.AnimaTrainConfig.validate_inputs(**dict(good, dataset_path=str(dataset / "nope")))
+    missing = refusal(nt, **dict(good, dataset_path=str(dataset / "nope")))
     assert "dataset folder" in missing and "nope" in missing
-    no_repo = nt.AnimaTrainConfig.validate_inputs(**dict(good, model_path=str(dataset)))
+    no_repo = refusal(nt, **dict(good, model_path=str(dataset)))
     assert "not a complete Anima diffusers repo" in no_repo
     with pytest.raises(ConfigError):
         nt.AnimaTrainConfig.execute(**dict(good, model_path=""))
@@ -193,8 +206,8 @@ def test_output_format_widget_reaches_the_lora_file_format(comfy_env, tiny_anima
     assert "lora_unet_" in port.options["tooltip"]
     values = widgets(nt, tiny_anima.diffusers_dir, dataset, output_format="kohya")
     assert load_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
-    bad = nt.AnimaTrainConfig.validate_inputs(**dict(values, adapter="lokr"))
-    assert isinstance(bad, str) and '[adapter] output_format = "kohya" applies to kind = "lora"' in bad
+    bad = refusal(nt, **dict(values, adapter="lokr"))
+    assert '[adapter] output_format = "kohya" applies to kind = "lora"' in bad
 
 
 def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
@@ -370,23 +383,58 @@ def test_train_failure_shows_the_worker_error_on_the_node(comfy_env, tiny_anima,
     assert not (Path(config["run_dir"]) / "comfyui-result.json").exists()
 
 
-def test_cancel_asks_the_worker_to_stop_and_relays_what_it_saved(comfy_env, tiny_anima, dataset, monkeypatch):
+@pytest.mark.parametrize("state_on_stop", [True, False])
+def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_it(comfy_env, tiny_anima, dataset,
+                                                                                   monkeypatch, state_on_stop):
     env = comfy_env
     env.mode["value"] = "slow"
-    steps = []
 
     def interrupted():
         if any(e[0] == "ws" and e[1]["event"] == "step" for e in env.log):
-            steps.append(1)
             raise Interrupted()
 
     monkeypatch.setattr(env.comfy, "throw_if_interrupted", interrupted)
-    config = _config(env, tiny_anima, dataset, run_name="stopme", save_optimizer_state=True)
+    # the default config (save_optimizer_state off); a config may opt out of the state a stop writes
+    extra = "" if state_on_stop else "[train]\nsave_state_on_stop = false\n"
+    config = _config(env, tiny_anima, dataset, run_name="stopme", extra_toml=extra)
+    run_dir = Path(config["run_dir"])
     with pytest.raises(Interrupted):
         _train(env, config)
     after = [e[1] for e in env.log if e[0] == "ws"]
-    assert after[-1]["event"] == "checkpoint" and after[-1]["path"].endswith("stopped.safetensors")
-    assert not any(p.name.startswith((".comfyui-stop", "comfyui-stop")) for p in Path(config["run_dir"]).iterdir())
+    assert [e["event"] for e in after[-3:]] == ["checkpoint", "done", "cancelled"]
+    ckpt = run_dir / "stopme-step000001.safetensors"
+    assert after[-3]["path"] == str(ckpt) and ckpt.is_file()
+    said = after[-1]["text"]
+    assert said.startswith("cancelled at step 1 of 3: saved ") and str(ckpt) in said, said
+    assert not any(p.name.startswith((".comfyui-stop", "comfyui-stop")) for p in run_dir.iterdir())
+    from anima_train.runs import lock_holder
+
+    assert lock_holder(run_dir, env.nt.JOB_LOCK_NAME) is None  # the node's lock on the folder is free again
+
+    # queue the same inputs again, with Cancel not pressed
+    monkeypatch.setattr(env.comfy, "throw_if_interrupted", lambda: None)
+    env.mode["value"] = "ok"
+    env.log.clear()
+    out = _train(env, config)
+    job = load_config((Path(out.values[0]).parent / env.nt.JOB_CONFIG_NAME).read_text())
+    messages = [e[1]["text"] for e in env.log if e[0] == "ws" and e[1]["event"] == "message"]
+    if state_on_stop:
+        assert said.endswith("queue again (same inputs) to resume from step 1"), said
+        assert after[-1]["resumable"] is True
+        assert job.train.resume_from == str(run_dir / "stopme-step000001-state")  # resumed in the same folder
+        assert job.run_stem == "stopme" and out.values[0] == str(run_dir / "stopme.safetensors")
+        assert any("resuming the run cancelled at step 1 of 3" in m for m in messages), messages
+    else:
+        assert "no resume state: save_state_on_stop = false" in said and after[-1]["resumable"] is False
+        assert job.train.resume_from is None and job.run_stem == "stopme-2"  # a new run, beside the stopped one
+    assert not (run_dir / env.nt.worker.CANCELLED_NAME).exists()
+
+
+def test_the_cancel_grace_follows_the_step_time_and_is_bounded(comfy_env):
+    nt = comfy_env.nt
+    assert nt.cancel_grace(0.5) == nt.GRACE_SAVE_S + 1.0
+    assert nt.cancel_grace(100.0) == nt.GRACE_SAVE_S + 200.0  # a slow step still gets to its end, then the save
+    assert nt.cancel_grace(10_000.0) == nt.GRACE_MAX_S
 
 
 def test_cancel_while_the_model_loads_ends_the_worker_at_once(comfy_env, tiny_anima, dataset, monkeypatch):

@@ -245,10 +245,9 @@ def test_kohya_output_format_applies_the_trained_update(tiny_anima, latents_dir,
     assert _metadata(result.final)["ss_network_module"] == "networks.lora"
 
 
-def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path, monkeypatch):
+def _stop_at_step_2(monkeypatch, stop: Path) -> None:
     from anima_train.progress import Progress
 
-    stop = tmp_path / "STOP"
     step = Progress.step
 
     def step_then_stop(self, stats, **kw):  # the user asks to stop while step 2 is reported
@@ -256,12 +255,35 @@ def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_di
         if stats.step == 2:
             stop.write_text("")
     monkeypatch.setattr(Progress, "step", step_then_stop)
-    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=50, save_optimizer_state="true")
+
+
+def test_stop_file_saves_a_resumable_checkpoint_and_exits(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    # the default config: save_optimizer_state = false, yet a stop (a Cancel in ComfyUI) is not a finished run and
+    # keeps what resuming needs; resuming it gives the uninterrupted run's final weights
+    stop = tmp_path / "STOP"
+    _stop_at_step_2(monkeypatch, stop)
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "a", max_steps=4)
+    assert cfg.train.save_optimizer_state is False and cfg.train.save_state_on_stop is True
     result = train(cfg, cpu=True, stop_file=str(stop))
+    run = tmp_path / "a" / "tiny"
     assert result.stopped and result.global_step == 2
-    assert (tmp_path / "tiny" / "tiny-step000002.safetensors").is_file()
-    assert (tmp_path / "tiny" / "tiny-step000002-state" / "state.json").is_file()
-    assert not (tmp_path / "tiny" / "tiny.safetensors").exists()
+    assert (run / "tiny-step000002.safetensors").is_file()
+    assert (run / "tiny-step000002-state" / "state.json").is_file()
+    assert not (run / "tiny.safetensors").exists()
+    stop.unlink()
+    resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "a", max_steps=4,
+                             resume_from=f'"{run / "tiny-step000002-state"}"'), cpu=True)
+    full = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", max_steps=4), cpu=True)
+    assert resumed.losses == full.losses[2:] and resumed.trainable_digest == full.trainable_digest
+
+
+def test_a_stop_writes_no_state_when_the_config_opts_out(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    stop = tmp_path / "STOP"
+    _stop_at_step_2(monkeypatch, stop)
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=50, save_state_on_stop="false")
+    result = train(cfg, cpu=True, stop_file=str(stop))
+    assert result.stopped and (tmp_path / "tiny" / "tiny-step000002.safetensors").is_file()
+    assert not (tmp_path / "tiny" / "tiny-step000002-state").exists()
 
 
 def test_dry_run_takes_one_step_and_writes_nothing(tiny_anima, latents_dir, tmp_path):

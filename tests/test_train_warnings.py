@@ -80,3 +80,28 @@ def test_the_train_nodes_chart_lists_the_warnings():
     # a later run starts clean; beyond five the rest is counted, not listed
     assert [t for t, _ in warning(shown[6])] == [f"warning: w{i}" for i in range(5)] + \
         ["… and 2 more warning(s) in the log"]
+
+
+def test_settings_the_run_cannot_follow_are_said_once_before_it_starts(tiny_anima, tmp_path, capsys):
+    # 3 images of one size: batch_size 16 cannot be filled; 1 epoch of 1 step cannot reach max_steps 10
+    data = tmp_path / "images"
+    make_synthetic_dataset(data, n=3, sizes=[(64, 64)])
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'[train]\nmodel_path = "{tiny_anima.diffusers_dir}"\noutput_dir = "{tmp_path / "out"}"\n'
+                   f'dtype = "float32"\nnum_workers = 0\nprogress = "plain"\ngradient_checkpointing = false\n'
+                   f'batch_size = 16\nepochs = 1\nmax_steps = 10\n[dataset]\npath = "{data}"\nresolution = 64\n'
+                   f'source = "encode"\n[adapter]\nrank = 4\n', encoding="utf-8")
+    events = tmp_path / "events.jsonl"
+    assert cli.main(["train", str(cfg), "--dry-run", "--cpu", "--events", str(events)]) == 0
+    out = capsys.readouterr().out
+    batch = ("[train] batch_size = 16: no bucket holds that many images (the largest holds 3; a batch never mixes "
+             "buckets), so every batch is smaller; lower batch_size or add images")
+    steps = ("[train] max_steps = 10 is more than epochs = 1 give (1 step(s) each, 1 in all): the run stops at "
+             "step 1; raise epochs to train 10 steps")
+    assert out.splitlines().count(f"warning: {batch}") == 1, out
+    assert out.splitlines().count(f"warning: {steps}") == 1, out
+    sent = [json.loads(line) for line in events.read_text().splitlines()]
+    kinds = [e["event"] for e in sent]
+    warned = [(i, e["text"]) for i, e in enumerate(sent) if e["event"] == "warning"]
+    assert [t for _, t in warned].count(batch) == 1 and [t for _, t in warned].count(steps) == 1
+    assert max(i for i, _ in warned) < kinds.index("start")  # on the node before the run starts

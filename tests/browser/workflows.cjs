@@ -46,6 +46,29 @@ async function main() {
     }, { module: cfg.module, name: cfg.name });
     await page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
     result.shown = await readBack();
+    if (cfg.thumbnail) {
+      // the Templates browser's picture of this template: the whole graph as loaded, framed clear of the side bar,
+      // the tabs and the minimap, and cut out of the page
+      const clip = await page.evaluate(() => {
+        document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
+        const app = window.comfyAPI.app.app;
+        const nodes = app.graph.nodes;
+        const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+        const x0 = Math.min(...nodes.map((n) => n.pos[0])), y0 = Math.min(...nodes.map((n) => n.pos[1] - title));
+        const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
+        const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1]));
+        const rect = app.canvas.canvas.getBoundingClientRect();
+        const at = { x: 90, y: 130 }; // screen point of the graph's top left
+        const scale = Math.min((rect.width - at.x - 340) / (x1 - x0), (rect.height - at.y - 40) / (y1 - y0), 1);
+        app.canvas.ds.scale = scale;
+        app.canvas.ds.offset = [(at.x - rect.left) / scale - x0, (at.y - rect.top) / scale - y0];
+        app.canvas.min_font_size_for_lod = 0; // draw the titles and widgets at this zoom too (no low-detail mode)
+        app.canvas.setDirty(true, true);
+        return { x: at.x - 16, y: at.y - 16, width: (x1 - x0) * scale + 32, height: (y1 - y0) * scale + 32 };
+      });
+      await page.waitForTimeout(800);
+      await page.screenshot({ path: cfg.thumbnail, type: "jpeg", quality: 85, clip });
+    }
     // the workflow the UI would save right now (Save / export): must be the file it loaded
     result.saved = await page.evaluate(() => window.comfyAPI.app.app.graph.serialize().nodes
       .map((n) => ({ id: n.id, type: n.type, widgets_values: n.widgets_values ?? null })));
@@ -104,6 +127,16 @@ async function main() {
       return { promptId, queued, end, seconds: (performance.now() - t0) / 1000,
                events: events.filter((e) => e.detail?.prompt_id === promptId) };
     }, cfg.timeoutMs ?? 600000);
+    await page.waitForTimeout(1000); // a node that grew to its new content (a usage card) is laid out again
+    // where every node and every text/card widget of ours lies on the canvas after the run (graph coordinates)
+    result.layout = await page.evaluate(() => window.comfyAPI.app.app.graph.nodes.map((n) => {
+      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+      const ours = (n.widgets ?? []).filter((w) => ["anchor_card", "anima_text"].includes(w.name))
+        .map((w) => ({ name: w.name, y: n.pos[1] + (w.last_y ?? w.y ?? 0), height: w.computedHeight ?? null,
+                       scrolls: w.element ? w.element.scrollHeight > w.element.clientHeight + 1 : null }));
+      return { id: n.id, type: n.type, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title,
+               widgets: ours };
+    }));
     await page.screenshot({ path: path.join(cfg.outDir, "page.png") });
   } finally {
     await browser.close();

@@ -1,0 +1,68 @@
+"""A bad Training config is one problem with one message in the real frontend, not one per widget.
+
+ComfyUI files a message that `validate_inputs` returns once for every input the method receives; the Training config
+receives all of its ~36 widgets, so one bad key showed as "37 errors found" and 36 identical entries in the Errors
+panel ("Anima: Training config - adapter", "- alpha", …), each hiding the text behind an (i), and the console printed
+it 36 times. tests/browser/config_error.cjs builds the graph a user starts with (Training config -> Train) in
+headless Chromium, types a bad value into a widget, presses Run with the button's own code and reports the page; the
+assertions are here: the overlay counts one error and shows the message with its key, the bad value and the fix; the
+Errors panel lists one entry; the queue's answer holds one error for the node; the server's console prints it once.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests import comfy_browser
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
+
+DRIVER = comfy_browser.BROWSER_DIR / "config_error.cjs"
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    tools = comfy_browser.browser_tools()
+    base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
+    settings = base / "user" / "default" / "comfy.settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))  # no first-run templates dialog
+    with comfy_browser.serve(base, "AnimaTrainConfig") as (url, _):
+        yield {"url": url, "base": base, **tools}
+
+
+CASES = {
+    # a rule of the config (extra_toml, as a user types it), and a path the nodes may not use (a widget)
+    "lr": ({"extra_toml": "[optimizer]\nlr = 0\n"}, "[optimizer] lr = 0.0: must be > 0.0"),
+    "path": ({"dataset_path": "/nope/elsewhere"}, "[dataset] path = '/nope/elsewhere' is outside the folders"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
+    substitute, needle = CASES[case]
+    log = comfy["base"] / "server.log"
+    logged_before = log.read_text().count(needle)
+    cfg = {"url": comfy["url"], "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "profile"),
+           "outDir": str(tmp_path), "substitute": substitute}
+    run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads((tmp_path / "result.json").read_text())
+
+    # the overlay a user sees after Run: one error, its text shown (not hidden behind an (i))
+    assert "1 error found" in seen["overlay"] or "couldn't validate" in seen["overlay"], seen["overlay"][-1500:]
+    assert "errors found" not in seen["overlay"], seen["overlay"][-1500:]
+    assert seen["overlay"].count(needle) == 1, seen["overlay"][-1500:]
+    # the Errors panel ("View details"): one node, one error
+    assert "1 node — 1 error" in seen["afterDetails"], seen["afterDetails"][-2000:]
+    assert "Training config - adapter" not in seen["afterDetails"]
+    assert [n["type"] for n in seen["nodeErrors"]] == ["AnimaTrainConfig"]
+    # the queue's answer: the node has exactly one error, and it carries the message
+    response = seen["run"]["queued"][0]["response"]
+    (errors,) = [e["errors"] for e in response["node_errors"].values()]
+    assert len(errors) == 1 and needle in errors[0]["details"], errors
+    assert "<config text>" not in errors[0]["details"]
+    # ComfyUI's console: printed once
+    assert log.read_text().count(needle) - logged_before == 1, log.read_text()[-3000:]
