@@ -26,7 +26,9 @@ SPEC_DEFAULTS = {
         "max_steps": None, "batch_size": 1, "gradient_accumulation_steps": 1, "gradient_checkpointing": True,
         "checkpoint_blocks": "auto",  # ours (the speed issue): CONFIG.md has only the all-or-nothing switch
         "dtype": "bfloat16", "seed": 42, "num_workers": 2, "vae_encode_chunk": 1, "save_every_steps": None,
-        "save_every_epochs": 1, "save_native": True, "save_optimizer_state": False, "keep_last_n": None,
+        "save_every_epochs": 1, "save_native": True, "save_optimizer_state": False,
+        "save_state_on_stop": True,  # ours (the ComfyUI issue): a stop keeps what resuming needs
+        "keep_last_n": None,
         "resume_from": None, "skip_final_save": False, "allow_multi_gpu_texture": False, "log_every": 1,
         "progress": "auto", "compile": "auto", "compile_dynamic": True, "compile_regional": True,
     },
