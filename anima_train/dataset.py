@@ -56,7 +56,7 @@ from anima_train.buckets import (
 from anima_train.captions import CaptionError, build_caption, read_caption_files
 from anima_train.config import check_table
 from anima_train.errors import UserError
-from anima_train.sampler import BucketBatchSampler
+from anima_train.sampler import BucketBatchSampler, EpochKey
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -755,7 +755,6 @@ class AnimaDataset:
         return len(self.items)
 
     def __getitem__(self, key) -> dict:
-        from anima_train.sampler import EpochKey
         from anima_train.texture import split_key, texture_sample
 
         epoch = self.epoch

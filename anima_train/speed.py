@@ -14,12 +14,16 @@ import contextlib
 import importlib.util
 import os
 import re
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from anima_train import checkpointing, errors
+from anima_train.check import toolchain_fix
+from anima_train.quant import import_sdnq
 
 if TYPE_CHECKING:
     from anima_train.config import Config
@@ -191,9 +195,7 @@ def probe_compile(device: torch.device | str) -> str | None:
     """Compile and run a tiny function (forward and backward) on `device` with Inductor; None when it works and
     gives the eager numbers, else the cause in one line. Each probe compiles anew: a fresh code object (dynamo
     caches by code object) and no FX graph cache, so an earlier success cannot answer for this machine now."""
-    import types
-
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # heavy: only when a probe runs
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -227,10 +229,8 @@ def sdnq_triton_wanted(cfg: Config, device: torch.device) -> bool:
 def probe_sdnq_triton(device: torch.device) -> str | None:
     """Run one SDNQ Triton kernel (its int8 matmul) on `device`; None when it works and matches the exact product."""
     try:
-        from anima_train.quant import import_sdnq
-
         import_sdnq()
-        from sdnq.kernels.triton_mm import sdnq_triton_mm
+        from sdnq.kernels.triton_mm import sdnq_triton_mm  # imports triton: only where its kernels would run
 
         gen = torch.Generator().manual_seed(0)
         a = torch.randint(-8, 8, (64, 64), generator=gen, dtype=torch.int8).to(device)
@@ -246,8 +246,6 @@ def probe_sdnq_triton(device: torch.device) -> str | None:
 def disable_sdnq_triton() -> None:
     """SDNQ falls back to its torch kernels: its wrappers look the Triton kernels up at each call."""
     os.environ["SDNQ_USE_TRITON_MM"] = "0"  # for an sdnq imported later (read at its import)
-    import sys
-
     wrappers = sys.modules.get("sdnq.kernel_wrappers")
     if wrappers is not None:
         for name, value in (("sdnq_triton_mm", None), ("sdnq_scaled_mm", None), ("use_triton_mm", False),
@@ -259,8 +257,6 @@ def disable_sdnq_triton() -> None:
 def enable_hint(device: torch.device) -> str:
     """What would make compiled kernels work on this machine (check.py knows the Triton pin and the embedded
     Python's missing pieces)."""
-    from anima_train.check import toolchain_fix
-
     return toolchain_fix(device.type)
 
 

@@ -22,8 +22,8 @@ import torch
 
 from anima_train import checkpoints as ckpt
 from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking, windows
-from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, decide_compile, plan_checkpointing,
-                               to_device)
+from anima_train.speed import (CompileDecision, HostCopy, ParkedWeights, compile_transformer, decide_compile,
+                               plan_checkpointing, to_device)
 from anima_train.atomic import publish_dir
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
@@ -438,7 +438,7 @@ def _total_steps(cfg: Config, per_epoch: int) -> int:
     return min(cfg.train.max_steps, epochs_total) if cfg.train.max_steps else epochs_total
 
 
-def _decide_compile(cfg: Config, device: torch.device, total: int, progress: Progress):
+def _decide_compile(cfg: Config, device: torch.device, total: int, progress: Progress) -> CompileDecision:
     """Whether to torch.compile (speed.decide_compile: a probe that really compiles on this device, when compiling
     is wanted). A failure under compile = "auto" is one warning line (the log, the node) and an eager run; an
     explicitly asked mode that cannot work is a UserError here, before the model loads."""
@@ -464,7 +464,7 @@ def _loader(cfg: Config, data, device: torch.device):
                       num_workers=workers, persistent_workers=workers > 0, pin_memory=device.type == "cuda")
 
 
-def _compile_when_it_pays(cfg: Config, model: Model, decision, say) -> None:
+def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, say) -> None:
     """torch.compile the DiT when decided (compile = "auto": on CUDA, for a run long enough, when the probe
     compiled), then say how the step is sped up."""
     compile_mode = decision.mode
