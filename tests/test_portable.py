@@ -69,9 +69,15 @@ def portable(tmp_path):
     return exe, env
 
 
-def test_the_portable_layout_is_what_the_nodes_meet(portable, tmp_path):
-    """The premises: a user-site package shadows the portable's own without -s; the pack is not importable."""
+def test_check_and_a_tiny_training_run_in_the_portable_through_the_node_command(portable, tiny_anima, tmp_path,
+                                                                                   monkeypatch):
+    from tests import comfy_double
+
+    comfy_double.install(monkeypatch)
+    import nodes.nodes_train as nodes_train
+
     exe, env = portable
+    # the premises: a user-site package shadows the portable's own without -s; the pack is not installed there
     plain = subprocess.run([str(exe), "-c", "import safetensors"], env=env, capture_output=True, text=True,
                            timeout=120, cwd=tmp_path)
     assert plain.returncode != 0 and SHADOW in plain.stderr
@@ -81,26 +87,16 @@ def test_the_portable_layout_is_what_the_nodes_meet(portable, tmp_path):
     assert "(3, 13)" in isolated.stdout and str(exe.parent) in isolated.stdout, isolated.stderr[-2000:]
     assert isolated.returncode != 0 and "No module named 'anima_train'" in isolated.stderr
     assert worker.ignores_environment(exe)
-
-
-def test_check_and_a_tiny_training_run_in_the_portable_through_the_node_command(portable, tiny_anima, tmp_path,
-                                                                                   monkeypatch):
-    from tests import comfy_double
-
-    comfy_double.install(monkeypatch)
-    import nodes.nodes_train as nodes_train
-
-    exe, env = portable
     env = worker.worker_env(base=env)
 
     # the Check node's view, as a worker: Python 3.13 supported, every dependency the portable's own
     check_cmd = worker.anima_train_command(["check"], python=str(exe))
-    assert check_cmd[:5] == [str(exe), "-u", "-X", "utf8", "-s"]
     res = worker.run_job(check_cmd, log_path=tmp_path / "check.log", env=env, cwd=tmp_path)
     out = "\n".join(res.lines)
     assert res.returncode == 0, worker.failure_message(res, "check") + "\n" + out
     assert "ok   python" in out and " 3.13." in out and "anima-train check: all required pieces work" in out
     assert "ok   safetensors" in out and SHADOW not in out
+    assert check_cmd[:5] == [str(exe), "-u", "-X", "utf8", "-s"]
 
     # a tiny run, started exactly as the Train node starts it
     data = tmp_path / "data"
