@@ -5,7 +5,8 @@ Install the Anima trainer into .\venv and check it (Windows; the twin of install
   powershell -ExecutionPolicy Bypass -File install.ps1 -Recreate  delete venv\ first and start clean
 
 Environment:
-  ANIMA_PYTHON      interpreter to build the venv from (default: py -3.11, else py -3.12, else python on PATH if it is 3.11/3.12)
+  ANIMA_PYTHON      interpreter to build the venv from (default: py -3.11, else py -3.12, else py -3.13, else python on
+                    PATH if it is 3.11-3.13)
   ANIMA_TORCH_SPEC  what to pip-install when the venv has no working torch (default: "torch torchvision", i.e. pip
                     chooses the build, which on Windows is a CPU-only one; for CUDA e.g.
                     "torch torchvision --index-url https://download.pytorch.org/whl/cu128")
@@ -16,7 +17,7 @@ param([switch]$Recreate, [switch]$Help)
 $ErrorActionPreference = "Stop"
 Set-Location -LiteralPath $PSScriptRoot
 
-if ($Help) { Get-Content -LiteralPath $PSCommandPath -TotalCount 14 | Select-Object -Skip 1; exit 0 }
+if ($Help) { Get-Content -LiteralPath $PSCommandPath -TotalCount 15 | Select-Object -Skip 1; exit 0 }
 
 $Venv = "venv"
 $VenvPython = Join-Path $Venv "Scripts\python.exe"
@@ -50,9 +51,9 @@ function Python-Version([string[]]$Command) {
 
 function Pick-Python {
     if ($env:ANIMA_PYTHON) { return , @($env:ANIMA_PYTHON) }
-    foreach ($cand in @(@("py", "-3.11"), @("py", "-3.12"), @("python"))) {
+    foreach ($cand in @(@("py", "-3.11"), @("py", "-3.12"), @("py", "-3.13"), @("python"))) {
         $ver = Python-Version $cand
-        if ($ver -eq "3.11" -or $ver -eq "3.12") { return , $cand }
+        if ($ver -eq "3.11" -or $ver -eq "3.12" -or $ver -eq "3.13") { return , $cand }
     }
     return $null
 }
@@ -65,11 +66,11 @@ if ($Recreate -and (Test-Path -LiteralPath $Venv)) {
 if (-not (Test-Path -LiteralPath $VenvPython)) {
     $py = Pick-Python
     if (-not $py) {
-        Fail ("no Python 3.11 or 3.12 found. Install one from python.org (it brings the py launcher), " +
+        Fail ("no Python 3.11, 3.12 or 3.13 found. Install one from python.org (it brings the py launcher), " +
               "or point ANIMA_PYTHON at it.")
     }
     $ver = Python-Version $py
-    if ($ver -ne "3.11") { Say "Python 3.11 not found; falling back to $($py -join ' ') ($ver)" }
+    if ($ver -ne "3.11" -and -not $env:ANIMA_PYTHON) { Say "Python 3.11 not found; falling back to $($py -join ' ') ($ver)" }
     Say "creating $Venv\ with $($py -join ' ') ($ver)"
     Run $py @("-m", "venv", $Venv)
     if ($LASTEXITCODE -ne 0) { Fail "creating $Venv\ failed" }

@@ -5,20 +5,21 @@
 #   bash install.sh --recreate  delete venv/ first and start clean
 #
 # Environment:
-#   ANIMA_PYTHON      interpreter to build the venv from (default: python3.11, else python3.12)
+#   ANIMA_PYTHON      interpreter to build the venv from (default: python3.11, else python3.12, else python3.13)
+#   ANIMA_VENV        the venv folder (default: venv; CI builds a second one, venv313, from Python 3.13)
 #   ANIMA_TORCH_SPEC  what to pip-install when the venv has no working torch (default: "torch torchvision",
 #                     i.e. pip chooses the build; e.g. "torch==2.14.1 torchvision==0.29.1" pins it)
 set -euo pipefail
 
 cd "$(dirname "$0")"
-VENV=venv
+VENV=${ANIMA_VENV:-venv}
 STAMP="$VENV/.anima-train-install"
 
 recreate=0
 for arg in "$@"; do
   case "$arg" in
     --recreate) recreate=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option '$arg' (known: --recreate)" >&2; exit 2 ;;
   esac
 done
@@ -28,10 +29,10 @@ say() { printf 'install.sh: %s\n' "$*"; }
 pick_python() {
   if [ -n "${ANIMA_PYTHON:-}" ]; then echo "$ANIMA_PYTHON"; return; fi
   local cand
-  for cand in python3.11 python3.12 python3; do
+  for cand in python3.11 python3.12 python3.13 python3; do
     if command -v "$cand" >/dev/null 2>&1; then
       case "$("$cand" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" in
-        3.11|3.12) echo "$cand"; return ;;
+        3.11|3.12|3.13) echo "$cand"; return ;;
       esac
     fi
   done
@@ -45,12 +46,12 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(pick_python)
   if [ -z "$PY" ]; then
-    echo "install.sh: no Python 3.11 or 3.12 found. Install one (e.g. 'apt-get install python3.11-venv' or pyenv)," \
+    echo "install.sh: no Python 3.11, 3.12 or 3.13 found. Install one (e.g. 'apt-get install python3.11-venv' or pyenv)," \
          "or point ANIMA_PYTHON at it." >&2
     exit 1
   fi
   ver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  if [ "$ver" != "3.11" ]; then
+  if [ "$ver" != "3.11" ] && [ -z "${ANIMA_PYTHON:-}" ]; then
     say "Python 3.11 not found; falling back to $PY ($ver)"
   fi
   say "creating $VENV/ with $PY ($ver)"

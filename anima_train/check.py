@@ -4,10 +4,13 @@ Imports every dependency (a package that is installed but broken — e.g. a torc
 only shows up on import), prints versions and device facts, and says which optional pieces work. Exit status is
 non-zero when a required piece fails, so install.sh and CI stop there instead of at the first training step.
 
-On Windows triton is the `triton-windows` wheel (upstream publishes none for Windows), which must match torch's Triton
-series: the check names the pip command for the python it runs in (ComfyUI portable's python_embeded included), and
-says that multi-GPU runs (NCCL) are Linux-only. Everything else (nodes, single-GPU training, caching, export) is the
-same on both.
+Triton (SDNQ's fast kernels, `[train] compile` on CUDA) is judged by running it: on a CUDA machine the check compiles
+and runs the same tiny function the trainer probes before a run (speed.probe_compile), so a Triton that imports but
+cannot build a kernel is reported as broken. On Windows triton is the `triton-windows` wheel (upstream publishes none
+for Windows), which the pack never installs (other packs in a ComfyUI depend on theirs): the check names the exact
+pin for the torch it finds, the pip command for the python it runs in (ComfyUI portable's python_embeded included,
+with `-s`), what an embedded Python lacks for it (include/Python.h, libs/python3XX.lib), and that multi-GPU runs are
+refused on Windows. Everything else (nodes, single-GPU training, caching, export) is the same on both.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 IS_WINDOWS = os.name == "nt"
+SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13))
 
 
 @dataclass
@@ -78,8 +82,7 @@ def _import(name: str) -> tuple[object | None, str]:
 
 def run_checks() -> Report:
     report = Report()
-    report.items.append(Item("python", sys.version_info[:2] in ((3, 11), (3, 12)),
-                             f"{platform.python_version()} ({sys.executable})"))
+    report.items.append(python_item(sys.version_info[:3]))
     modules = {}
     for name, label, why in REQUIRED:
         module, detail = _import(name)
@@ -111,9 +114,16 @@ def run_checks() -> Report:
                               else f"unavailable ({detail}): flow.use_ot cannot be enabled"), required=False))
     report.items.append(_triton_windows_item(torch) if IS_WINDOWS else _triton_item(torch))
     if IS_WINDOWS:
-        report.items.append(Item("multi-GPU (gpus >= 2)", False, "unavailable on Windows: NCCL, which the multi-GPU "
+        report.items.append(Item("multi-GPU (gpus >= 2)", False, "refused on Windows: NCCL, which the multi-GPU "
                                  "runs use, is Linux-only; train on one GPU (everything else works)", required=False))
     return report
+
+
+def python_item(version: tuple) -> Item:
+    supported = tuple(version[:2]) in SUPPORTED_PYTHONS
+    text = ".".join(str(v) for v in version[:3])
+    return Item("python", supported, f"{text} ({sys.executable})"
+                + ("" if supported else ": not supported; use Python 3.11, 3.12 or 3.13"))
 
 
 def _device_items(torch) -> list[Item]:
@@ -133,20 +143,41 @@ def _device_items(torch) -> list[Item]:
     return items
 
 
+def _probe_device(torch):
+    """Where the check runs the compile probe: the first CUDA device (the CPU is never compiled for by compile =
+    "auto"), else None."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else None
+
+
+def _probe(torch) -> str | None:
+    """The trainer's own compile probe on the probe device (speed imports torch: imported only when torch works)."""
+    from anima_train.speed import probe_compile
+
+    return probe_compile(_probe_device(torch))
+
+
 def _triton_item(torch) -> Item:
+    name = "triton (SDNQ kernels, compile)"
     triton, detail = _import("triton")
     if triton is None:
-        return Item("triton (SDNQ kernels)", False,
+        return Item(name, False,
                     f"unavailable ({detail}): SDNQ falls back to slower torch kernels", required=False)
-    if torch is None or not torch.cuda.is_available():
-        return Item("triton (SDNQ kernels)", False,
+    if torch is None or _probe_device(torch) is None:
+        return Item(name, False,
                     f"triton {detail} installed but no CUDA device: SDNQ kernels inactive", required=False)
-    return Item("triton (SDNQ kernels)", True, f"usable (triton {detail})", required=False)
+    cause = _probe(torch)
+    if cause is not None:
+        return Item(name, False, f"broken: triton {detail} imports but a compiled kernel failed on "
+                                 f"{_probe_device(torch)} ({cause}); training runs eagerly. Fix: "
+                                 f"{toolchain_fix(_probe_device(torch).type)}", required=False)
+    return Item(name, True, f"usable: a compiled kernel ran on {_probe_device(torch)} (triton {detail})",
+                required=False)
 
 
 # The Triton series of each torch release, as triton-windows documents the pairing (torch's own metadata says it too,
 # where its wheel lists triton; this table covers wheels that do not).
-TRITON_FOR_TORCH = {(2, 6): (3, 2), (2, 7): (3, 3), (2, 8): (3, 4), (2, 9): (3, 5), (2, 10): (3, 6)}
+TRITON_FOR_TORCH = {(2, 6): (3, 2), (2, 7): (3, 3), (2, 8): (3, 4), (2, 9): (3, 5), (2, 10): (3, 6), (2, 11): (3, 6),
+                    (2, 12): (3, 7), (2, 13): (3, 7), (2, 14): (3, 8), (2, 15): (3, 9)}
 
 
 def _version_pair(text: str) -> tuple[int, int] | None:
@@ -173,39 +204,99 @@ def triton_series(torch_version: str, torch_requires: list[str] | None = None) -
     return TRITON_FOR_TORCH.get(_version_pair(torch_version))
 
 
-def triton_windows_install(series: tuple[int, int] | None) -> str:
-    """The Command Prompt line that installs triton-windows of `series` into this Python (quoted: `<` redirects)."""
-    spec = f"triton-windows<{series[0]}.{series[1] + 1}" if series else "triton-windows"
-    return f'"{sys.executable}" -m pip install -U "{spec}"'
+def pip_command(spec: str) -> str:
+    """The Command Prompt line that pip-installs `spec` into this Python: quoted (`<`, `>` and `*` are special),
+    with `-s` (ComfyUI portable's python_embeded must not see, nor install next to, the user's site-packages)."""
+    return f'"{sys.executable}" -s -m pip install "{spec}"'
+
+
+def triton_windows_install(series: tuple[int, int] | None, torch_version: str = "") -> str:
+    """The pip line for the triton-windows of `series` (the exact pin), or the unpinned name with what to match."""
+    if series is None:
+        return (pip_command("triton-windows") + f" (its series must match torch {torch_version or '?'}: see "
+                                                f"triton-windows' README)")
+    return pip_command(f"triton-windows=={series[0]}.{series[1]}.*")
+
+
+def embedded_missing(executable: str | None = None) -> list[str]:
+    """What an embedded Python (a `._pth` file beside it, as ComfyUI portable's python_embeded) lacks for Triton to
+    build its driver: include/Python.h and libs/python3XX.lib. [] for a full Python or a venv."""
+    folder = os.path.dirname(executable or sys.executable)
+    try:
+        embedded = any(f.endswith("._pth") for f in os.listdir(folder))  # nodes/worker.py: ignores_environment
+    except OSError:
+        return []
+    if not embedded:
+        return []
+    lib = f"python{sys.version_info[0]}{sys.version_info[1]}.lib"
+    wanted = [os.path.join("include", "Python.h"), os.path.join("libs", lib)]
+    return [w for w in wanted if not os.path.isfile(os.path.join(folder, w))]
+
+
+def toolchain_fix(device_type: str = "cuda") -> str:
+    """What would make compiled kernels work here, in one phrase: on Windows (CUDA) the triton-windows pin for this
+    torch and the embedded Python's missing pieces; elsewhere a Triton matching torch (CUDA) or a C++ compiler with
+    Python's headers (CPU: Inductor builds C++)."""
+    if device_type != "cuda":
+        return ("a working C++ compiler that finds Python's headers (Inductor builds C++ for the CPU; set CXX to "
+                "choose it)" + (", e.g. MSVC's cl" if IS_WINDOWS else "")
+                + (f"; copy the include and libs folders of a full Python {platform.python_version()} into "
+                   f"{os.path.dirname(sys.executable)}" if embedded_missing() else ""))
+    if not IS_WINDOWS:
+        return "the Triton that matches torch (torch's own Linux wheel brings it)"
+    fixes = []
+    torch_version = ""
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)
+    except Exception:  # noqa: BLE001 (the check reports torch itself)
+        pass
+    want = triton_series(torch_version)
+    triton, detail = _import("triton")
+    have = _version_pair(detail) if triton is not None else None
+    if triton is None or (want and have and have != want):
+        fixes.append(triton_windows_install(want, torch_version))
+    missing = embedded_missing()
+    if missing:
+        fixes.append(f"copy the include and libs folders of a full Python {platform.python_version()} into "
+                     f"{os.path.dirname(sys.executable)} (it lacks {' and '.join(missing)})")
+    if not fixes:
+        fixes.append(f"reinstall the matching triton-windows: {triton_windows_install(want, torch_version)}, and "
+                     f"see the README (Windows and ComfyUI portable)")
+    return "; ".join(fixes)
 
 
 def _triton_windows_item(torch) -> Item:
     name = "triton-windows (SDNQ kernels, compile)"
     torch_version = str(getattr(torch, "__version__", "")) if torch is not None else ""
     want = triton_series(torch_version)
+    missing = embedded_missing()
+    headers = (f"; this embedded Python also lacks {' and '.join(missing)}, which Triton needs: copy the include "
+               f"and libs folders of a full Python {platform.python_version()} into "
+               f"{os.path.dirname(sys.executable)}") if missing else ""
     triton, detail = _import("triton")
     if triton is None:
         return Item(name, False, f"not installed ({detail}): SDNQ falls back to slower torch kernels and [train] "
-                                 f"compile cannot be used; training works without it. To add it: "
-                                 f"{triton_windows_install(want)}", required=False)
+                                 f"compile trains eagerly; training works without it. To add it (the pack never "
+                                 f"installs it): {triton_windows_install(want, torch_version)}{headers}",
+                    required=False)
     have = _version_pair(detail)
     if want and have and have != want:
         return Item(name, False, f"triton {detail} does not match torch {torch_version} (built against Triton "
-                                 f"{want[0]}.{want[1]}): kernels may fail to compile. Fix: "
-                                 f"{triton_windows_install(want)}", required=False)
-    if torch is None or not torch.cuda.is_available():
-        return Item(name, False, f"triton {detail} installed but no CUDA device: SDNQ kernels inactive",
+                                 f"{want[0]}.{want[1]}): kernels fail to compile. Fix: "
+                                 f"{triton_windows_install(want, torch_version)}{headers}", required=False)
+    if torch is None or _probe_device(torch) is None:
+        return Item(name, False, f"triton {detail} installed but no CUDA device: SDNQ kernels inactive{headers}",
                     required=False)
-    note = ""
-    folder = os.path.dirname(sys.executable)
-    try:
-        embedded = any(f.endswith("._pth") for f in os.listdir(folder))  # python_embeded (nodes/worker.py)
-    except OSError:
-        embedded = False
-    if embedded and not os.path.isfile(os.path.join(folder, "include", "Python.h")):
-        note = (f"; if kernels fail to compile, copy the include and libs folders of a full Python "
-                f"{platform.python_version()} into {folder} (see the README, Windows)")
-    return Item(name, True, f"usable (triton {detail} for torch {torch_version}){note}", required=False)
+    cause = _probe(torch)
+    if cause is not None:
+        return Item(name, False, f"broken: triton {detail} imports but a compiled kernel failed on "
+                                 f"{_probe_device(torch)} ({cause}); training runs eagerly. Fix: "
+                                 f"{toolchain_fix(_probe_device(torch).type)}",
+                    required=False)
+    return Item(name, True, f"usable: a compiled kernel ran on {_probe_device(torch)} (triton {detail} for torch "
+                            f"{torch_version})", required=False)
 
 
 def add_arguments(parser) -> None:

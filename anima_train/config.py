@@ -117,7 +117,7 @@ class TrainConfig:
     dtype: str = _key("bfloat16", choices=DTYPE_NAMES,
                       help="the only precision control: modules load in this dtype")
     seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")
-    num_workers: int = _key(2, ge=0, help="data-loader worker processes (re-forked every epoch)")
+    num_workers: int = _key(2, ge=0, help="data-loader worker processes (started once per run, kept across epochs)")
     vae_encode_chunk: int = _key(1, ge=1, help="images per VAE forward under source = \"encode\"")
     save_every_steps: int | None = _key(None, ge=1, help="periodic checkpoint every N optimizer steps")
     save_every_epochs: int = _key(1, ge=0, help="periodic checkpoint every N epochs (0 = none)")

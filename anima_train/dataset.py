@@ -58,7 +58,7 @@ from anima_train.captions import CaptionError, build_caption, read_caption_files
 from anima_train.config import MAX_REPEATS, check_table
 from anima_train.errors import UserError
 from anima_train.images import decoded_size, header_size, open_image
-from anima_train.sampler import BucketBatchSampler
+from anima_train.sampler import BucketBatchSampler, EpochKey
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -813,7 +813,8 @@ class Item:
 
 class AnimaDataset:
     """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
-    index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG. A texture sample
+    index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG, the epoch being
+    set_epoch()'s or the one a sampler.EpochKey carries. A texture sample
     (the sampler yields (index, canvas) in texture phases, see anima_train/texture.py) is a canvas crop of the
     source with a loss_mask, captioned with `texture_options.trigger`."""
 
@@ -837,14 +838,17 @@ class AnimaDataset:
     def __getitem__(self, key) -> dict:
         from anima_train.texture import split_key, texture_sample
 
+        epoch = self.epoch
+        if isinstance(key, EpochKey):  # the training loader's keys carry their epoch (persistent workers)
+            epoch, key = key.epoch, key.key
         index, canvas = split_key(key)
         it = self.items[index]
         if canvas is not None:
-            out = texture_sample(it.image, canvas, self.texture_options, self.seed, self.epoch, index)
+            out = texture_sample(it.image, canvas, self.texture_options, self.seed, epoch, index)
             return {**out, "index": index, "tier": it.tier, "texture": True}
         tags, nl = ("", None) if it.stem in self.uncaptioned else read_caption_files(it.stem)
         out = {
-            "caption": build_caption(tags, nl, self.caption_options, self.seed, self.epoch, index),
+            "caption": build_caption(tags, nl, self.caption_options, self.seed, epoch, index),
             "bucket": it.plan.bucket,
             "index": index,
             "tier": it.tier,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 
 class BucketBatchSampler:
@@ -68,6 +68,33 @@ class BucketBatchSampler:
             return max((w // 16) * (h // 16) for w, h in sizes)
 
         return max(min(len(self.groups[k]), self.batch_sizes[k]) * tokens(k) for k in self.keys)
+
+
+class EpochKey(NamedTuple):
+    """A dataset key with the epoch it belongs to: a DataLoader worker that persists across epochs holds its own
+    copy of the dataset, whose set_epoch() the main process cannot reach, so the epoch travels with each key."""
+
+    epoch: int
+    key: object  # an index, or (index, canvas) for a texture sample
+
+
+class EpochKeys:
+    """The training loader's batch sampler: `sampler`'s batches, each key an EpochKey of the epoch the sampler is in
+    when the loader starts iterating (the same epoch its batch order was drawn for). Like the sampler it has no
+    `batch_size` (see BucketBatchSampler); set_epoch reaches the sampler (accelerate calls it on the batch sampler)."""
+
+    def __init__(self, sampler: BucketBatchSampler):
+        self.inner = sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[list[EpochKey]]:
+        epoch = self.inner.epoch
+        return iter([[EpochKey(epoch, k) for k in batch] for batch in self.inner.batches(epoch)])
 
 
 def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:

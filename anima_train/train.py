@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from anima_train import checkpoints as ckpt
-from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking
-from anima_train.speed import (HostCopy, ParkedWeights, compile_transformer, plan_checkpointing, relieve,
-                               resolve_compile, to_device, use_expandable_segments)
+from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking, windows
+from anima_train.speed import (CompileDecision, HostCopy, ParkedWeights, compile_transformer, decide_compile,
+                               plan_checkpointing, relieve, to_device, use_expandable_segments)
 from anima_train.atomic import publish_dir, write_text
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.progress import Progress, StepStats
@@ -115,6 +115,8 @@ def _precision_note() -> str | None:
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
           skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
           overwrite: bool = False, allow_missing_captions: bool = False) -> TrainResult:
+    # several processes on Windows: refused before accelerate starts (anima_train/windows.py says why)
+    windows.refuse_multi_gpu(windows.launcher_processes())
     from accelerate import Accelerator, DataLoaderConfiguration
 
     # batches come from pinned memory (the DataLoader's pin_memory on CUDA) and are copied without a host sync
@@ -122,6 +124,7 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
                               gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
                               **tracking.accelerator_kwargs(cfg, Path(cfg.train.output_dir) / cfg.run_stem))
     progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
+    windows.install_console_handler()  # Windows: closing the console saves like a stop file (no-op elsewhere)
     try:
         with contextlib.ExitStack() as cleanup:
             return _train(cfg, accelerator, progress, dry_run=dry_run, no_save=no_save,
@@ -134,14 +137,12 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
         raise
     finally:
         progress.close()
+        windows.training_finished()  # a console close handler waiting for the save may let the process end
 
 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
            skip_unreadable: bool, stop_file: str | None = None, overwrite: bool = False,
            allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
-    from torch.utils.data import DataLoader
-
-    from anima_train.dataset import collate
     from anima_train.sampler import steps_per_epoch
     from anima_train.flow import active_phase
     from anima_train.optimizers import build_optimizer
@@ -159,9 +160,12 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                      stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
     data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
-    for text in _not_honoured(cfg, data.sampler, steps_per_epoch(len(data.sampler), world,
-                                                                 cfg.train.gradient_accumulation_steps)):
+    accum = cfg.train.gradient_accumulation_steps
+    per_epoch = steps_per_epoch(len(data.sampler), world, accum)
+    for text in _not_honoured(cfg, data.sampler, per_epoch):
         progress.warning(text)  # before the model loads: on the node before the run starts
+    total = 1 if dry_run else _total_steps(cfg, per_epoch)
+    compiling = _decide_compile(cfg, device, total, progress)  # before the model loads: a refusal costs nothing
     progress.event("status", message="loading model")
     gens = _seed(cfg.train.seed + rank, device)
     if use_expandable_segments(device):  # before the weights load: they are the first segments
@@ -169,15 +173,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     model = _build_model(cfg, data, device, dtype, say)
 
     optimizer = build_optimizer(model.groups, cfg.optimizer)
-    loader = DataLoader(data.dataset, batch_sampler=data.sampler, collate_fn=collate,
-                        num_workers=cfg.train.num_workers, persistent_workers=False,
-                        pin_memory=device.type == "cuda")
-    accum = cfg.train.gradient_accumulation_steps
-    per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    total = 1 if dry_run else _total_steps(cfg, per_epoch)
+    loader = _loader(cfg, data, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
-    _compile_when_it_pays(cfg, model, device, total, say)
+    _compile_when_it_pays(cfg, model, compiling, say)
     trainable, optimizer, loader, scheduler = _prepare(accelerator, model, optimizer, loader, scheduler)
     # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters instead
     params = [p for g in model.groups for p in g["params"]]
@@ -218,7 +217,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         keep_vae_on_device=model.vae is not None, enabled=not dry_run, on_images=tracker.images)
 
     # -- the loop: for epoch, for batch: micro-step, backward, clip, step; report; maybe save or stop ------------
-    watched = parent_watch.save_before_exit()  # a worker whose ComfyUI ends saves like a stop-file stop
+    # a worker whose ComfyUI ends, or whose console window is closed (Windows), saves like a stop-file stop
+    watched = parent_watch.save_before_exit() or windows.install_console_handler()
     stats_sum, micro = None, 0  # device tensor [loss, mse, hf, ot] summed over the step's micro-batches
     step_images, readout, norms = 0, None, []  # norms: (step, HostCopy) not yet logged
     epoch, done = start_epoch, global_step >= total
@@ -292,7 +292,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                 break
             # one process: the stop file now; several: the votes sent with this step's loss (all ranks agree)
             if (stop_file or watched) and (any(stop_votes) if world > 1 else _stop_vote(stop_file)):
-                reason = "the parent process ended" if parent_watch.parent_gone() else stop_file
+                reason = ("the parent process ended" if parent_watch.parent_gone() else windows.close_reason()
+                          if windows.close_requested() else stop_file)
                 say(f"stop requested ({reason}): saving step {global_step} and exiting")
                 result.stopped = True
                 if not no_save:  # a stop is not a finished run: keep what resuming needs unless opted out
@@ -489,9 +490,36 @@ def _total_steps(cfg: Config, per_epoch: int) -> int:
     return min(cfg.train.max_steps, epochs_total) if cfg.train.max_steps else epochs_total
 
 
-def _compile_when_it_pays(cfg: Config, model: Model, device: torch.device, total: int, say) -> None:
-    """torch.compile the DiT (compile = "auto": on CUDA, for a run long enough), then say how the step is sped up."""
-    compile_mode = resolve_compile(cfg.train.compile, device, total)
+def _decide_compile(cfg: Config, device: torch.device, total: int, progress: Progress) -> CompileDecision:
+    """Whether to torch.compile (speed.decide_compile: a probe that really compiles on this device, when compiling
+    is wanted). A failure under compile = "auto" is one warning line (the log, the node) and an eager run; an
+    explicitly asked mode that cannot work is a UserError here, before the model loads."""
+    decision = decide_compile(cfg, device, total)
+    if decision.warning:
+        progress.warning(decision.warning)
+    elif decision.probes:
+        progress.message(f"probed {' and '.join(decision.probes)} on {device.type}: works")
+    return decision
+
+
+def _loader(cfg: Config, data, device: torch.device):
+    """The training DataLoader. Its worker processes persist across epochs (on Windows each one is a spawned
+    process that imports torch again: seconds per worker and epoch otherwise); a worker keeps its own copy of the
+    dataset, so each sample key carries its epoch (sampler.EpochKeys) and the captions are still drawn per epoch."""
+    from torch.utils.data import DataLoader
+
+    from anima_train.dataset import collate
+    from anima_train.sampler import EpochKeys
+
+    workers = cfg.train.num_workers
+    return DataLoader(data.dataset, batch_sampler=EpochKeys(data.sampler), collate_fn=collate,
+                      num_workers=workers, persistent_workers=workers > 0, pin_memory=device.type == "cuda")
+
+
+def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, say) -> None:
+    """torch.compile the DiT when decided (compile = "auto": on CUDA, for a run long enough, when the probe
+    compiled), then say how the step is sped up."""
+    compile_mode = decision.mode
     if compile_mode:
         compile_transformer(model.transformer, cfg, compile_mode)
     n_blocks = len(model.block_ckpt.blocks)
@@ -602,8 +630,9 @@ def _report_done(progress: Progress, result: TrainResult, *, start_step: int, to
 
 
 def _stop_vote(stop_file: str | None) -> bool:
-    """This process wants to stop: the stop file exists, or the parent (ComfyUI) is gone."""
-    return bool((stop_file and os.path.exists(stop_file)) or parent_watch.parent_gone())
+    """This process wants to stop: the stop file exists, the parent (ComfyUI) is gone, or the console is closing."""
+    return bool((stop_file and os.path.exists(stop_file)) or parent_watch.parent_gone()
+                or windows.close_requested())
 
 
 def _peak_gib(device: torch.device) -> float:

@@ -19,7 +19,8 @@ class AnimaEnvironmentCheck(io.ComfyNode):
             display_name="Anima: Check environment",
             category=CATEGORY,
             description="Imports every dependency of the Anima trainer and reports versions, devices and "
-                        "optional pieces (scipy for OT, triton for SDNQ kernels).",
+                        "optional pieces (scipy for OT; triton for SDNQ kernels and compile, judged by compiling "
+                        "a kernel on the GPU, with the exact triton-windows pin for this torch on Windows).",
             inputs=[],
             outputs=[io.String.Output(display_name="report")],
             is_output_node=True,

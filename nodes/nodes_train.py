@@ -483,7 +483,8 @@ class AnimaTrainTrain(io.ComfyNode):
             inputs=[
                 ConfigType.Input("config"),
                 io.Int.Input("gpus", default=1, min=1, max=64,
-                             tooltip="processes (one per GPU); 2 or more run accelerate launch (DDP)"),
+                             tooltip="processes (one per GPU); 2 or more run accelerate launch (DDP); Linux "
+                                     "only (refused on Windows)"),
                 io.Boolean.Input("copy_to_loras", default=True,
                                  tooltip="copy the result into models/loras/anima_train/ (full finetunes: "
                                          "models/diffusion_models/anima_train/) so the stock loaders list it; "
@@ -498,7 +499,9 @@ class AnimaTrainTrain(io.ComfyNode):
     def execute(cls, config, gpus=1, copy_to_loras=True):
         from anima_train.config import load_config
         from anima_train.texture import refuse_multi_process
+        from anima_train.windows import refuse_multi_gpu
 
+        refuse_multi_gpu(gpus)  # Windows: no tested multi-GPU path; before any worker or run folder exists
         hidden = getattr(cls, "hidden", None)
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
         toml = config["toml"] if isinstance(config, dict) else str(config)

@@ -24,7 +24,7 @@ ended, which `taskkill /T` can no longer reach.
 
 ComfyUI portable's `python_embeded\\python.exe` is an embeddable Python: its `._pth` file makes it ignore PYTHONPATH
 (and every other PYTHON* variable) and the current folder, so there the worker is started through a `-c` bootstrap
-that puts the pack on sys.path itself (`anima_train_command`).
+that puts the pack on sys.path itself, and with `-s`, which keeps the user's site-packages out (`anima_train_command`).
 """
 
 from __future__ import annotations
@@ -122,23 +122,25 @@ def _bootstrap(pack: Path) -> str:
 
 
 def anima_train_command(args: list[str], processes: int = 1, python: str | None = None) -> list[str]:
-    """`python -u -m anima_train ARGS`, or accelerate's launcher with one process per GPU for processes >= 2.
+    """`python -u -X utf8 -m anima_train ARGS`, or accelerate's launcher with one process per GPU for processes >= 2.
 
     ComfyUI's own python runs it (sys.executable), so the worker sees ComfyUI's torch. `python -m
-    accelerate.commands.launch` is `accelerate launch` without relying on the script being on PATH. On Windows,
-    `-X utf8`: the event pipe and the log are UTF-8 even where PYTHONIOENCODING is ignored (embeddable Python), so a
-    non-ASCII path in an event cannot end the worker with UnicodeEncodeError on a cp1252 console encoding.
+    accelerate.commands.launch` is `accelerate launch` without relying on the script being on PATH. `-X utf8`: the
+    event pipe and the log are UTF-8 even where PYTHONIOENCODING is ignored (embeddable Python), so a non-ASCII path
+    in an event cannot end the worker with UnicodeEncodeError on a cp1252 console encoding. `-s` for an embedded
+    Python (ComfyUI portable: its launchers and ComfyUI-Manager pass it too): without it the user's site-packages
+    (%APPDATA%\\Python\\Python3XX) come before the portable's own and shadow them.
     """
     python = python or sys.executable
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
     embedded = ignores_environment(python)
-    flags = ["-u", "-X", "utf8"] if (IS_WINDOWS or embedded) else ["-u"]
+    flags = ["-u", "-X", "utf8"] + (["-s"] if embedded else [])
     if processes == 1:
         if embedded:
             return [python, *flags, "-c", _bootstrap(pack_dir()), *args]
         return [python, *flags, "-m", "anima_train", *args]
-    return [python, "-u", "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
+    return [python, *flags, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), "-m", "anima_train", *args]
 

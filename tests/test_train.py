@@ -401,3 +401,45 @@ def test_encode_mode_runs_the_vae_in_the_loop(tiny_anima, tmp_path):
     result = train(cfg, cpu=True, no_save=True)
     assert result.global_step == 2 and all(l == l for l in result.losses)  # finite, no caches needed
     assert not list(data.glob("*_anima.safetensors"))
+
+
+def test_loader_workers_start_once_per_run_and_each_epoch_still_draws_its_own_captions(tiny_anima, latents_dir,
+                                                                                        tmp_path, monkeypatch):
+    """num_workers = 2 over 3 epochs: the same two worker processes build every caption (persistent workers; on
+    Windows each new one re-imports torch), and each caption is the one of its own epoch (the epoch travels with the
+    sample key: a persistent worker's dataset copy never sees set_epoch). The resumed run stays bit-exact."""
+    import os
+
+    from anima_train import captions, dataset
+
+    record = tmp_path / "captions.jsonl"
+    real = captions.build_caption
+
+    def recording(tags, nl, options, seed, epoch, index):  # runs in the worker processes (forked: patched there too)
+        text = real(tags, nl, options, seed, epoch, index)
+        with open(record, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "epoch": epoch, "index": index, "caption": text}) + "\n")
+        return text
+
+    monkeypatch.setattr(dataset, "build_caption", recording)
+    extra = "[dataset.caption]\nshuffle_tags = true\ncaption_dropout_percent = 0.3\n"
+    full = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "a", extra, max_steps=9, num_workers=2,
+                          save_every_steps=4, save_optimizer_state="true"), cpu=True)
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len({r["pid"] for r in rows}) == 2 and os.getpid() not in {r["pid"] for r in rows}
+    assert sorted({r["epoch"] for r in rows}) == [0, 1, 2]  # 12 latents, batch 4: 3 steps an epoch
+    by_epoch = {e: {r["index"]: r["caption"] for r in rows if r["epoch"] == e} for e in (0, 1, 2)}
+    assert all(sorted(by_epoch[e]) == list(range(12)) for e in by_epoch)
+    assert by_epoch[0] != by_epoch[1] != by_epoch[2]  # tag shuffle and dropout are drawn per epoch
+    data = dataset.build_training_data(full_cfg := make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "c",
+                                                            extra), full_cfg.train.model_path)
+    for e in by_epoch:  # what an in-process dataset gives for that epoch
+        data.dataset.set_epoch(e)
+        assert {i: data.dataset[i]["caption"] for i in range(12)} == by_epoch[e]
+
+    state = tmp_path / "a" / "tiny" / "tiny-step000004.safetensors"  # mid-epoch 2: the resume skips a batch
+    resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", extra, max_steps=9,
+                             num_workers=2, save_every_steps=4, save_optimizer_state="true",
+                             resume_from=f'"{state}"'), cpu=True)
+    assert resumed.batches_seen == full.batches_seen[4:] and resumed.losses == full.losses[4:]
+    assert resumed.trainable_digest == full.trainable_digest

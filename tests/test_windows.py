@@ -411,18 +411,29 @@ def _requirements(platform: str) -> set[str]:
     return {r.name for r in reqs if r.marker is None or r.marker.evaluate(env)}
 
 
-def test_requirements_bring_triton_windows_on_windows_only():
+def test_installing_the_pack_never_installs_triton_windows():
+    """Other packs in the same ComfyUI depend on their triton-windows, whose series must match torch's: the pack never
+    installs one (the Check names the pin instead)."""
     windows, linux = _requirements("win32"), _requirements("linux")
-    assert "triton-windows" in windows and "triton-windows" not in linux
-    assert "triton" not in windows | linux  # torch brings triton on Linux; there is none for Windows
-    assert windows - {"triton-windows"} == linux  # nothing else differs: no Linux-only piece unmarked
+    assert not {"triton", "triton-windows"} & (windows | linux)
+    assert windows == linux  # nothing differs: no Windows-only piece, no Linux-only piece unmarked
+    project = tomllib.loads((worker.pack_dir() / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if "triton" in d.lower()]
+
+
+@pytest.mark.parametrize("torch_version, series", [
+    ("2.9.1+cu128", (3, 5)), ("2.10.0+cu130", (3, 6)), ("2.11.0", (3, 6)), ("2.12.1", (3, 7)), ("2.13.0", (3, 7)),
+    ("2.14.1+cu130", (3, 8)), ("2.15.0", (3, 9)),
+])
+def test_the_triton_series_of_each_torch(torch_version, series):
+    assert check.triton_series(torch_version, torch_requires=[]) == series
 
 
 @pytest.mark.parametrize("torch_version, torch_requires, triton_version, ok, pin", [
-    ("2.9.1+cu128", [], None, False, "triton-windows<3.6"),  # from the table
-    ("2.10.0+cu130", [], "3.7.1", False, "triton-windows<3.7"),  # the newest triton-windows, too new for torch
-    ("2.14.1+cu130", ['triton~=3.8.0; platform_system == "Linux"'], "3.10.0", False, "triton-windows<3.9"),
-    ("2.10.0+cu130", [], "3.6.0.post26", True, None),
+    ("2.9.1+cu128", [], None, False, "triton-windows==3.5.*"),  # from the table
+    ("2.10.0+cu130", [], "3.7.1", False, "triton-windows==3.6.*"),  # the newest triton-windows, too new for torch
+    ("2.14.1+cu130", ['triton~=3.8.0; platform_system == "Linux"'], "3.10.0", False, "triton-windows==3.8.*"),
+    ("2.14.1+cu130", [], None, False, "triton-windows==3.8.*"),
 ])
 def test_windows_check_names_the_triton_windows_matching_torch(monkeypatch, torch_version, torch_requires,
                                                                  triton_version, ok, pin):
@@ -435,15 +446,80 @@ def test_windows_check_names_the_triton_windows_matching_torch(monkeypatch, torc
     torch = types.SimpleNamespace(__version__=torch_version, cuda=types.SimpleNamespace(is_available=lambda: True))
     item = check._triton_windows_item(torch)
     assert item.ok is ok and not item.required
-    if pin:  # a line to paste into a Command Prompt: `<` quoted (it would redirect), the python quoted
-        assert item.detail.endswith(f'"{PORTABLE_PYTHON}" -m pip install -U "{pin}"'), item.detail
+    # a line to paste into a Command Prompt: the exact pin quoted (`*` and `<` are special), the python quoted, and
+    # -s: the portable's python must not look into (nor install next to) the user's own site-packages
+    assert f'"{PORTABLE_PYTHON}" -s -m pip install "{pin}"' in item.detail, item.detail
+
+
+@pytest.fixture
+def failing_compiler(tmp_path, monkeypatch):
+    """Inductor's C++ compiler, as on an embedded Python without include/: it fails like a missing Python.h. The
+    compile probe then really fails (each probe compiles anew)."""
+    import torch._inductor.config as inductor_config
+
+    cxx = tmp_path / "bin" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text('#!/bin/sh\ncase "$*" in *--version*|*-dumpversion*) exec g++ "$@";; esac\n'
+                   'echo "fatal error: Python.h: No such file or directory" >&2\necho "compilation terminated." >&2\n'
+                   "exit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    with inductor_config.patch({"cpp.cxx": (None, str(cxx))}):
+        yield cxx
+
+
+def _portable_layout(root) -> str:
+    """A python_embeded folder as ComfyUI portable ships it: python.exe beside python3XX._pth, no include/ or libs/."""
+    folder = root / "python_embeded"
+    folder.mkdir(parents=True)
+    (folder / f"python{sys.version_info[0]}{sys.version_info[1]}._pth").write_text("../ComfyUI\nimport site\n")
+    return str(folder / "python.exe")
+
+
+@pytest.mark.parametrize("windows", [True, False])
+def test_check_reports_a_triton_that_imports_but_cannot_build_as_broken(monkeypatch, tmp_path, failing_compiler,
+                                                                       windows):
+    """The check runs the trainer's compile probe: here the compiler really fails. The device is simulated (a CUDA
+    device is claimed; the probe runs on the CPU, whose Inductor path needs the same headers)."""
+    import torch
+
+    from anima_train import speed
+
+    triton = pytest.importorskip("triton")  # torch's Linux wheel brings it
+    monkeypatch.setattr(check, "IS_WINDOWS", windows)
+    monkeypatch.setattr(check.sys, "executable", _portable_layout(tmp_path / "portable"))
+    monkeypatch.setattr(check, "_probe_device", lambda torch: torch.device("cuda", 0))
+    probed = []
+    monkeypatch.setattr(check, "_probe", lambda torch: probed.append(1) or speed.probe_compile("cpu"))
+    item = (check._triton_windows_item if windows else check._triton_item)(torch)
+    assert probed and not item.ok and not item.required
+    assert item.detail.startswith(f"broken: triton {triton.__version__} imports but a compiled kernel failed on "
+                                  f"cuda:0 ("), item.detail
+    assert "fatal error: Python.h: No such file or directory" in item.detail
+    if windows:  # what is missing, and the fix
+        lib = f"python{sys.version_info[0]}{sys.version_info[1]}.lib"
+        assert "copy the include and libs folders of a full Python" in item.detail
+        assert os.path.join("include", "Python.h") in item.detail and os.path.join("libs", lib) in item.detail
+    assert len(item.detail.splitlines()) == 1
+
+
+def test_python_3_13_is_supported_by_the_check_the_installers_and_the_package():
+    """What the 3.13 suite (.ci/run) proves by running; here the texts that gate it."""
+    assert check.python_item((3, 13, 14)).ok and check.python_item((3, 11, 7)).ok
+    too_new = check.python_item((3, 14, 0))
+    assert not too_new.ok and too_new.detail.endswith("not supported; use Python 3.11, 3.12 or 3.13")
+    root = worker.pack_dir()
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"] == ">=3.11,<3.14"
+    sh, ps1, ci = ((root / name).read_text() for name in ("install.sh", "install.ps1", ".ci/run"))
+    assert "3.11|3.12|3.13)" in sh and '$ver -eq "3.13"' in ps1 and '@("py", "-3.13")' in ps1
+    assert "venv313" in ci and "python3.13" in ci and "ANIMA_VENV=venv313 bash install.sh || exit" in ci
 
 
 def test_windows_check_report_says_what_is_missing_and_what_works(monkeypatch):
     monkeypatch.setattr(check, "IS_WINDOWS", True)
     report = check.run_checks()
     names = [i.name for i in report.items]
-    assert "triton-windows (SDNQ kernels, compile)" in names and "triton (SDNQ kernels)" not in names
+    assert "triton-windows (SDNQ kernels, compile)" in names and "triton (SDNQ kernels, compile)" not in names
     multi = next(i for i in report.items if i.name.startswith("multi-GPU"))
     assert not multi.ok and not multi.required and "Linux-only" in multi.detail and "one GPU" in multi.detail
     assert report.ok  # neither is required: single-GPU training works without them
@@ -476,6 +552,115 @@ def test_install_ps1_mirrors_install_sh_and_the_readme_documents_windows():
         assert shared in sh and shared in ps1, shared
     assert '"install", "-q", "-e", ".[dev]"' in ps1 and "-Recreate" in ps1 and "py\", \"-3.11\"" in ps1
     section = readme[readme.index("### Windows and ComfyUI portable"):readme.index("## Headless CLI")]
-    for needle in ("python_embeded\\python.exe -m pip install -r", "triton-windows", "install.ps1",
+    for needle in ("python_embeded\\python.exe -s -m pip install -r", "triton-windows", "install.ps1",
                    "taskkill /T /F", "\\\\server\\share", "'D:\\My Datasets\\set 1'"):
         assert needle in section, needle
+
+
+# -- several GPUs on Windows: refused before anything starts ------------------------------------------------------
+
+
+def test_windows_train_node_refuses_several_gpus_before_a_worker_or_a_run_folder(monkeypatch, tmp_path, tiny_anima):
+    from anima_train import errors
+    from tests.test_nodes_train import _train, widgets
+
+    from tests import comfy_double
+
+    comfy_double.install(monkeypatch)
+    import nodes.comfy as comfy
+    import nodes.nodes_train as nt
+
+    comfy_double.install_folders(monkeypatch, comfy, tmp_path, [tiny_anima.diffusers_dir])
+    monkeypatch.setattr(comfy, "output_directory", lambda: str(tmp_path / "output"))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.png").write_bytes(b"png")
+    (data / "a.txt").write_text("red circle")
+    spawned = []
+    monkeypatch.setattr(nt.worker, "spawn", lambda *a, **kw: spawned.append(a) or pytest.fail("a worker started"))
+    config = nt.AnimaTrainConfig.execute(**widgets(nt, tiny_anima.diffusers_dir, data, run_name="win")).values[0]
+    monkeypatch.setattr(sys, "platform", "win32")
+    env = types.SimpleNamespace(nt=nt)
+    with pytest.raises(errors.UserError) as exc:
+        _train(env, config, gpus=2)
+    message = str(exc.value)
+    assert message.startswith("2 processes on Windows: multi-GPU training needs NCCL, which exists on Linux only")
+    assert "train on one GPU (gpus = 1)" in message and len(message.splitlines()) == 1
+    assert spawned == [] and not os.path.exists(config["run_dir"])
+
+
+def test_windows_cli_under_a_launcher_refuses_several_processes_before_accelerate(monkeypatch, tmp_path, tiny_anima,
+                                                                                capsys):
+    from anima_train import cli
+    from anima_train.tiny import make_synthetic_latents
+    from tests.fixtures_tiny import small_run_toml
+
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=4)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out", train='run_name = "win"'))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch / torchrun give each rank
+    monkeypatch.setattr(sys, "platform", "win32")
+    import accelerate
+
+    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **kw: pytest.fail("accelerate started"))
+    assert cli.main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("anima-train train: error: 2 processes on Windows: multi-GPU training needs NCCL")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+# -- closing the console: the handler turns it into the loop's stop (saved weights + resumable state) -------------
+
+
+def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(monkeypatch, tmp_path, tiny_anima):
+    """Off Windows the handler is called directly (SetConsoleCtrlHandler would call it on its own thread), during a
+    real tiny run, as a close event arrives after the first step."""
+    import threading
+    import time
+
+    from anima_train import checkpoints, windows
+    from anima_train.config import load_config
+    from anima_train.tiny import make_synthetic_latents
+    from anima_train.train import train
+    from tests.fixtures_tiny import small_run_toml
+
+    for name in ("_requested", "_finished"):
+        monkeypatch.setattr(windows, name, threading.Event())
+    monkeypatch.setattr(windows, "_reason", [])
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=8)
+    events = tmp_path / "events.jsonl"
+    cfg = load_config(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
+                                     train='run_name = "close"\nmax_steps = 400\nsave_optimizer_state = true\n'
+                                           'batch_size = 2\nepochs = 1000'))
+    answer = {}
+
+    def close_console_after_the_first_step():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if events.exists() and '"event": "step"' in events.read_text():
+                break
+            time.sleep(0.05)
+        handled = windows.on_console_event(windows.CTRL_CLOSE_EVENT)  # blocks until training returned
+        # what exists when the handler lets Windows end the process
+        answer.update(handled=handled, states=sorted(p.name for p in run_dir.glob("close-step*-state")))
+
+    run_dir = tmp_path / "out" / "close"
+    closer = threading.Thread(target=close_console_after_the_first_step)
+    closer.start()
+    try:
+        result = train(cfg, cpu=True, events=str(events), stop_file=str(tmp_path / "never-created"))
+    finally:
+        closer.join(60)
+    assert result.stopped and 1 <= result.global_step < 400
+    # the process was let go only once the stop's checkpoint and resumable state were written
+    assert answer == {"handled": True, "states": [f"close-step{result.global_step:06d}-state"]}
+    state = checkpoints.resolve_resume(str(run_dir / f"close-step{result.global_step:06d}.safetensors"))
+    info = checkpoints.read_state(state)
+    assert info["global_step"] == result.global_step and (state / "accelerator" / "optimizer.pt").is_file()
+    messages = [json.loads(line) for line in events.read_text().splitlines()]
+    assert any("stop requested (the console window was closed)" in m.get("text", m.get("message", ""))
+               for m in messages), messages
+    # other console events (Ctrl+C, the Ctrl+Break of the node's Cancel) are left to the default handler
+    assert windows.on_console_event(1) is False and windows.on_console_event(0) is False

@@ -168,9 +168,9 @@ def test_a_stale_stop_file_is_removed_before_the_run(fake, tmp_path):
 
 def test_commands_and_environment(tmp_path):
     one = worker.anima_train_command(["train", "c.toml"], python="py")
-    assert one == ["py", "-u", "-m", "anima_train", "train", "c.toml"]
+    assert one == ["py", "-u", "-X", "utf8", "-m", "anima_train", "train", "c.toml"]  # -X utf8 everywhere
     two = worker.anima_train_command(["train", "c.toml"], processes=2, python="py")
-    assert two[:4] == ["py", "-u", "-m", "accelerate.commands.launch"]
+    assert two[:6] == ["py", "-u", "-X", "utf8", "-m", "accelerate.commands.launch"]
     assert two[two.index("--num_processes") + 1] == "2" and "--multi_gpu" in two
     assert two[-4:] == ["-m", "anima_train", "train", "c.toml"]
     with pytest.raises(ValueError):

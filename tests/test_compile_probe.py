@@ -1,0 +1,157 @@
+"""Compile is decided by running it: a probe compiles a tiny function on the run's device before the model loads.
+
+What runs for real here: Inductor's C++ build on the CPU, made to fail like an embedded Python without Python.h (a
+compiler wrapper that reports the missing header). What is simulated: a CUDA device and a broken Triton (the probes
+are stand-ins that fail the way triton-windows does on a stock ComfyUI portable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from anima_train import check, errors, speed
+from anima_train.config import load_config
+from anima_train.tiny import make_synthetic_latents
+from anima_train.train import train
+from tests.fixtures_tiny import small_run_toml
+
+NO_HEADER_CXX = ('#!/bin/sh\n# a C++ compiler that cannot find Python.h (an embedded Python without include/)\n'
+                 'case "$*" in *--version*|*-dumpversion*) exec g++ "$@";; esac\n'
+                 'echo "fatal error: Python.h: No such file or directory" >&2\necho "compilation terminated." >&2\n'
+                 'exit 1\n')
+
+
+@pytest.fixture
+def no_header_cxx(tmp_path):
+    cxx = tmp_path / "bin" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text(NO_HEADER_CXX)
+    cxx.chmod(0o755)
+    return cxx
+
+
+@pytest.fixture
+def latents(tmp_path):
+    make_synthetic_latents(tmp_path / "data", n=8)
+    return tmp_path / "data"
+
+
+def _toml(tiny_anima, latents, out, compile_setting: str, extra: str = "") -> str:
+    return small_run_toml(tiny_anima.diffusers_dir, latents, out,
+                          train=f'run_name = "c"\nmax_steps = 4\nbatch_size = 2\ncompile = "{compile_setting}"\n'
+                                f'seed = 3\n{extra}')
+
+
+def test_an_asked_compile_that_cannot_build_is_refused_before_the_model_loads(tiny_anima, latents, tmp_path,
+                                                                              no_header_cxx):
+    """Before: the run loaded the model and crashed at its first compiled step (an internal error, exit 1)."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(_toml(tiny_anima, latents, tmp_path / "out", "default"))
+    env = {**os.environ, "CXX": str(no_header_cxx), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    res = subprocess.run([sys.executable, "-m", "anima_train", "train", str(cfg), "--cpu", "--events", "-"],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == errors.USER_ERROR_EXIT, res.stderr[-3000:]
+    errors_said = [ln for ln in res.stderr.splitlines() if ln.startswith("anima-train train: error:")]
+    assert len(errors_said) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    line = errors_said[0]
+    assert line.startswith('anima-train train: error: [train] compile = "default": torch.compile does not work on '
+                           'cpu here (InductorError: CppCompileError: C++ compile error: fatal error: Python.h: No '
+                           'such file or directory). Fix: a working C++ compiler'), line
+    assert line.endswith('or set compile = "auto" (trains eagerly when compiling fails) or "off"')
+    statuses = [json.loads(ln)["message"] for ln in res.stdout.splitlines() if '"status"' in ln]
+    assert "loading model" not in statuses  # refused before the model loaded
+    assert not list((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_auto_compile_that_cannot_build_trains_eagerly_with_one_warning_and_the_eager_numbers(
+        monkeypatch, tiny_anima, latents, tmp_path, no_header_cxx):
+    """The compile failure is real (Inductor's C++ build); that compile = "auto" wants to compile on this CPU run is
+    simulated (it does so on CUDA for 200+ steps)."""
+    import torch._inductor.config as inductor_config
+
+    real = speed.resolve_compile
+    monkeypatch.setattr(speed, "resolve_compile",
+                        lambda setting, device, total: "default" if setting == "auto" else real(setting, device, total))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    events = tmp_path / "events.jsonl"
+    with inductor_config.patch({"cpp.cxx": (None, str(no_header_cxx))}):
+        auto = train(load_config(_toml(tiny_anima, latents, tmp_path / "a", "auto")), cpu=True, events=str(events))
+    eager = train(load_config(_toml(tiny_anima, latents, tmp_path / "b", "off")), cpu=True)
+    said = list(map(json.loads, events.read_text().splitlines()))
+    warnings = [e["text"] for e in said if e["event"] == "warning" and "torch.compile" in e["text"]]
+    assert not [e for e in said if "torch.compile" in e.get("text", "") and e["event"] != "warning"]
+    assert len(warnings) == 1 and len(warnings[0].splitlines()) == 1, warnings
+    assert warnings[0].startswith('torch.compile (compile = "auto") does not work on cpu here (InductorError: '
+                                  'CppCompileError: C++ compile error: fatal error: Python.h: No such file or '
+                                  'directory): training eagerly. To enable: a working C++ compiler'), warnings[0]
+    assert auto.losses == eager.losses and auto.trainable_digest == eager.trainable_digest  # eager, same numbers
+    assert len(auto.losses) == 4
+
+
+@pytest.fixture
+def portable(monkeypatch, tmp_path):
+    """check.py looks at a ComfyUI portable's python_embeded: a `._pth` beside python.exe, no include/ or libs/."""
+    folder = tmp_path / "ComfyUI_windows_portable" / "python_embeded"
+    folder.mkdir(parents=True)
+    (folder / f"python{sys.version_info[0]}{sys.version_info[1]}._pth").write_text("../ComfyUI\nimport site\n")
+    monkeypatch.setattr(check.sys, "executable", str(folder / "python.exe"))
+    monkeypatch.setattr(check, "IS_WINDOWS", True)
+    return folder
+
+
+def _quantized_cfg(setting: str):
+    return load_config(f'[train]\nmodel_path = "m"\ncompile = "{setting}"\n[dataset]\npath = "d"\n'
+                       f'[quant]\nmode = "frozen"\n')
+
+
+def test_a_broken_triton_on_windows_cuda_is_one_warning_naming_the_pin_and_the_missing_headers(monkeypatch,
+                                                                                              portable):
+    """Simulated: a CUDA device, a triton-windows of the wrong series, and both probes failing as triton-windows does
+    without Python.h. The decision: eager, SDNQ's torch kernels, one line that says how to enable both."""
+    pytest.importorskip("triton")  # SDNQ's Triton path is considered only where triton imports
+    real_import = check._import
+    monkeypatch.setattr(check, "_import", lambda name: (types.SimpleNamespace(__version__="3.7.0"), "3.7.0")
+                        if name == "triton" else real_import(name))
+    monkeypatch.setattr(check, "_torch_requires", lambda: [])
+    monkeypatch.setattr(torch, "__version__", "2.14.1+cu130")
+    monkeypatch.setenv("SDNQ_USE_TRITON_MM", "1")
+    cause = "RuntimeError: fatal error C1083: Cannot open include file: 'Python.h'"
+    probed = []
+    decision = speed.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6,
+                                    probe=lambda d: probed.append("compile") or cause,
+                                    probe_sdnq=lambda d: probed.append("sdnq") or cause)
+    assert probed == ["compile", "sdnq"] and decision.mode is None and decision.sdnq_triton_off
+    assert os.environ["SDNQ_USE_TRITON_MM"] == "0"  # SDNQ reads it at import: its torch kernels from now on
+    lib = f"python{sys.version_info[0]}{sys.version_info[1]}.lib"
+    assert decision.warning == (
+        f'torch.compile (compile = "auto") does not work on cuda here ({cause}); nor do SDNQ\'s Triton kernels: '
+        f'training eagerly with SDNQ\'s torch kernels. To enable: "{portable / "python.exe"}" -s -m pip install '
+        f'"triton-windows==3.8.*"; copy the include and libs folders of a full Python '
+        f'{".".join(map(str, sys.version_info[:3]))} into {portable} (it lacks {os.path.join("include", "Python.h")} '
+        f'and {os.path.join("libs", lib)})')
+    # asked for by name, the same failure is a refusal before the model loads, with the same fix
+    with pytest.raises(errors.UserError, match=r'^\[train\] compile = "max-autotune": torch.compile does not work '
+                                               r'on cuda here .* -s -m pip install "triton-windows==3\.8\.\*"'):
+        speed.decide_compile(_quantized_cfg("max-autotune"), torch.device("cuda"), 10**6,
+                             probe=lambda d: cause, probe_sdnq=lambda d: None)
+
+
+def test_compile_and_sdnq_triton_that_work_change_nothing(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("SDNQ_USE_TRITON_MM", "1")
+    decision = speed.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6, probe=lambda d: None,
+                                    probe_sdnq=lambda d: None)
+    assert decision.mode == "default" and decision.warning is None and not decision.sdnq_triton_off
+    assert decision.probes == ["torch.compile", "SDNQ Triton matmul"]
+    assert os.environ["SDNQ_USE_TRITON_MM"] == "1"
+    # nothing is probed where nothing would compile: eager by choice costs no probe
+    off = speed.decide_compile(load_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
+                               torch.device("cuda"), 10**6, probe=pytest.fail, probe_sdnq=pytest.fail)
+    assert off.mode is None and off.probes == []
