@@ -178,13 +178,15 @@ def run(args) -> int:
                         "of every key")
     from anima_train.dataset import build_training_data
     from anima_train.preflight import check_run_paths
+    from anima_train.sampler import settings_not_followed, steps_per_epoch
 
     cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
     # what `train` checks before it loads the model: images (decoded when they will be), captions, caches, buckets
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=args.skip_unreadable,
                                allow_missing_captions=args.allow_missing_captions)
-    for text in data.warnings:
+    per_epoch = steps_per_epoch(len(data.sampler), 1, cfg.train.gradient_accumulation_steps)  # one process
+    for text in data.warnings + settings_not_followed(cfg, data.sampler, per_epoch):
         print(f"warning: {text}")
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
           f"dataset ({len(data.sources)} source(s), {len(data.entries)} entries, {data.mode}) and output folder are "

@@ -101,3 +101,22 @@ def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) ->
     """Optimizer steps per epoch: ceil(ceil(batches / processes) / accum); a partial accumulation group still
     steps (CONFIG.md §B.4: 113 images, batch 12, accum 2, 2 processes -> 10 batches -> 3 steps)."""
     return math.ceil(math.ceil(num_batches / max(1, num_processes)) / max(1, accum))
+
+
+def settings_not_followed(cfg, sampler: BucketBatchSampler, per_epoch: int) -> list[str]:
+    """Settings a run cannot follow as written, one line each (train says them before the model loads, config
+    too): a batch size no bucket fills (a batch never mixes buckets), and a max_steps beyond what the epochs give
+    (the epochs still bound the run)."""
+    out = []
+    groups = sampler.groups
+    if all(sampler.batch_sizes[k] > len(groups[k]) for k in sampler.keys):
+        largest = max(len(g) for g in groups.values())
+        out.append(f"[train] batch_size = {cfg.train.batch_size}: no bucket holds that many images (the largest "
+                   f"holds {largest}; a batch never mixes buckets), so every batch is smaller; lower batch_size "
+                   f"or add images")
+    epochs_total = per_epoch * cfg.train.epochs
+    if cfg.train.max_steps and cfg.train.max_steps > epochs_total:
+        out.append(f"[train] max_steps = {cfg.train.max_steps} is more than epochs = {cfg.train.epochs} give "
+                   f"({per_epoch} step(s) each, {epochs_total} in all): the run stops at step {epochs_total}; "
+                   f"raise epochs to train {cfg.train.max_steps} steps")
+    return out

@@ -143,7 +143,7 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
            skip_unreadable: bool, stop_file: str | None = None, overwrite: bool = False,
            allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
-    from anima_train.sampler import steps_per_epoch
+    from anima_train.sampler import settings_not_followed, steps_per_epoch
     from anima_train.flow import active_phase
     from anima_train.optimizers import build_optimizer
     from anima_train.schedules import build_scheduler
@@ -162,7 +162,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                          allow_missing_captions=allow_missing_captions)
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    for text in _not_honoured(cfg, data.sampler, per_epoch):
+    for text in settings_not_followed(cfg, data.sampler, per_epoch):
         progress.warning(text)  # before the model loads: on the node before the run starts
     total = 1 if dry_run else _total_steps(cfg, per_epoch)
     compiling = _decide_compile(cfg, device, total, progress)  # before the model loads: a refusal costs nothing
@@ -377,24 +377,6 @@ def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, all
     for text in data.warnings:
         progress.warning(text)
     return data
-
-
-def _not_honoured(cfg: Config, sampler, per_epoch: int) -> list[str]:
-    """Settings this run cannot follow as written, one line each: a batch size no bucket fills (a batch never mixes
-    buckets), and a max_steps beyond what the epochs give (the epochs still bound the run)."""
-    out = []
-    groups = sampler.groups
-    if all(sampler.batch_sizes[k] > len(groups[k]) for k in sampler.keys):
-        largest = max(len(g) for g in groups.values())
-        out.append(f"[train] batch_size = {cfg.train.batch_size}: no bucket holds that many images (the largest "
-                   f"holds {largest}; a batch never mixes buckets), so every batch is smaller; lower batch_size "
-                   f"or add images")
-    epochs_total = per_epoch * cfg.train.epochs
-    if cfg.train.max_steps and cfg.train.max_steps > epochs_total:
-        out.append(f"[train] max_steps = {cfg.train.max_steps} is more than epochs = {cfg.train.epochs} give "
-                   f"({per_epoch} step(s) each, {epochs_total} in all): the run stops at step {epochs_total}; "
-                   f"raise epochs to train {cfg.train.max_steps} steps")
-    return out
 
 
 def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:

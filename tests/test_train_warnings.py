@@ -105,3 +105,7 @@ def test_settings_the_run_cannot_follow_are_said_once_before_it_starts(tiny_anim
     warned = [(i, e["text"]) for i, e in enumerate(sent) if e["event"] == "warning"]
     assert [t for _, t in warned].count(batch) == 1 and [t for _, t in warned].count(steps) == 1
     assert max(i for i, _ in warned) < kinds.index("start")  # on the node before the run starts
+    # `config` checks what `train` will: the same two lines
+    assert cli.main(["config", str(cfg)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said.count(f"warning: {batch}") == 1 and said.count(f"warning: {steps}") == 1, said
