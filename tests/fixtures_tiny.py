@@ -149,3 +149,33 @@ def torchrun(args: list, *, cwd, timeout: int = 600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def anima_train_cli(*args, cwd, env: dict | None = None, timeout: float = 600):
+    """`python -m anima_train ARGS...` as a user runs it, with the repository first on the path (from any cwd);
+    returns the CompletedProcess (text). The user's debug setting (ANIMA_TRAIN_DEBUG, which shows tracebacks) is
+    dropped unless `env` sets it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from anima_train.errors import DEBUG_ENV
+
+    root = Path(__file__).resolve().parents[1]
+    full = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1"}
+    full.pop(DEBUG_ENV, None)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=full, timeout=timeout)
+
+
+def folder_digests(folder) -> dict:
+    """{relative path: sha256} of every file under `folder`, hidden ones included: a run's bytes before and after."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}

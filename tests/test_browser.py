@@ -56,8 +56,7 @@ def comfy_server(browser_tools, tmp_path_factory):
     relay = base / "custom_nodes" / "zz_anima_train_test_relay"
     relay.mkdir()
     (relay / "__init__.py").write_text(RELAY)
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
+    settings = base / comfy_browser.SETTINGS
     with comfy_browser.serve(base, TRAIN_NODE) as (url, info):
         yield {"url": url, "base": base, "settings": settings, "info": info, **browser_tools}
 

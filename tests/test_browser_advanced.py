@@ -38,9 +38,6 @@ EXTRA_TOML = "extra_toml"
 def comfy(tmp_path_factory):
     tools = comfy_browser.browser_tools()
     base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))  # no first-run templates dialog
     with comfy_browser.serve(base, NODE) as (url, info):
         yield {"url": url, "base": base, "info": info, **tools}
 

@@ -26,9 +26,6 @@ DRIVER = comfy_browser.BROWSER_DIR / "config_error.cjs"
 def comfy(tmp_path_factory):
     tools = comfy_browser.browser_tools()
     base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))  # no first-run templates dialog
     with comfy_browser.serve(base, "AnimaTrainConfig") as (url, _):
         yield {"url": url, "base": base, **tools}
 

@@ -34,9 +34,6 @@ TRAIN_TEXT = "\n".join([  # the shape of nodes_train._summary for a finished run
 def test_the_check_report_and_the_train_result_are_readable_without_resizing(tmp_path_factory, tmp_path):
     tools = comfy_browser.browser_tools()
     base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     with comfy_browser.serve(base, "AnimaTrainEnvironmentCheck") as (url, _):
         cfg = {"url": url, "chromium": tools["chromium"], "userDataDir": str(tmp_path / "profile"),
                "outDir": str(tmp_path), "trainText": TRAIN_TEXT,

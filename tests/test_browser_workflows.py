@@ -70,9 +70,6 @@ def comfy(tmp_path_factory):
         (base / "models" / folder / name).symlink_to(src)
     dataset = base / "input" / "dataset"  # the nodes read datasets from ComfyUI's folders (nodes/paths.py)
     make_synthetic_dataset(dataset, n=4, sizes=[(64, 64)])
-    settings = base / "user" / "default" / "comfy.settings.json"
-    settings.parent.mkdir(parents=True)
-    settings.write_text(json.dumps({"Comfy.TutorialCompleted": True}))  # no first-run templates dialog
     t_models = time.perf_counter() - t0
     # the tiny tokenizers live outside ComfyUI's folders: listed as a user would (README, "Folders the nodes use")
     allowed = {"ANIMA_TRAIN_ALLOWED_DIRS": str(tiny.diffusers_dir)}

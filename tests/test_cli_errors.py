@@ -14,18 +14,11 @@ from pathlib import Path
 import pytest
 
 from anima_train.tiny import make_synthetic_dataset, make_synthetic_latents
-from tests.fixtures_tiny import small_run_toml, torchrun
+from tests.fixtures_tiny import anima_train_cli, small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, cwd, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    if "ANIMA_TRAIN_DEBUG" not in (env or {}):
-        full_env.pop("ANIMA_TRAIN_DEBUG", None)  # the user's debug setting would show tracebacks
-    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=full_env, timeout=timeout)
 
 
 def assert_user_error(out: subprocess.CompletedProcess, command: str, *parts: str) -> str:
@@ -70,14 +63,14 @@ def latents(tmp_path_factory):
 def test_config_errors_are_one_message_naming_the_file(tmp_path, text, parts):
     cfg = tmp_path / "my run.toml"
     cfg.write_text(text)
-    assert_user_error(cli("train", cfg.name, cwd=tmp_path), "train", "my run.toml", *parts)
+    assert_user_error(anima_train_cli("train", cfg.name, cwd=tmp_path), "train", "my run.toml", *parts)
 
 
 def test_missing_config_file_and_bad_flag_value(tmp_path):
-    assert_user_error(cli("train", "nope.toml", cwd=tmp_path), "train", "config file not found", "nope.toml")
+    assert_user_error(anima_train_cli("train", "nope.toml", cwd=tmp_path), "train", "config file not found", "nope.toml")
     cfg = tmp_path / "c.toml"
     cfg.write_text('[dataset]\npath = "/d"\n')
-    assert_user_error(cli("train", cfg, "--max-steps", "0", cwd=tmp_path), "train", "--max-steps 0")
+    assert_user_error(anima_train_cli("train", cfg, "--max-steps", "0", cwd=tmp_path), "train", "--max-steps 0")
 
 
 # ------------------------------------------------------------------------------------------ fail fast
@@ -88,7 +81,7 @@ def test_every_unusable_path_is_named_before_any_model_loads(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "no-model", tmp_path / "no-data", tmp_path / "out-file",
                        train_extra=f'resume_from = "{tmp_path / "gone-state"}"')
     ev = tmp_path / "events.jsonl"
-    err = assert_user_error(cli("train", cfg, "--events", ev, cwd=tmp_path), "train", "c.toml: 4 paths cannot be used",
+    err = assert_user_error(anima_train_cli("train", cfg, "--events", ev, cwd=tmp_path), "train", "c.toml: 4 paths cannot be used",
                             "model_path", "no-model", "anima-train convert",
                             "[dataset] path", "no-data", "dataset folder not found",
                             "output_dir", "out-file", "is a file",
@@ -103,7 +96,7 @@ def test_an_unwritable_output_dir_is_refused_before_loading(tiny_anima, latents,
     locked.chmod(0o555)
     try:
         cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, latents, locked / "runs")
-        assert_user_error(cli("train", cfg, cwd=tmp_path), "train", "output_dir", str(locked), "not writable")
+        assert_user_error(anima_train_cli("train", cfg, cwd=tmp_path), "train", "output_dir", str(locked), "not writable")
     finally:
         locked.chmod(0o755)
 
@@ -132,11 +125,11 @@ def test_missing_captions_fail_fast_and_name_the_escape_flag(tiny_anima, latents
     uncaptioned.unlink()
     cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, data, tmp_path / "out")
     ev = tmp_path / "events.jsonl"
-    err = assert_user_error(cli("train", cfg, "--events", ev, cwd=tmp_path), "train", "no caption file",
+    err = assert_user_error(anima_train_cli("train", cfg, "--events", ev, cwd=tmp_path), "train", "no caption file",
                             str(uncaptioned), "--allow-missing-captions")
     assert not any(e.get("message") == "loading model" for e in events(ev)), err
 
-    ok = cli("train", cfg, "--dry-run", "--cpu", "--allow-missing-captions", cwd=tmp_path)
+    ok = anima_train_cli("train", cfg, "--dry-run", "--cpu", "--allow-missing-captions", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "1 source(s) have no caption file and train on an empty caption" in ok.stdout
 
@@ -144,7 +137,7 @@ def test_missing_captions_fail_fast_and_name_the_escape_flag(tiny_anima, latents
 def test_config_check_passes_a_good_config_and_prints_its_warnings_plainly(tiny_anima, latents, tmp_path):
     cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, latents, tmp_path / "out",
                        extra="train_text_encoder = true\n")
-    out = cli("config", cfg, cwd=tmp_path)
+    out = anima_train_cli("config", cfg, cwd=tmp_path)
     assert out.returncode == 0 and "c.toml: OK" in out.stdout, out.stderr
     assert out.stderr.startswith("anima-train config: warning: ") and "train_text_encoder" in out.stderr
     assert "warnings.warn" not in out.stderr and out.stderr.count("\n") == 1  # one line, no source echo
@@ -157,18 +150,18 @@ def test_the_stale_cache_fix_command_works_as_printed(tiny_anima, tmp_path):
     data = tmp_path / "images"
     make_synthetic_dataset(data, n=4, seed=1, sizes=[(128, 128), (160, 96)])
     cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, data, tmp_path / "out")
-    cached = cli("cache", "--config", cfg, "--device", "cpu", cwd=tmp_path)
+    cached = anima_train_cli("cache", "--config", cfg, "--device", "cpu", cwd=tmp_path)
     assert cached.returncode == 0, cached.stderr[-3000:]
     # the user changes a bucket setting: every cache is stale
     text = cfg.read_text().replace("resolution = 128", "resolution = 128\nbucket_reso_steps = 32")
     cfg.write_text(text)
-    err = assert_user_error(cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path), "train",
+    err = assert_user_error(anima_train_cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path), "train",
                             "bucket_reso_steps=64, the config says 32")
     fix = re.search(r"fix: re-run `([^`]+)`", err).group(1)
     redo = subprocess.run(shlex.split(fix), capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert redo.returncode == 0, f"{fix}\n{redo.stderr[-3000:]}"
-    again = cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path)
+    again = anima_train_cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
 
 
@@ -210,12 +203,12 @@ def test_only_the_main_process_reports_a_user_error(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[train]\nlearning_rate = 1\n")
     t0 = time.monotonic()
-    other = cli("train", cfg, cwd=tmp_path, env={"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    other = anima_train_cli("train", cfg, cwd=tmp_path, env={"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"})
     # a non-main rank must not exit first: the launcher would end the main process before it printed the message
     # (seen under load: torchrun showed no message at all). Alone, after the grace period, it says it itself.
     assert other.returncode == 2 and time.monotonic() - t0 >= QUIET_RANK_GRACE_S
     assert other.stderr.startswith("[rank 1] anima-train train: error: ") and other.stderr.count("error:") == 1
-    main = cli("train", cfg, cwd=tmp_path, env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    main = anima_train_cli("train", cfg, cwd=tmp_path, env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
     assert_user_error(main, "train", "learning_rate")
 
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from anima_train.cli import main
+from tests.fixtures_tiny import anima_train_cli
 
 
 def test_demo_writes_lora_config_and_plot(tmp_path, capsys):
@@ -38,19 +35,13 @@ def test_demo_refuses_a_non_empty_folder(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
-def _cli(*args, cwd):
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    env.pop("ANIMA_TRAIN_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
 
 
 @pytest.mark.slow
 def test_tiny_model_writes_a_model_path_and_a_config_that_trains_on_your_images(tmp_path):
     from anima_train.tiny import make_synthetic_dataset
 
-    out = _cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
+    out = anima_train_cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     model = (tmp_path / "tiny" / "diffusers").resolve()
     assert f"a config's model_path): {model}" in out.stdout
@@ -60,10 +51,10 @@ def test_tiny_model_writes_a_model_path_and_a_config_that_trains_on_your_images(
     make_synthetic_dataset(mine, n=3, seed=2, sizes=[(320, 256), (256, 256)])
     cfg = tmp_path / "mine.toml"
     cfg.write_text(printed.replace("/your/images", mine.as_posix()))
-    assert _cli("config", cfg, cwd=tmp_path).returncode == 0
-    run = _cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path)
+    assert anima_train_cli("config", cfg, cwd=tmp_path).returncode == 0
+    run = anima_train_cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: 1 step(s)" in run.stdout
     # it never writes into a folder that holds something
-    again = _cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
+    again = anima_train_cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
     assert again.returncode == 2 and "not an empty folder" in again.stderr and "Traceback" not in again.stderr

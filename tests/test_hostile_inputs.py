@@ -12,7 +12,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,16 +25,11 @@ from anima_train.config import TextureConfig
 from anima_train.images import decoded_size, header_size
 from anima_train.texture import texture_sample
 from anima_train.tiny import make_synthetic_dataset
-from tests.fixtures_tiny import small_run_toml
+from tests.fixtures_tiny import anima_train_cli, small_run_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    env.pop(errors.DEBUG_ENV, None)  # the user's debug setting would show tracebacks
-    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
 
 
 def refused(out: subprocess.CompletedProcess, command: str, code: int, *parts: str, one_line: bool = False) -> str:
@@ -177,7 +171,7 @@ def cached_pairs(model, tmp_path_factory):
         make(folder)
     for image in list(folder.iterdir()):
         image.with_suffix(".txt").write_text("an image")
-    out = cli("cache", folder, "--resolution", 64, "--bucket-reso-steps", 16, "--model", model, "--device", "cpu",
+    out = anima_train_cli("cache", folder, "--resolution", 64, "--bucket-reso-steps", 16, "--model", model, "--device", "cpu",
               cwd=folder)
     assert out.returncode == 0, out.stderr[-3000:]
     return folder
@@ -217,10 +211,10 @@ def test_a_truncated_image_is_named_by_every_command(model, tmp_path, suffix):
                                 (("train", cfg, "--dry-run", "--cpu"), "train", 2),
                                 (("cache", data, "--resolution", 128, "--model", model, "--device", "cpu"), "cache",
                                  errors.DATA_VERDICT_EXIT)):
-        refused(cli(*args, cwd=tmp_path), command, code, str(bad), "truncated", "fix or delete")
+        refused(anima_train_cli(*args, cwd=tmp_path), command, code, str(bad), "truncated", "fix or delete")
     assert files(data) == before  # no cache written for the good images either: the refusal comes first
     assert not (tmp_path / "out").exists()
-    audit = cli("audit", data, "--resolution", 128, cwd=tmp_path)
+    audit = anima_train_cli("audit", data, "--resolution", 128, cwd=tmp_path)
     assert audit.returncode == errors.DATA_VERDICT_EXIT, audit.stderr
     assert "NOT SAFE" in audit.stdout and f"{bad} (truncated" in audit.stdout and "Traceback" not in audit.stderr
 
@@ -230,7 +224,7 @@ def test_config_decodes_an_image_that_still_needs_its_cache(model, tmp_path):
     data = good_images(tmp_path / "data")
     bad = noisy(data / "z.png")
     truncate(bad)
-    refused(cli("config", config(tmp_path, model, data), cwd=tmp_path), "config", 2, str(bad), "truncated")
+    refused(anima_train_cli("config", config(tmp_path, model, data), cwd=tmp_path), "config", 2, str(bad), "truncated")
 
 
 # ----------------------------------------------------------------------------------- damaged model repo (item 9)
@@ -273,10 +267,10 @@ def test_a_damaged_model_repo_names_the_component_and_file(model, tmp_path, dama
     data = good_images(tmp_path / "data")
     cfg = config(tmp_path, repo, data, dataset='source = "encode"\n')
     parts = (str(path), f"({component}) is damaged", "anima-train convert")
-    err = refused(cli("config", cfg, cwd=tmp_path), "config", 2, *parts)
+    err = refused(anima_train_cli("config", cfg, cwd=tmp_path), "config", 2, *parts)
     assert "ignore_mismatched_sizes" not in err
     if check_train:
-        refused(cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path), "train", 2, *parts)
+        refused(anima_train_cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path), "train", 2, *parts)
     assert not (tmp_path / "out").exists()
 
 
@@ -388,7 +382,7 @@ CASES = [_symlink_loop, _huge_repeat_folder, _huge_rank, _events_folder, _events
 def test_hostile_input_gets_one_clear_message(model, tmp_path, case):
     args, command, code, parts = case(tmp_path, model)
     before = files(tmp_path)
-    out = cli(*args, cwd=tmp_path)
+    out = anima_train_cli(*args, cwd=tmp_path)
     if command == "anchor-info":  # the anchor package's own prefix
         assert out.returncode == code and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith("anchor-info: ") and out.stderr.count("\n") == 1, out.stderr
@@ -403,7 +397,7 @@ def test_hostile_input_gets_one_clear_message(model, tmp_path, case):
 
 def test_audit_not_safe_is_a_data_verdict(tmp_path):
     data = good_images(tmp_path / "data")
-    out = cli("audit", data, "--resolution", 128, cwd=tmp_path)
+    out = anima_train_cli("audit", data, "--resolution", 128, cwd=tmp_path)
     assert out.returncode == errors.DATA_VERDICT_EXIT and "NOT SAFE" in out.stdout, out.stdout + out.stderr
 
 

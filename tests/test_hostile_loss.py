@@ -9,7 +9,6 @@ state was called "inference-only (save_optimizer_state = false)"."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from anima_train import errors
 from anima_train.tiny import make_synthetic_latents
 from anima_train.train import Diverged, train
+from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,17 +62,8 @@ def _config(tmp_path: Path, model: Path, data: Path, extra: str = "", name: str 
     return path
 
 
-def _digests(folder: Path) -> dict[str, str]:
-    """Every file under folder, hidden ones included (a set-aside or temp folder left behind counts as a change)."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
 
 
 def _error_line(out: subprocess.CompletedProcess, command: str = "train") -> str:
@@ -93,7 +84,7 @@ def _all_finite(path: Path) -> bool:
 
 def test_overwrite_puts_the_earlier_run_back_when_the_new_run_is_refused(tiny_anima, finished, tmp_path):
     run_dir = _copy_run(finished, tmp_path)
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     data = tmp_path / "photos"
     data.mkdir()
     jpeg = data / "cat.jpg"
@@ -103,11 +94,11 @@ def test_overwrite_puts_the_earlier_run_back_when_the_new_run_is_refused(tiny_an
     jpeg.write_bytes(jpeg.read_bytes()[: jpeg.stat().st_size // 2])  # truncated
     (data / "cat.txt").write_text("a cat")
     config = _config(tmp_path, tiny_anima.diffusers_dir, data, max_steps=2)
-    out = _cli("train", config, "--cpu", "--overwrite", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", "--overwrite", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
     assert "cat" in _error_line(out)  # the image (or its missing cache) is named
     assert "put the earlier run's 8 file(s) back" in out.stdout
-    assert _digests(run_dir) == before  # not one byte lost, no set-aside folder left behind
+    assert folder_digests(run_dir) == before  # not one byte lost, no set-aside folder left behind
 
 
 # -- 2. a resume from an older state of a finished run -------------------------------------------------------------
@@ -116,18 +107,18 @@ def test_overwrite_puts_the_earlier_run_back_when_the_new_run_is_refused(tiny_an
 def test_resuming_a_finished_run_from_an_older_state_is_refused_and_replaces_nothing(tiny_anima, latents_dir,
                                                                                     finished, tmp_path):
     run_dir = _copy_run(finished, tmp_path)
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     older = run_dir / "tiny-step000002-state"
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=3, resume_from=f'"{older}"',
                      **STATES)
     for command in ("train", "config"):  # the preflight says it too
-        out = _cli(command, config, *(["--cpu"] if command == "train" else []), cwd=tmp_path)
+        out = anima_train_cli(command, config, *(["--cpu"] if command == "train" else []), cwd=tmp_path)
         assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
         msg = _error_line(out, command)
         assert f"resume_from = '{older}' is at step 2" in msg
         assert f"{run_dir / 'tiny-state'} (step 6)" in msg  # the newer file
         assert f'resume_from = "{(run_dir / "tiny-state").as_posix()}"' in msg and 'run_name = "tiny-2"' in msg
-    assert _digests(run_dir) == before
+    assert folder_digests(run_dir) == before
 
 
 # -- 3. config --reference --out -----------------------------------------------------------------------------------
@@ -136,14 +127,14 @@ def test_resuming_a_finished_run_from_an_older_state_is_refused_and_replaces_not
 def test_config_reference_out_refuses_an_existing_file(tmp_path):
     mine = tmp_path / "notes.md"
     mine.write_text("my own notes\n")
-    out = _cli("config", "--reference", "--out", mine, cwd=tmp_path)
+    out = anima_train_cli("config", "--reference", "--out", mine, cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT
     msg = _error_line(out, "config")
     assert f"--out {mine}: the file already exists" in msg and "another path" in msg and "delete" in msg
     assert mine.read_text() == "my own notes\n"
     fresh = tmp_path / "reference.md"
-    assert _cli("config", "--reference", "--out", fresh, cwd=tmp_path).returncode == 0
-    assert fresh.read_text() == _cli("config", "--reference", cwd=tmp_path).stdout
+    assert anima_train_cli("config", "--reference", "--out", fresh, cwd=tmp_path).returncode == 0
+    assert fresh.read_text() == anima_train_cli("config", "--reference", cwd=tmp_path).stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md", "reference.md"]  # no temp file left
 
 
@@ -163,15 +154,15 @@ def test_an_edited_state_json_is_refused_naming_the_key_and_the_file(tiny_anima,
     state = run_dir / "tiny-state"
     info = json.loads((state / "state.json").read_text())
     (state / "state.json").write_text(json.dumps({**info, **edit}))
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=9, resume_from=f'"{state}"',
                      **STATES)
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
     msg = _error_line(out)
     assert f"{state / 'state.json'}: {said}" in msg and "cannot be resumed" in msg
     assert str(run_dir / "tiny-step000004-state") in msg  # the state to resume from instead
-    assert _digests(run_dir) == before
+    assert folder_digests(run_dir) == before
 
 
 # -- 5. non-finite loss, gradient, cache ---------------------------------------------------------------------------
@@ -180,7 +171,7 @@ def test_an_edited_state_json_is_refused_naming_the_key_and_the_file(tiny_anima,
 def test_a_diverging_run_stops_at_the_first_nan_loss_and_saves_nothing_of_it(tiny_anima, latents_dir, tmp_path):
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, "[optimizer]\nlr = 1e6\n", max_steps=6,
                      save_every_steps=1, save_optimizer_state="true")
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.DIVERGED_EXIT == 5, out.stderr[-3000:]
     run_dir = tmp_path / "out" / "tiny"
     msg = _error_line(out)
@@ -222,15 +213,15 @@ def test_a_latent_cache_holding_nan_is_refused_like_a_damaged_one(tiny_anima, la
     tensors = load_file(str(cache))
     tensors["latents"][0, 0, 0, :2] = float("nan")
     save_file(tensors, str(cache), metadata=meta)
-    before = _digests(data)
+    before = folder_digests(data)
     config = _config(tmp_path, tiny_anima.diffusers_dir, data, max_steps=2)
     for command in ("config", "train"):
-        out = _cli(command, config, *(["--cpu"] if command == "train" else []), cwd=tmp_path)
+        out = anima_train_cli(command, config, *(["--cpu"] if command == "train" else []), cwd=tmp_path)
         assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
         msg = _error_line(out, command)
         assert f"latent cache {cache} is damaged: its latents hold 2 non-finite value(s) (NaN/inf)" in msg
         assert "re-run anima-train cache" in msg
-    assert _digests(tmp_path / "out") == {} and _digests(data) == before  # nothing trained, nothing written
+    assert folder_digests(tmp_path / "out") == {} and folder_digests(data) == before  # nothing trained, nothing written
 
 
 # -- 7. loss.png after a resume --------------------------------------------------------------------------------------
@@ -243,7 +234,7 @@ def test_a_resumed_runs_loss_plot_shows_the_whole_run(tiny_anima, latents_dir, f
         (shutil.copytree if (finished / name).is_dir() else shutil.copy)(finished / name, run_dir / name)
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=6,
                      resume_from=f'"{run_dir / "tiny-step000002-state"}"', **STATES)
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     # the resume is bit-exact, so the whole run's chart is the uninterrupted run's, byte for byte
     assert (run_dir / "loss.png").read_bytes() == (finished / "loss.png").read_bytes()
@@ -263,19 +254,19 @@ def test_resuming_with_another_adapter_rank_names_the_key(tiny_anima, latents_di
         info = json.loads((state / "state.json").read_text())
         info.pop("adapter", None)
         (state / "state.json").write_text(json.dumps(info))
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     text = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=9, resume_from=f'"{state}"',
                    **STATES).read_text().replace("rank = 8", "rank = 4")
     config = tmp_path / "rank4.toml"
     config.write_text(text)
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
     msg = _error_line(out)
     if described:
         assert "[adapter] rank: the state has 8, this config has 4" in msg and "set [adapter] rank = 8" in msg
     else:
         assert "is [8, " in msg and "this run's is [4, " in msg and "[adapter]" in msg
-    assert _digests(run_dir) == before
+    assert folder_digests(run_dir) == before
 
 
 # -- 13. a run that saved nothing; a missing state; a folder that is no checkpoint --------------------------------
@@ -284,12 +275,12 @@ def test_resuming_with_another_adapter_rank_names_the_key(tiny_anima, latents_di
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_fixed_rerun(tiny_anima, latents_dir,
                                                                                       tmp_path):
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, "[optimizer]\nlr = 1e6\n", max_steps=4)
-    failed = _cli("train", config, "--cpu", cwd=tmp_path)
+    failed = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert failed.returncode == errors.DIVERGED_EXIT, failed.stderr[-3000:]
     run_dir = tmp_path / "out" / "tiny"
     assert sorted(p.name for p in run_dir.iterdir()) == ["tiny.toml"]  # all it left
     fixed = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=2, name="fixed.toml")
-    out = _cli("train", fixed, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", fixed, "--cpu", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "the config copy of an earlier run that saved no checkpoint" in out.stdout
     assert (run_dir / "tiny.toml").read_text() == fixed.read_text() and (run_dir / "tiny.safetensors").is_file()
@@ -302,10 +293,10 @@ def test_a_resume_from_that_has_no_state_says_why_truthfully(tiny_anima, latents
     if case == "killed-during-state-write":  # what a kill -9 inside _save_state leaves: the temp folder
         (run_dir / ".tiny-step000004-state.tmp" / "accelerator").mkdir(parents=True)
     target = latents_dir if case == "dataset-folder" else run_dir / "tiny-step000004.safetensors"
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=9, resume_from=f'"{target}"',
                      **STATES)
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
     msg = _error_line(out)
     assert "save_optimizer_state = false" not in msg and "inference-only" not in msg  # it had true
@@ -316,13 +307,13 @@ def test_a_resume_from_that_has_no_state_says_why_truthfully(tiny_anima, latents
         assert ("being written when the run was interrupted" if case == "killed-during-state-write"
                 else "is missing") in msg
         assert f"The newest state in {run_dir} is {run_dir / 'tiny-state'}" in msg
-    assert _digests(run_dir) == before
+    assert folder_digests(run_dir) == before
 
 
 def test_overwrite_killed_before_its_first_checkpoint_leaves_the_earlier_run_to_the_next_start(
         tiny_anima, latents_dir, finished, tmp_path):
     run_dir = _copy_run(finished, tmp_path)
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     config = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=100000)  # saves nothing for ages
     events = tmp_path / "events.jsonl"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -342,8 +333,8 @@ def test_overwrite_killed_before_its_first_checkpoint_leaves_the_earlier_run_to_
     assert sorted(p.name for p in run_dir.iterdir()) == [".anima-train-overwritten-tiny", ".anima-train.lock",
                                                           "tiny.toml"]
     # the next start (here: the same config without --overwrite) finds the earlier run back in its place
-    out = _cli("train", config, "--cpu", cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]
     assert "put the earlier run's 8 file(s) it had set aside back" in out.stdout
     assert "already holds a run named 'tiny'" in _error_line(out)
-    assert _digests(run_dir) == before
+    assert folder_digests(run_dir) == before

@@ -3,7 +3,6 @@ is being trained into, and a stop file that already exists are all refused befor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ import pytest
 
 from anima_train.tiny import make_synthetic_latents
 from anima_train.train import train
+from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,16 +29,8 @@ def latents_dir(tmp_path_factory):
     return out
 
 
-def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _cli(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "anima_train", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=timeout)
 
 
 def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_resuming_it_works(tiny_anima, latents_dir,
@@ -46,20 +38,20 @@ def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_resuming_it_wor
     kw = dict(max_steps=2, save_every_steps=1, save_optimizer_state="true")
     earlier = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, **kw), cpu=True)
     run_dir = tmp_path / "tiny"
-    before = _digests(run_dir)
+    before = folder_digests(run_dir)
     assert "tiny.safetensors" in before and "tiny.toml" in before
 
     # the CLI, as a user runs it a second time with the same config
     config = tmp_path / "again.toml"
     config.write_text(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, **kw).source_text)
     events = tmp_path / "events.jsonl"
-    out = _cli("train", config, "--cpu", "--events", events, cwd=tmp_path)
+    out = anima_train_cli("train", config, "--cpu", "--events", events, cwd=tmp_path)
     assert out.returncode != 0, out.stdout[-2000:]
     err = out.stderr
     assert str(run_dir) in err and "already holds a run named 'tiny'" in err
     assert f'resume_from = "{(run_dir / "tiny-state").as_posix()}"' in err  # its latest state (step 2)
     assert 'run_name = "tiny-2"' in err and "--overwrite" in err
-    assert _digests(run_dir) == before  # not one byte of the earlier run changed
+    assert folder_digests(run_dir) == before  # not one byte of the earlier run changed
     statuses = [json.loads(line).get("message") for line in events.read_text().splitlines()] if events.exists() else []
     assert "loading model" not in statuses  # refused before the model loads
 

@@ -21,4 +21,14 @@ async function openPage(browser, cfg, result) {
   return page;
 }
 
-module.exports = { launch, openPage };
+// the app is up: its Vue layer and canvas, the pack's `nodeType` registered, and the start-up workflow on the canvas
+// (loading or building a graph earlier races the app's own start-up load)
+async function waitForPack(page, nodeType) {
+  await page.waitForFunction((type) => {
+    const app = window.comfyAPI?.app?.app;
+    return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.[type] &&
+      app.graph?.nodes?.length > 0;
+  }, nodeType, { timeout: 90000, polling: 250 });
+}
+
+module.exports = { launch, openPage, waitForPack };

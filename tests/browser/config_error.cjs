@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -16,11 +16,7 @@ async function main() {
   const browser = await launch(cfg, { width: 1600, height: 1000 });
   try {
     const page = await openPage(browser, cfg, result);
-    await page.waitForFunction(() => {
-      const app = window.comfyAPI?.app?.app;
-      return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.AnimaTrainConfig &&
-        app.graph?.nodes?.length > 0;
-    }, null, { timeout: 90000, polling: 250 });
+    await waitForPack(page, "AnimaTrainConfig");
     // a new graph of the two nodes a user adds first: Training config -> Train
     result.loaded = await page.evaluate(() => {
       document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());

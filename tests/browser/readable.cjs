@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -16,11 +16,7 @@ async function main() {
   const browser = await launch(cfg, { width: 1600, height: 1100 });
   try {
     const page = await openPage(browser, cfg, result);
-    await page.waitForFunction(() => {
-      const app = window.comfyAPI?.app?.app;
-      return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.AnimaTrainEnvironmentCheck &&
-        app.graph?.nodes?.length > 0;
-    }, null, { timeout: 90000, polling: 250 });
+    await waitForPack(page, "AnimaTrainEnvironmentCheck");
     result.ids = await page.evaluate(() => {
       document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
       const app = window.comfyAPI.app.app;
@@ -37,8 +33,7 @@ async function main() {
     result.run = await page.evaluate(async ({ trainText, ids }) => {
       const { app } = window.comfyAPI.app;
       const { api } = window.comfyAPI.api;
-      const app_ = app;
-      const train = app_.graph.getNodeById(ids.train);
+      const train = app.graph.getNodeById(ids.train);
       train.onExecuted?.({ text: [trainText] });
       const done = new Promise((resolve) => {
         for (const type of ["execution_success", "execution_error"]) api.addEventListener(type, (e) => resolve(type));
