@@ -56,7 +56,9 @@ const { api } = await import("./scripts/api.js");
 await import("./pack/js/anima_train.js");
 const ext = app.extensions[0];
 class TrainNode {
-  constructor(id) { this.id = id; this.widgets = []; this.comfyClass = "AnimaTrainTrain"; }
+  constructor(id) { this.id = id; this.widgets = []; this.comfyClass = "AnimaTrainTrain"; this.size = [400, 300]; }
+  computeSize() { return [400, 300]; }
+  setSize(size) { this.size = size; }
   addDOMWidget(name, type, el, opts) {
     const w = { name, type, element: el, options: opts };
     this.widgets.push(w);
@@ -70,7 +72,7 @@ ext.setup();
 // A workflow tab shown on the canvas: the frontend configures the graph and creates fresh node objects.
 function show(graphId, nodeIds) {
   const nodes = nodeIds.map((id) => { const n = new TrainNode(id); n.onNodeCreated(); return n; });
-  app.rootGraph = { id: graphId, nodes, getNodeById: (id) => nodes.find((n) => n.id === id) ?? null };
+  app.rootGraph = { id: graphId, nodes, getNodeById: (id) => nodes.find((n) => String(n.id) === String(id)) ?? null };
   flush();
 }
 const shown = () => Object.fromEntries(app.rootGraph.nodes.map((n) => {
@@ -86,8 +88,12 @@ for (const step of JSON.parse(process.argv[2])) {
     await api.queuePrompt(0, { output: {}, workflow: { id: app.rootGraph.id, nodes: [] } });
   }
   for (const ev of step.events ?? []) api.dispatchEvent(new CustomEvent("anima_train.progress", { detail: ev }));
+  // the node's result as ComfyUI delivers it when the prompt ends (ui.text)
+  if (step.executed) app.rootGraph.getNodeById(step.executed.node).onExecuted({ text: [step.executed.text] });
   flush();
   if (step.read) out.push(shown());
+  if (step.readText) out.push(Object.fromEntries(app.rootGraph.nodes.map((n) => [n.id,
+    n.widgets.find((w) => w.name === "anima_text")?.element.textContent ?? null])));
 }
 console.log(JSON.stringify({ out, storage: Object.fromEntries(globalThis.storage.entries()) }));
 """
@@ -150,3 +156,21 @@ def test_events_without_a_prompt_id_are_followed_by_node_id_as_before(tmp_path):
     legacy = [{k: v for k, v in e.items() if k != "prompt_id"} for e in steps("x", "5", 1, 2)]
     out = run_page(tmp_path, [{"show": "wf-A", "nodes": [5, 6], "events": legacy, "read": True}])["out"]
     assert out == [{"5": "running:2", "6": "idle:"}]
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node (js/anima_train.js runs as an ES module)")
+def test_a_new_run_clears_the_last_runs_result_text_and_a_cancel_is_shown(tmp_path):
+    # the result text of run p1 ("trained …") stayed on the node while p2 ran; and a Cancel showed as "done"
+    cancelled = {"node": "5", "prompt_id": "p2", "event": "cancelled", "step": 2, "total": 10,
+                 "text": "cancelled at step 2 of 10: saved x.safetensors and its resume state; queue again"}
+    page = run_page(tmp_path, [
+        {"show": "g1", "nodes": ["5"], "queue": "p1", "events": steps("p1", "5", 1, 2, 3),
+         "executed": {"node": "5", "text": "trained run: 3 step(s)"}, "readText": True},
+        {"queue": "p2", "events": [{"node": "5", "prompt_id": "p2", "event": "status", "message": "scanning"}],
+         "readText": True},
+        {"events": steps("p2", "5", 1, 2) + [cancelled], "read": True},
+    ])
+    first, during, end = page["out"]
+    assert first == {"5": "trained run: 3 step(s)"}
+    assert during == {"5": ""}  # cleared by the new run's first event
+    assert end == {"5": "cancelled:2"}
