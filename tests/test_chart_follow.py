@@ -174,3 +174,16 @@ def test_a_new_run_clears_the_last_runs_result_text_and_a_cancel_is_shown(tmp_pa
     assert first == {"5": "trained run: 3 step(s)"}
     assert during == {"5": ""}  # cleared by the new run's first event
     assert end == {"5": "cancelled:2"}
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node (js/loss_chart.js is a plain ES module)")
+def test_a_reused_run_draws_its_recorded_losses():
+    # the node re-uses a finished run (nothing trained now) and sends its recorded losses: the chart was empty
+    script = f"""
+    import {{ applyEvent }} from {json.dumps((ROOT / "js" / "loss_chart.js").as_uri())};
+    const run = applyEvent(null, {{ event: "done", step: 3, total: 3, reused: true, losses: [1.0, 0.5, 0.25] }});
+    console.log(JSON.stringify({{ phase: run.phase, steps: run.steps, loss: run.loss, ema: run.ema.length }}));
+    """
+    result = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"phase": "done", "steps": [1, 2, 3], "loss": [1.0, 0.5, 0.25], "ema": 3}
