@@ -179,3 +179,18 @@ def folder_digests(folder) -> dict:
     folder = Path(folder)
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def forget_inductor_cpu_checks() -> None:
+    """Inductor remembers for the whole process whether the C++ compiler builds vectorised code (cpu_vec_isa's
+    cached checks). A test that swaps in a failing compiler leaves "no vector ISA" behind, and a kernel that the
+    on-disk cache holds with at::vec code is then built without the ISA flags ("'at::vec' has not been declared":
+    test_regional_compile_matches_eager failed so in CI). Call after such a test."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    for cls in vars(cpu_vec_isa).values():
+        if isinstance(cls, type) and issubclass(cls, cpu_vec_isa.VecISA):
+            for attr in vars(cls).values():
+                if hasattr(attr, "cache_clear"):
+                    attr.cache_clear()

@@ -20,7 +20,7 @@ from anima_train import check, errors, speed
 from anima_train.config import load_config
 from anima_train.tiny import make_synthetic_latents
 from anima_train.train import train
-from tests.fixtures_tiny import small_run_toml
+from tests.fixtures_tiny import forget_inductor_cpu_checks, small_run_toml
 
 NO_HEADER_CXX = ('#!/bin/sh\n# a C++ compiler that cannot find Python.h (an embedded Python without include/)\n'
                  'case "$*" in *--version*|*-dumpversion*) exec g++ "$@";; esac\n'
@@ -34,7 +34,8 @@ def no_header_cxx(tmp_path):
     cxx.parent.mkdir()
     cxx.write_text(NO_HEADER_CXX)
     cxx.chmod(0o755)
-    return cxx
+    yield cxx
+    forget_inductor_cpu_checks()  # what Inductor concluded from the failing compiler must not outlive the test
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import pytest
 
 from anima_train import check, parent_watch, runs
 from nodes import worker
+from tests.fixtures_tiny import forget_inductor_cpu_checks
 
 PORTABLE_PYTHON = r"C:\Users\Me\ComfyUI_windows_portable\python_embeded\python.exe"
 
@@ -466,6 +467,7 @@ def failing_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     with inductor_config.patch({"cpp.cxx": (None, str(cxx))}):
         yield cxx
+    forget_inductor_cpu_checks()  # what Inductor concluded from the failing compiler must not outlive the test
 
 
 def _portable_layout(root) -> str:
