@@ -9,7 +9,7 @@ The console: closing the window (or logging off, or shutting down) sends CTRL_CL
 CTRL_SHUTDOWN_EVENT) to every process attached to it, the worker included. Python's `signal` module does not expose
 these; without a handler the process is simply terminated. `install_console_handler()` registers one through
 SetConsoleCtrlHandler (ctypes): it asks the training loop to stop like a stop file does (save the checkpoint and,
-with save_optimizer_state, the resumable state at the end of the current step) and blocks until training has
+unless save_state_on_stop = false, the resumable state at the end of the current step) and blocks until training has
 returned, because Windows ends the process as soon as the handler returns, or when its own timeout runs out (about
 5 s for a closed window, 20 s at logoff/shutdown): a save that needs longer is cut off there.
 """
