@@ -888,8 +888,10 @@ def load_config(source: str | os.PathLike) -> Config:
     check_rules(cfg, raw, path.parent if path is not None else Path.cwd(), p)
     if p.errors:
         n = len(p.errors)
-        raise ConfigError(f"{name}: {n} problem{'s' if n > 1 else ''} in the config:\n"
-                          + "\n".join(f"  - {e}" for e in p.errors), p.errors)
+        if n == 1:  # one problem, one line
+            raise ConfigError(f"{name}: {p.errors[0]}", p.errors)
+        raise ConfigError(f"{name}: {n} problems in the config:\n" + "\n".join(f"  - {e}" for e in p.errors),
+                          p.errors)
     for w in p.warnings:
         warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=2)
     gated = _gate(cfg)

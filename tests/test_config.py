@@ -291,7 +291,7 @@ def test_many_errors_are_reported_together():
 def test_bad_value_does_not_cause_follow_on_errors():
     # adapter.kind is unknown; the quant rule that depends on it must stay quiet instead of guessing.
     msg = _errors(D + '[adapter]\nkind = "loha"\n[quant]\nmode = "training"\n')
-    assert "unknown value \"loha\"" in msg and "1 problem" in msg
+    assert "unknown value \"loha\"" in msg and "\n" not in msg  # one problem: one line
 
 
 # --------------------------------------------------------------------------------------------- rules

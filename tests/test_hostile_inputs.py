@@ -34,14 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def refused(out: subprocess.CompletedProcess, command: str, code: int, *parts: str, one_line: bool = False) -> str:
     """Exit `code`; stderr is one `anima-train COMMAND: error: ...` message that names every part; no traceback.
-    one_line: the message is one line (a config file's problems come as a header and one line per problem)."""
+    one_line: the message is one line (several problems of a config file come as a header and a line each)."""
     err = out.stderr
     assert out.returncode == code, f"exit {out.returncode}\n{err}"
     assert "Traceback" not in err and "internal error" not in err, err
     assert err.startswith(f"anima-train {command}: error: ") and err.count("error:") == 1, err
     if one_line:
         lines = err.splitlines()
-        assert len(lines) == 1 or (len(lines) == 2 and lines[0].endswith(": 1 problem in the config:")), err
+        assert len(lines) == 1, err
     for part in parts:
         assert part in err, f"{part!r} not in:\n{err}"
     return err
