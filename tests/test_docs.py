@@ -1,0 +1,149 @@
+"""The design is written down inside the repository, and nothing in the repository points outside it.
+
+* No text file names the research notes the project was first built from (their upper-case file names, a "§"
+  section sign, the notes' folders or the build machine's absolute paths): a person who clones the repository
+  cannot read them. Facts the code relies on live in docs/ (model.md, comfyui.md, anchor.md, sdnq.md,
+  training.md, and the generated config.md).
+* One folder beside the checkout is allowed, precisely: `shared/comfyui/` (as `../shared/comfyui/...`).
+  It is the input of the CI harness (.ci/comfyui.sh extracts the ComfyUI snapshot from there, README says how to
+  point it elsewhere), not a design reference.
+* Every `docs/<file>` cited anywhere exists, and every `docs/<name>.md#<anchor>` names a heading of that file.
+  Relative links inside docs/*.md and README.md resolve as well.
+
+The patterns below are spelled so that this file does not match them itself (`[o]`, `[e]`, `\\u00a7`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+DESIGN_DOCS = ("model.md", "comfyui.md", "anchor.md", "sdnq.md", "training.md", "config.md")
+
+OUTSIDE = [
+    (re.compile(r"\b(CONFIG|MODEL|COMFYUI|SDNQ|ANCHOR|PEERS|WINDOWS|SCHEMA)\.md\b"), "a research note's file name"),
+    (re.compile("\u00a7"), "a section sign (how the research notes were cited)"),
+    (re.compile(r"/w[o]rk/"), "an absolute path of the build machine"),
+    (re.compile(r"(?<![\w.-])(?:\.\./)?shar[e]d/(?!comfyui/)"), "a folder beside the checkout (only "
+                                                                "shared/comfyui/, the CI snapshot, is allowed)"),
+    (re.compile(r"\bspe[c]/|\bseeds?/0\d\d|\bsee[d] 0\d\d\b"), "the research notes' folders"),
+]
+SKIP_DIRS = {".git", "venv", "node_modules", "__pycache__", ".pytest_cache"}
+
+
+def _candidate_files() -> list[Path]:
+    """Tracked files plus new ones git does not ignore; without git (an unpacked archive), the tree."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True, timeout=60).stdout
+        names = sorted({n for n in out.decode("utf-8", "surrogateescape").split("\0") if n})
+        return [ROOT / n for n in names if not (set(Path(n).parts) & SKIP_DIRS)]
+    except (OSError, subprocess.SubprocessError):
+        found = []
+        for folder, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith("venv")]
+            found += [Path(folder) / f for f in files]
+        return sorted(found)
+
+
+def text_files() -> dict[str, str]:
+    """{path relative to the root: text} of every text file (binary files, e.g. PNG or gzip, are skipped)."""
+    out = {}
+    for path in _candidate_files():
+        try:
+            data = path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            continue  # deleted in the work tree, or a submodule folder
+        if b"\0" in data:
+            continue
+        try:
+            out[path.relative_to(ROOT).as_posix()] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def texts() -> dict[str, str]:
+    files = text_files()
+    assert "README.md" in files and "anima_train/keymaps.py" in files, "the file listing missed the sources"
+    return files
+
+
+def test_the_design_docs_exist():
+    missing = [name for name in DESIGN_DOCS if not (DOCS / name).is_file()]
+    assert not missing, f"docs/ lacks {missing}"
+
+
+def test_nothing_points_at_notes_outside_the_repository(texts):
+    found = []
+    for name, text in texts.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for pattern, what in OUTSIDE:
+                if m := pattern.search(line):
+                    found.append(f"{name}:{number}: {m.group(0)!r} ({what}): {line.strip()[:120]}")
+    assert not found, ("references to files outside the repository; cite docs/<name>.md#<heading> instead:\n"
+                       + "\n".join(found))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation other than - and _ dropped, spaces -> -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    out, seen, fenced = set(), {}, False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6}\s+(.+?)\s*#*\s*$", line)):
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+CITATION = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.(?:md|png))(?:#([\w-]+))?")
+
+
+def test_every_cited_doc_and_heading_exists(texts):
+    bad = []
+    for name, text in texts.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for m in CITATION.finditer(line):
+                target = DOCS / m.group(1)
+                if not target.is_file():
+                    bad.append(f"{name}:{number}: docs/{m.group(1)} does not exist")
+                elif m.group(2) and m.group(2) not in anchors(target):
+                    bad.append(f"{name}:{number}: docs/{m.group(1)} has no heading #{m.group(2)}")
+    assert not bad, "\n".join(bad)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_relative_links_in_the_docs_resolve():
+    bad = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for m in LINK.finditer(line):
+                target = m.group(1)
+                if re.match(r"[a-z]+:", target):
+                    continue  # https:, mailto:
+                file_part, _, anchor = target.partition("#")
+                resolved = (page.parent / file_part).resolve() if file_part else page
+                where = f"{page.relative_to(ROOT)}:{number}: {target}"
+                if not resolved.exists():
+                    bad.append(f"{where}: no such file")
+                elif ROOT not in resolved.parents and resolved != ROOT:
+                    bad.append(f"{where}: outside the repository")
+                elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                    bad.append(f"{where}: no heading #{anchor}")
+    assert not bad, "\n".join(bad)
