@@ -5,7 +5,7 @@
     print(table)                                                      # the startup report
     optimizer = optimizers.build_optimizer(groups, cfg.optimizer)
 
-Components (MODEL.md §9, diffusers module names):
+Components (docs/model.md#linear-groups, diffusers module names):
 
     self_attn   transformer_blocks.N.attn1.{to_q,to_k,to_v,to_out.0}
     cross_attn  transformer_blocks.N.attn2.{to_q,to_k,to_v,to_out.0}

@@ -2,13 +2,14 @@
 
     anima-train audit DIR [DIR ...] [--resolution R ...] [--config cfg.toml] [--model PATH]
 
-Prints (CONFIG.md §B.3) the source-area percentiles and the suggested ladder, the collapse rate of the configured
-ladder and of the suggested one, and a verdict: SAFE to delete the images only when every readable image is cached
-at every configured tier with the current settings (and, when the model's VAE is found, by that VAE), no cache
-file is damaged (unreadable, or latents of the wrong shape/dtype for its bucket) and every source has its caption;
-otherwise NOT SAFE with the reasons and counts. The dataset warnings the trainer prints (tier collapse,
+Prints the source-area percentiles and the suggested ladder (docs/training.md#tiers-and-the-audit), the collapse rate
+of the configured ladder and of the suggested one, and a verdict: SAFE to delete the images only when every readable
+image is cached at every configured tier with the current settings (and, when the model's VAE is found, by that VAE),
+no cache file is damaged (unreadable, or latents of the wrong shape/dtype for its bucket) and every source has its
+caption; otherwise NOT SAFE with the reasons and counts. The dataset warnings the trainer prints (tier collapse,
 min_source_area drops, unused caches) come as "warning:" lines. Every image without a valid cache is decoded (a
-truncated one is a NOT SAFE reason, by name: it can never be cached). Exit status 0 = SAFE, 4 = NOT SAFE (errors.DATA_VERDICT_EXIT), 2 = error.
+truncated one is a NOT SAFE reason, by name: it can never be cached). Exit status 0 = SAFE, 4 = NOT SAFE
+(errors.DATA_VERDICT_EXIT), 2 = error.
 
 Tiers and bucket settings: --resolution / flags, else --config, else the settings recorded in the caches
 themselves (the most common record), else the defaults (resolution 1024).

@@ -1,6 +1,6 @@
 """Aspect-ratio bucketing, sd-scripts-exact, plus the per-side cap, tiers and the size audit.
 
-Behaviour (CONFIG.md §B.1, §B.3) reimplemented from facts read in kohya-ss/sd-scripts
+Behaviour (docs/training.md#buckets, #tiers-and-the-audit) reimplemented from facts read in kohya-ss/sd-scripts
 (library/model_util.py `make_bucket_resolutions`, library/train_util.py `BucketManager.select_bucket`,
 `get_crop_ltrb`, `trim_and_resize_if_required`). tests/data/buckets/sdscripts_parity.csv.gz holds the answers
 sd-scripts' own code gave for ~21k (size, setting) pairs; tests/test_buckets.py requires all of them.
@@ -10,7 +10,7 @@ Two branches, picked by `bucket_no_upscale`:
     to ≈r² keeping its aspect (one side rounded to a step, the choice that keeps the aspect closer), a smaller
     one is left alone; the bucket is that size floored to `bucket_reso_steps`, the excess is centre-trimmed.
     `min_bucket_reso` is never read here (as in sd-scripts). The resize target is the pre-floor size, as in
-    sd-scripts. CONFIG.md §B.1's "resized by max(bw/w, bh/h)" differs: a source inside the budget whose sides
+    sd-scripts. The original trainer's "resized by max(bw/w, bh/h)" differs: a source inside the budget whose sides
     are not step multiples keeps its size here and is trimmed up to step-1 px per axis (1061 of the 4224
     no-upscale parity rows), and rounding differs by 1 px on a few resized sources (8 rows).
   * upscale: a predefined list of buckets under the area budget; the nearest aspect wins and the image is
@@ -241,8 +241,8 @@ def verify_max_resolution(buckets: Iterable[tuple[int, int]]) -> list[tuple[int,
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Tiers (CONFIG.md §B.3): every source is bucketed at every tier. Buckets grow with the tier until the tier
-# passes the source's own area; above that a tier repeats a lower tier's bucket ("collapse").
+# Tiers (docs/training.md#tiers-and-the-audit): every source is bucketed at every tier. Buckets grow with the
+# tier until the tier passes the source's own area; above that a tier repeats a lower tier's bucket ("collapse").
 # "Grow" holds per side for ladders spaced like the audit's (x1.25) but not for tiers about one step apart:
 # sd-scripts rounds the width first at one tier and the height at the next, so 2847x926 buckets to 1792x576
 # at 1024 and 1728x576 at 1088. Collapse is therefore "same bucket as any lower tier", never a size test.
@@ -336,7 +336,7 @@ def tier_report(counts: Sequence[TierCounts], n_sources: int) -> tuple[list[str]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Audit (CONFIG.md §B.3): what ladder does this dataset's size distribution support?
+# Audit (docs/training.md#tiers-and-the-audit): what ladder does this dataset's size distribution support?
 
 AUDIT_PERCENTILES = (0.01, 0.05, 0.10, 0.25, 0.50, 0.90)
 

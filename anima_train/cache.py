@@ -1,4 +1,4 @@
-"""`anima-train cache`: encode a dataset's images into latent caches next to them (CONFIG.md §B.2).
+"""`anima-train cache`: encode a dataset's images into latent caches next to them (docs/training.md#latent-caches).
 
     anima-train cache DIR [DIR ...] --resolution 768 1024 [--dry-run] [--overwrite] [--allow-missing-captions]
     anima-train cache --config cfg.toml            # [dataset] folders/settings and train.model_path from a config

@@ -1,4 +1,4 @@
-"""Caption building (CONFIG.md §4, §B.6): a fresh caption on every __getitem__.
+"""Caption building (docs/training.md#captions): a fresh caption on every __getitem__.
 
 Files: `<stem>.txt` holds the tags (delimited by `tag_delimiter`, default ", "); an optional `<stem>_nl.txt`
 next to it holds a natural-language caption. `read_caption_files(stem)` reads both. Captions are UTF-8 (a byte-order

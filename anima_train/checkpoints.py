@@ -1,4 +1,4 @@
-"""Checkpoint names, pruning, and the resumable `-state` directory (CONFIG.md §B.11, seed §4).
+"""Checkpoint names, pruning, and the resumable `-state` directory (docs/training.md#outputs-and-resume).
 
     <output_dir>/<run_name>/
       <run_name>-step000060.safetensors   periodic, 6-digit step

@@ -1,6 +1,7 @@
 """The trainer's configuration: one TOML file, typed dataclasses, every rule checked at load.
 
-This module is the single source of truth for the config keys (see /work/shared/spec/CONFIG.md). Every key is a
+This module is the single source of truth for the config keys (docs/config.md is generated from it; the behaviour
+behind the keys is in docs/training.md). Every key is a
 dataclass field whose metadata carries a one-line `help`, its `choices` when it is an enum, and its numeric bounds
 (`ge`/`gt`/`le`/`lt`), so the CLI, the ComfyUI node inputs and the docs can all be generated from `iter_fields`.
 
@@ -45,7 +46,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES
 LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
-ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
+ROPE_SIDE_LIMIT = 2048  # RoPE table: 128 patch units x 16 px; 2112 crashes (docs/training.md#rope-side-limits)
 ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
 TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
 MAX_RANK = 4096  # above every layer width of Anima and Qwen3: a larger rank adds nothing (and 10**20 crashes torch)
@@ -975,7 +976,7 @@ _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f
 
 
 def sanitize_run_name(name: str, fallback: str = "anima") -> str:
-    """A run name safe as a file stem on every OS (CONFIG.md B.13): `my run 2` -> `my-run-2`, `.hidden` -> `hidden`.
+    """A run name safe as a file stem on every OS (docs/training.md#run-names): `my run 2` -> `my-run-2`.
 
     Keeps Unicode letters/digits and - _ . ; any other run of characters becomes one '-'; leading/trailing '-'
     and '.' are stripped; Windows device names get '-run' appended; an empty result gives `fallback`.

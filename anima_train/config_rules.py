@@ -20,7 +20,7 @@ from anima_train.config import (COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE
 
 
 def check_rules(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
-    """Every load-time and cross-field rule of CONFIG.md; appends to `p`, never raises."""
+    """Every load-time and cross-field rule of the config (docs/config.md); appends to `p`, never raises."""
     _check_texture_source(cfg, p)
     _check_train_and_tiers(cfg, raw, p)
     _check_dataset(cfg, raw, base_dir, p)

@@ -21,8 +21,9 @@ Default tokenizer repo: circlestone-labs/Anima-Base-v1.0-Diffusers, the diffuser
 (the original trainer README used a community mirror, Bluvoll/Anima-v1.0-Base-Diffusers, and notes both give
 identical ids; we prefer the first-party source).
 
-Model configs are inferred from tensor shapes (the released files give exactly the MODEL.md §3 configs); values a
-checkpoint cannot carry (RoPE constants, the adapter's 512-token padding, Qwen3 RoPE theta) are the real ones.
+Model configs are inferred from tensor shapes (the released files give exactly the configs of
+docs/model.md#configurations); values a checkpoint cannot carry (RoPE constants, the adapter's 512-token padding,
+Qwen3 RoPE theta) are the real ones.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _count(sd: dict, pattern: str) -> int:
 
 
 def transformer_config(sd: dict) -> dict:
-    from anima_train.tiny import TRANSFORMER_FULL  # the real constants (MODEL.md §3)
+    from anima_train.tiny import TRANSFORMER_FULL  # the real constants (docs/model.md#configurations)
 
     hidden, patch_in = sd["patch_embed.proj.weight"].shape
     head_dim = sd["transformer_blocks.0.attn1.norm_q.weight"].shape[0]

@@ -1,5 +1,5 @@
 """The dataset pipeline: scan folders, bucket every source at every tier, find (and check) latent caches, and
-serve bucket-homogeneous batches (CONFIG.md §2, §3, §B.1-§B.4, §B.6).
+serve bucket-homogeneous batches (docs/training.md: buckets, latent caches, tiers, batches, captions).
 
     build_training_data(cfg, model_path) -> TrainingData   what the trainer calls
     scan_folders / plan_sources / attach_caches              the same steps, used by `anima-train cache` / `audit`
@@ -764,7 +764,7 @@ def load_pixels(image: Path, plan: BucketPlan):
 
 
 def encode_latents(vae, pixels):
-    """Normalised latents (MODEL.md §4, §6): (vae.encode(x).latent_dist.mode() - mean) / std, float32.
+    """Normalised latents (docs/model.md#latent-normalisation): (vae.encode(x).latent_dist.mode() - mean) / std, fp32.
     pixels: [B, 3, 1, H, W] in [-1, 1] -> [B, 16, 1, H/8, W/8]."""
     import torch
 

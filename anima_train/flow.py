@@ -1,5 +1,6 @@
 """Flow-matching math: timestep sampling (incl. curriculum ranges), noising, OT noise pairing, the loss with the
-optional high-frequency token term (CONFIG.md §9, §10, §B.7, §B.8, §B.9).
+optional high-frequency token term (docs/training.md#flow-matching-and-timesteps, #curriculum and
+#ot-noise-pairing).
 
     t = sample_timesteps(B, cfg.flow, gen, latent_hw=(h, w), phase=active_phase(cfg.curriculum, progress))
     noise, moved = ot_pair_noise(x0, noise) if cfg.flow.use_ot else (noise, 0.0)
@@ -7,7 +8,8 @@ optional high-frequency token term (CONFIG.md §9, §10, §B.7, §B.8, §B.9).
     pred = transformer(x_t, timestep=t, ...)
     loss, parts = flow_loss(pred, x0, noise, x_t, t, cfg.flow.hf_scale, cfg.flow.hf_exponent, mask)
 
-Latents are 5-D [B, 16, 1, h, w] (MODEL.md §4); 4-D [B, C, h, w] works too. t is [B] in [0, 1], t = 1 is noise.
+Latents are 5-D [B, 16, 1, h, w] (docs/model.md#tensors-and-shapes); 4-D [B, C, h, w] works too. t is [B] in
+[0, 1], t = 1 is noise.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from anima_train.config import CurriculumPhase, FlowConfig, shift_problem
 PATCH = 2  # the DiT's spatial patch (patch_size = (1, 2, 2)): one token = 2x2 latent pixels
 HF_EPS = 1e-6  # keeps a flat target's weights finite (0/0 otherwise)
 TRUNCATE_ROUNDS = 64  # rejection rounds of 4*B draws before a truncated range is declared (almost) empty
-# flux_shift: mu is linear in the token count between these two points (CONFIG.md §B.8).
+# flux_shift: mu is linear in the token count between these two points
+# (docs/training.md#flow-matching-and-timesteps).
 FLUX_TOKENS = (256, 4096)
 FLUX_MU = (0.5, 1.15)
 
@@ -83,10 +86,10 @@ def sample_timesteps(batch: int, cfg: FlowConfig, generator: torch.Generator,
     """[batch] float32 timesteps on the generator's device.
 
     Draw (uniform, or σ(sigmoid_scale·N(0,1))), then shift or flux_shift (latent_hw = latent (h, w)), THEN the
-    phase's t_range (§B.7: the order matters, shift is nonlinear). `rescale` maps t·(hi−lo)+lo, keeping every
-    quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of 4·batch draws and
-    raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly as without a
-    curriculum."""
+    phase's t_range (docs/training.md#curriculum: the order matters, shift is nonlinear). `rescale` maps
+    t·(hi−lo)+lo, keeping every quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of
+    4·batch draws and raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly
+    as without a curriculum."""
     if shift_problem(cfg):  # a config built in code never went through load_config
         raise ValueError(shift_problem(cfg))
     lo, hi = _phase_range(phase)
@@ -154,7 +157,8 @@ def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def ot_pair_noise(latents: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Pair each latent with its most cosine-similar noise row within this micro-batch (§B.9).
+    """Pair each latent with its most cosine-similar noise row within this micro-batch
+    (docs/training.md#ot-noise-pairing).
 
     Cost = −cosine(latent_i, noise_j) of the flattened rows, solved by scipy.optimize.linear_sum_assignment;
     the noise rows are permuted. B = 1 or no scipy → the identity, i.e. exactly no OT. Returns the (possibly
@@ -204,7 +208,8 @@ def _laplacian_energy(x: torch.Tensor) -> torch.Tensor:
 
 def hf_token_weights(x0: torch.Tensor, patch: int = PATCH, exponent: float = 1.0,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token detail weights from the CLEAN target only (§B.8), shaped like `_token_mean` output.
+    """Per-token detail weights from the CLEAN target only, shaped like `_token_mean` output (the hf term of
+    docs/training.md#flow-matching-and-timesteps).
 
     d = token mean of the squared Laplacian; w = ((d+ε)/(mean d+ε))^exponent, renormalised to per-sample mean 1.
     With a mask (broadcastable to x0, 1 = supervised) it is pooled per token (m) and the weights are scaled so

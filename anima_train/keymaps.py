@@ -28,7 +28,7 @@ NATIVE_PREFIXES = ("net.", "model.diffusion_model.")  # both are accepted by Com
 ADAPTER_PREFIX = "llm_adapter."  # native sub-tree of the LLM adapter, after NATIVE_PREFIX
 
 # ----------------------------------------------------------------------------------------------------------
-# DiT: diffusers module path -> native module path. Complete for the Anima config (MODEL.md §7).
+# DiT: diffusers module path -> native module path. Complete for the Anima config (docs/model.md#dit-key-map).
 # Module level (not tensor level) so LoRA export can map module names too; `.weight`/`.bias`/`.lora_A.weight`
 # and anything else after the module path are carried over unchanged.
 
@@ -202,7 +202,7 @@ def qwen3_diffusers_to_native(sd: Mapping) -> dict:
 # same flat list (`encoder.down_blocks.i`). Decoder: per stage `num_res_blocks + 1` ResidualBlocks then a Resample
 # (not after the last stage); diffusers nests them: `decoder.up_blocks.<stage>.resnets.<k>` / `.upsamplers.0`.
 # So with R = num_res_blocks, flat decoder index j is stage j // (R+2), position j % (R+2), and position R+1 is the
-# upsampler (R=2: j = 3, 7, 11 — the rule in MODEL.md §7). attn_scales=[] is assumed (true for every Wan2.1 VAE).
+# upsampler (R=2: j = 3, 7, 11; docs/model.md#vae-key-map). attn_scales=[] is assumed (true for every Wan2.1 VAE).
 
 _VAE_RESIDUAL_NATIVE_TO_DIFFUSERS = {
     "residual.0.": "norm1.",

@@ -10,7 +10,7 @@ The trainer holds peft-adapted diffusers models; these functions turn them into 
     save_full_diffusers(folder, transformer, text_conditioner, metadata)     # transformer/ + text_conditioner/
     metadata = training_metadata(kind="lora", title=..., rank=32, alpha=32, steps=..., ...)
 
-Scale conventions (why the files look the way they do; COMFYUI.md §6, MODEL.md §8):
+Scale conventions (why the files look the way they do; docs/model.md#scale-conventions, #what-the-loaders-accept):
 - peft LoRA: ΔW = B·A·s with s = peft's `scaling` (alpha/r, or alpha/√r with rsLoRA). diffusers'
   AnimaLoraLoaderMixin rejects `.alpha` keys and assumes alpha = r without metadata; ComfyUI uses scale 1 without
   `.alpha`. So s is folded into lora_B and no `.alpha` is written: both apply exactly ΔW.
@@ -86,7 +86,7 @@ def training_metadata(*, kind: str, title: str, rank: int | None = None, alpha: 
         "modelspec.implementation_version": f"anima-train/{__version__}",
         "modelspec.title": title,
         "modelspec.date": now.isoformat(),
-        "modelspec.prediction_type": "flow",  # rectified flow, velocity target (MODEL.md §6)
+        "modelspec.prediction_type": "flow",  # rectified flow, velocity target (docs/model.md#flow-matching)
         "ss_base_model_version": BASE_MODEL_VERSION,
         RUN_KEY: title,
         "ss_training_finished_at": str(now.timestamp()),
@@ -313,7 +313,7 @@ def save_lokr(path, transformer, text_conditioner=None, metadata: Mapping | None
 
 
 def text_encoder_lora_path(path: str | os.PathLike) -> Path:
-    """`<stem>.safetensors` -> `<stem>_te.safetensors` (CONFIG.md §B.11)."""
+    """`<stem>.safetensors` -> `<stem>_te.safetensors` (docs/training.md#outputs-and-resume)."""
     path = Path(path)
     return path.with_name(f"{path.stem}_te{path.suffix or '.safetensors'}")
 

@@ -6,7 +6,7 @@
     parts.vae                                                          # loaded on first access (lazy)
 
 The repo is the one `anima-train convert` writes (or any diffusers Anima repo with the same subfolders). Every
-component is loaded from its own subfolder with the plain `from_pretrained` of its class (MODEL.md §2); the
+component is loaded from its own subfolder with the plain `from_pretrained` of its class (docs/model.md#components); the
 modular-pipeline index is never read. Everything is checked *before* the first weight is read, so a repo converted
 without tokenizers fails in a second with a message naming the fix, not after loading 4 GB.
 """

@@ -11,7 +11,7 @@
 | lion | sdnq.optim.Lion | 2 betas (interpolation, EMA) |
 | muon | sdnq.optim.Muon | matrices (ndim >= 2) get Muon, 1-D tensors (norms, biases) get SDNQ's AdamW |
 
-SDNQ facts that shape this module (SDNQ.md §6, read in sdnq/optim/*.py):
+SDNQ facts that shape this module (docs/sdnq.md#optimizers, read in sdnq/optim/*.py):
 - Every group dict must have exactly the class's key set (bare AssertionError otherwise), so groups reach SDNQ with
   only params/lr/weight_decay/betas (+ the flags below); `name` and other keys of ours are put back on
   `optimizer.param_groups` after construction.

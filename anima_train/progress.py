@@ -1,6 +1,6 @@
 """How a run reports itself: a tqdm bar, plain lines, or nothing per step — plus a JSON-lines event stream.
 
-Human output (CONFIG.md §B.12):
+Human output (docs/training.md#progress-output):
   bar    e3  47%|█████▍      | 1410/3000 [42:11<47:34, 1.80s/step, loss 0.0712 (mse 0.0650 + hf 0.0062)  lr 2.71e-05  peak 8.1GB]
   plain  e3 step 1410/3000 (47%)  loss 0.0712 (mse 0.0650 + hf 0.0062)  lr 2.71e-05  1.80s/it  peak 8.1GB  eta 47m34s
 `auto` draws the bar on a terminal and plain lines otherwise (a bar redirected into a log file is thousands of

@@ -1,4 +1,4 @@
-"""SDNQ quantization of the models ([quant], CONFIG.md §8; facts in SDNQ.md), sdnq 0.2.8.
+"""SDNQ quantization of the models ([quant]; the facts it relies on: docs/sdnq.md), sdnq 0.2.8.
 
     report = quantize_models({"transformer": t, "text_conditioner": c, "text_encoder": q}, cfg,
                              token_counts=[dit_tokens(w, h) for w, h in sample_sizes])
@@ -9,7 +9,7 @@
 Both modes use SDNQ's *training* format (`sdnq.training.sdnq_training_post_load_quant`): each selected nn.Linear
 weight becomes an `SDNQTensor` parameter and the layer gets SDNQ's autograd forward. The inference format
 (`sdnq_post_load_quant`) is never used: its layers run under torch.no_grad, which silently cuts the gradient to
-every adapter before the last one (SDNQ.md §4).
+every adapter before the last one (docs/sdnq.md#training-format-only).
 
 - mode = "frozen" (LoRA/LoKr): base weights quantized with deterministic rounding and requires_grad False;
   the adapters (injected afterwards; SDNQ's layer subclasses nn.Linear, so peft wraps it) train in plain tensors.
@@ -25,9 +25,9 @@ every adapter before the last one (SDNQ.md §4).
   the training format lacks): for each layer the first dtype from weights_dtype *upward* in SDNQ's order whose
   normalised MSE (mse / var(w)) is <= the threshold is chosen and passed on through `modules_dtype_dict`; a layer
   that meets it with no dtype stays unquantized. So weights_dtype is the smallest dtype you accept (e.g. "int4").
-- use_quantized_matmul: "auto" = CONFIG.md §B.14 (resolve_quantized_matmul); always off in mode "training".
-- use_grad_ckpt (SDNQ's inverted flag, SDNQ.md §3) follows train.gradient_checkpointing.
-- No autocast: SDNQ's backward has no custom_fwd/custom_bwd and fails on mixed dtypes (CONFIG.md §B.13).
+- use_quantized_matmul: "auto" = docs/sdnq.md#quantized-matmul (resolve_quantized_matmul); off in mode "training".
+- use_grad_ckpt (SDNQ's inverted flag, docs/sdnq.md#use_grad_ckpt) follows train.gradient_checkpointing.
+- No autocast: SDNQ's backward has no custom_fwd/custom_bwd and fails on mixed dtypes (docs/sdnq.md#no-autocast).
 
 CPU (this machine): every path here runs on CPU (quantized matmul through torch._int_mm, with a warning about
 Triton). SDNQ's GPU kernels (Triton int8/fp8 matmul) and its torch.compile of the dequantizers are untested here.
@@ -47,7 +47,7 @@ import torch
 from anima_train.config import Config, QuantConfig
 
 SDNQ_VERSION = "0.2.8"
-QUANTIZED_MATMUL_MIN_TOKENS = 2900  # CONFIG.md §B.14: token-weighted mean DiT sequence length for "auto"
+QUANTIZED_MATMUL_MIN_TOKENS = 2900  # "auto": token-weighted mean DiT length (docs/sdnq.md#quantized-matmul)
 MIN_NUMEL, MIN_CHANNELS = 16384, 32  # SDNQ's own floor (minimum_allowed_numel / minimum_allowed_channel_size)
 
 # DiT layers that stay unquantized, per skip_policy (patterns as in skip_matches). Base: the in/out projections,
@@ -58,7 +58,7 @@ SKIP_POLICIES: dict[str, list[str]] = {
     "default": _DIT_IO + ["transformer_blocks.0.norm*"],
     # the same set, named for configs that spell it out
     "first_block_adaln": _DIT_IO + ["transformer_blocks.0.norm*"],
-    # every block's adaLN stays in train.dtype (~13% lower error for ~0.13 GB, CONFIG.md §8)
+    # every block's adaLN stays in train.dtype (~13% lower error for ~0.13 GB, docs/sdnq.md#which-linears)
     "all_adaln": _DIT_IO + ["transformer_blocks.*.norm[123].*"],
     # int8-matmul preset: adaLN runs on one row per sample, under SDNQ's 32-row floor for quantized matmul, so
     # quantizing it only adds dequantization work; same set as all_adaln
@@ -126,7 +126,7 @@ def token_weighted_mean(token_counts: Sequence[int]) -> float:
 
 
 def resolve_quantized_matmul(qcfg: QuantConfig, token_counts: Sequence[int] | None = None) -> bool:
-    """CONFIG.md §B.14: off in mode "training"; an explicit true/false wins otherwise; "auto" = on iff
+    """docs/sdnq.md#quantized-matmul: off in mode "training"; an explicit true/false wins otherwise; "auto" = on iff
     Σt²/Σt >= 2900 over the samples' DiT token counts (≈ 860 px square; below ~1024 px it is a slowdown)."""
     if qcfg.mode in ("none", "training"):
         if qcfg.mode == "training" and qcfg.use_quantized_matmul is True:

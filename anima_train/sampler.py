@@ -99,7 +99,7 @@ class EpochKeys:
 
 def steps_per_epoch(num_batches: int, num_processes: int = 1, accum: int = 1) -> int:
     """Optimizer steps per epoch: ceil(ceil(batches / processes) / accum); a partial accumulation group still
-    steps (CONFIG.md §B.4: 113 images, batch 12, accum 2, 2 processes -> 10 batches -> 3 steps)."""
+    steps (docs/training.md#batches-and-steps: 113 images, batch 12, accum 2, 2 processes -> 10 batches -> 3 steps)."""
     return math.ceil(math.ceil(num_batches / max(1, num_processes)) / max(1, accum))
 
 

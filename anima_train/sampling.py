@@ -1,7 +1,7 @@
 """Preview images while training ([sample]): the model being trained, adapter active, sampled as ComfyUI samples it.
 
-What ComfyUI's KSampler does for Anima (sampler "euler", scheduler "simple"; COMFYUI.md §5.3, read in the snapshot's
-comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py) and what this module does the same way:
+What ComfyUI's KSampler does for Anima (sampler "euler", scheduler "simple"; docs/comfyui.md#sampling, read in the
+snapshot's comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py) and what this module does the same way:
   * sigmas: ModelSamplingDiscreteFlow keeps 1000 sigmas shift(t), t = 1/1000 .. 1 (float32), with
     shift(t) = s·t / (1 + (s − 1)·t) and s = 3.0 for Anima; "simple" takes every (1000/steps)-th from the top, then 0;
   * noise: torch.randn of the latent's shape [1, 16, 1, H/8, W/8], float32, on the CPU, from a generator seeded

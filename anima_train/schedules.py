@@ -1,10 +1,11 @@
-"""Learning-rate schedules: one multiplier curve on each param group's own peak LR (CONFIG.md §12, §B.5).
+"""Learning-rate schedules: one multiplier curve on each param group's own peak LR
+(docs/training.md#learning-rate-schedules).
 
     mult = lr_multiplier(step, total_steps, cfg.schedule)        # pure math, step = optimizer step
     sched = build_scheduler(optimizer, cfg.schedule, total_steps, accelerator.num_processes)
     optimizer, sched = accelerator.prepare(optimizer, sched)    # Accelerate wraps it; see build_scheduler
 
-Notation (§B.5): W = warmup_steps, D = max(1, total − W), p = min(1, (step − W)/D), f = min_lr_ratio.
+Notation (as in the docs): W = warmup_steps, D = max(1, total − W), p = min(1, (step − W)/D), f = min_lr_ratio.
 Warmup is (step+1)/W for step < W; after it the curve starts at exactly 1, so the two join without a jump.
 """
 

@@ -1,12 +1,13 @@
 """Prompt encoding for training: Qwen3 hidden states + T5 ids → LLM adapter context, as the diffusers pipeline does.
 
 Text embeddings are never cached: tag shuffling and caption dropout make a different caption for the same image each
-epoch, so both tokenizers and Qwen3 run on every step (MODEL.md §5). The conditioner (LLM adapter) runs inside the
-training graph because it may be trainable.
+epoch, so both tokenizers and Qwen3 run on every step (docs/model.md#prompt-encoding). The conditioner (LLM
+adapter) runs inside the training graph because it may be trainable.
 
-Facts (diffusers `AnimaTextEncoderStep`, MODEL.md §5): both tokenizers get the raw prompt, no template; padding
-"longest", truncation at `max_sequence_length` (512); Qwen adds no BOS/EOS, T5 appends `</s>`; when the whole batch
-tokenises to zero Qwen tokens the ids become a single 0 with mask 0; the Qwen hidden state is multiplied by its mask.
+Facts (diffusers `AnimaTextEncoderStep`; docs/model.md#prompt-encoding): both tokenizers get the raw prompt, no
+template; padding "longest", truncation at `max_sequence_length` (512); Qwen adds no BOS/EOS, T5 appends `</s>`;
+when the whole batch tokenises to zero Qwen tokens the ids become a single 0 with mask 0; the Qwen hidden state is
+multiplied by its mask.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Texture mode: the crop curriculum (CONFIG.md §5, §B.10).
+"""Texture mode: the crop curriculum (docs/training.md#texture-mode).
 
 A `[[curriculum]]` phase with `mode = "texture"` replaces the bucketed full image of every texture-eligible sample
 with a canvas-sized crop of the *source* at native scale, chosen per step where the detail is, and captioned with
@@ -67,7 +67,8 @@ def texture_phases(cfg) -> list:
 
 
 def refuse_multi_process(cfg, processes: int) -> None:
-    """CONFIG.md §1: a texture phase on more than one process is a startup error unless allow_multi_gpu_texture."""
+    """A texture phase on more than one process is a startup error unless allow_multi_gpu_texture
+    (docs/training.md#several-processes)."""
     if processes > 1 and texture_phases(cfg) and not cfg.train.allow_multi_gpu_texture:
         raise TextureError(MULTI_PROCESS_REFUSAL.format(n=processes))
 

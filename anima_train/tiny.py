@@ -4,24 +4,26 @@
     make_synthetic_dataset(out_dir, n=16, seed=0)    -> [image paths]  (captions in <stem>.txt)
 
 Nothing here downloads anything: the models use the real diffusers/transformers classes with small configs
-(MODEL.md §10), the tokenizers are built from a fixed tag corpus (MODEL.md §11), and everything is deterministic
-for a given seed (same bytes for the weight, tokenizer and image files).
+(docs/model.md#tiny-models), the tokenizers are built from a fixed tag corpus (docs/model.md#tokenizers), and
+everything is deterministic for a given seed (same bytes for the weight, tokenizer and image files).
 
 Sizes
-- "tiny": the MODEL.md §10 configs; the whole repo is ~4 MB and builds in well under a second (after imports).
-- "comfy": the smallest Anima that ComfyUI's model detection builds correctly (COMFYUI.md §5.2), so the native
-  files can be loaded by UNETLoader / VAELoader in integration tests:
+- "tiny": the configs of docs/model.md#tiny-models; the whole repo is ~4 MB and builds in well under a second
+  (after imports).
+- "comfy": the smallest Anima that ComfyUI's model detection builds correctly (docs/comfyui.md#model-detection), so
+  the native files can be loaded by UNETLoader / VAELoader in integration tests:
   * DiT width 256: ComfyUI reads the width from `x_embedder.proj.1.weight` but hard-codes 16 heads and 10 blocks
     for any width other than 2048/5120, so the file must have exactly 10 blocks and 16 heads; head_dim = 256/16 = 16
     is even and >= 12 as the RoPE t/h/w split needs (8 or 10 divide by zero). 256 is the smallest width verified
-    in ComfyUI [run, COMFYUI.md]. Cross-attention input 1024 and AdaLN-LoRA rank 256 are ComfyUI constants.
+    in ComfyUI (tested). Cross-attention input 1024 and AdaLN-LoRA rank 256 are ComfyUI constants.
   * llm_adapter at full size (the real CONDITIONER config): ComfyUI builds it with fixed dims, so it cannot shrink;
     it is ~135 M of the ~158 M parameters (~315 MB in bf16).
   * VAE: Wan2.1 layout with dim 16 but num_res_blocks=2 (ComfyUI hard-codes 2 and reads dim from
     `decoder.head.0.gamma`); same 194 tensor names as the real VAE.
   * Qwen3: hidden 1024 because the adapter's source_dim is 1024; otherwise tiny (2 layers, vocab 300).
     ComfyUI hard-codes the full Qwen3-0.6B config (28 layers, vocab 151936), so it DETECTS this file as
-    Qwen3-0.6B but cannot load it (size mismatch); ComfyUI tests inject CONDITIONING instead (COMFYUI.md §5.2).
+    Qwen3-0.6B but cannot load it (size mismatch); ComfyUI tests inject CONDITIONING instead
+    (docs/comfyui.md#conditioning).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from anima_train import keymaps
 from anima_train.atomic import atomic_path, write_text
 
 # ----------------------------------------------------------------------------------------------------------
-# Configurations (MODEL.md §3 real, §10 tiny)
+# Configurations (docs/model.md#configurations real, #tiny-models tiny)
 
 TRANSFORMER_FULL = dict(in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128,
                         num_layers=28, mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256,
@@ -101,7 +103,7 @@ def tokenizer_corpus() -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Tokenizers (MODEL.md §11). Both are deterministic: BPE training in `tokenizers` is (checked), the Unigram
+# Tokenizers (docs/model.md#tokenizers). Both are deterministic: BPE training in `tokenizers` is (checked), the Unigram
 # trainer is not (its scores vary run to run), so the T5-like vocabulary is built directly from word counts.
 
 def build_qwen_tokenizer(vocab_size: int = 300):

@@ -3,10 +3,11 @@
     anima-train train cfg.toml [--max-steps N] [--no-save] [--dry-run] [--events PATH|-]
     accelerate launch --num_processes 2 -m anima_train train cfg.toml
 
-Flow matching (MODEL.md §6): x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, context). Latents come
-from the cache (or the VAE under `source = "encode"`); captions are rebuilt and encoded on every step because tag
-shuffling and dropout change them per epoch. Accelerate runs it on one or many processes; it is constructed with
-`mixed_precision="no"` because precision is `train.dtype` and nothing else (autocast breaks SDNQ's backward).
+Flow matching (docs/model.md#flow-matching): x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t,
+context). Latents come from the cache (or the VAE under `source = "encode"`); captions are rebuilt and encoded on
+every step because tag shuffling and dropout change them per epoch. Accelerate runs it on one or many processes; it
+is constructed with `mixed_precision="no"` because precision is `train.dtype` and nothing else (autocast breaks
+SDNQ's backward).
 """
 
 from __future__ import annotations
@@ -349,7 +350,7 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     from (None: a fresh run) and the claim (runs.Claim: told when the first checkpoint is saved)."""
     from anima_train.texture import refuse_multi_process
 
-    # texture phases: one process unless allow_multi_gpu_texture (CONFIG.md §1)
+    # texture phases: one process unless allow_multi_gpu_texture (docs/training.md#several-processes)
     refuse_multi_process(cfg, accelerator.num_processes)
     if note := _precision_note():
         say(note)
@@ -380,8 +381,8 @@ def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, all
 
 
 def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
-    """Every random stream has its own generator; ranks differ by their index (CONFIG.md §B.13). The global seed
-    covers the rest (peft's adapter initialisation, LoRA dropout)."""
+    """Every random stream has its own generator; ranks differ by their index (docs/training.md#precision-and-seeds).
+    The global seed covers the rest (peft's adapter initialisation, LoRA dropout)."""
     torch.manual_seed(seed)
     return {"noise": torch.Generator(device=device).manual_seed(seed),  # ε, on the device
             "timestep": torch.Generator().manual_seed(seed)}  # t, on the CPU (tiny draws)
@@ -467,7 +468,7 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
 
 def _total_steps(cfg: Config, per_epoch: int) -> int:
     """The run's horizon: max_steps is the horizon and a hard stop, but the epochs still bound the loop
-    (CONFIG.md §1)."""
+    (docs/training.md#several-processes)."""
     epochs_total = per_epoch * cfg.train.epochs
     return min(cfg.train.max_steps, epochs_total) if cfg.train.max_steps else epochs_total
 
