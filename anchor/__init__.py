@@ -9,7 +9,7 @@ that the caller imports explicitly, or reaches lazily through this package's att
     anchor.attach   attach(model, anchor) / detach() on diffusers models, s01_from_sigma(objective, value)
     anchor.cli      `anchor-info` and `anchor-convert` subcommands
 
-File format: /work/shared/seeds/002 (SCHEMA.md of the producer); runtime facts: spec/ANCHOR.md.
+File format and runtime: docs/anchor.md.
 """
 
 FORMAT = "amoe.diffusion.anchor"

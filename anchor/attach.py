@@ -180,7 +180,7 @@ def _layerwise_casting_dtype(model):
 
 
 def declared_dtype(model, dtype=None, site_modules=()):
-    """The trunk's declared compute dtype (spec/ANCHOR.md §5.4), which the adapters are cast to:
+    """The trunk's declared compute dtype (docs/anchor.md#declared-dtype), which the adapters are cast to:
 
     1. `dtype`: what the caller loaded or cast the model as (e.g. AnimaComponents.dtype), the declaration itself;
     2. what diffusers records: layerwise casting's compute dtype, or the dtype a quantized model was loaded with

@@ -1,6 +1,6 @@
 """The amoe.diffusion.anchor file: read/write both containers, verify content hash v2, detect kind, render card().
 
-In memory an anchor is a flat dict "{site}.{param_path}" -> tensor plus a meta dict (seed 002 / spec ANCHOR.md §1):
+In memory an anchor is a flat dict "{site}.{param_path}" -> tensor plus a meta dict (docs/anchor.md#file-format):
     .safetensors  tensors "blocks.{site}.{param_path}" (key_layout "amoe", canonical) or
                   "diffusion_model.{site_name}.aleph_relay.{param_path}" (key_layout "comfy", export only);
                   metadata str->str: format, version, key_layout, amoe_meta (meta as JSON), and greppable copies

@@ -1,4 +1,4 @@
-"""The two attachable adapter kinds and the multiband band law (spec/ANCHOR.md §2-3).
+"""The two attachable adapter kinds and the multiband band law (docs/anchor.md#adapter-kinds, #band-gating).
 
 Both read a block's output hidden states x[..., d] (feature axis last) and return x + delta:
     relay       delta = sigmoid(gate) · consume(m̂(proj(x) viewed as [..., n_slots, 4]))

@@ -3,7 +3,7 @@
 Site order is the TRAINING order: diffusers `named_modules()` order, where a UNet registers
 down_blocks -> up_blocks -> mid_block (mid is LAST). A denoiser's execution order (input -> middle -> output)
 is different; zipping the two positionally misplaces sites and still runs. So: map by site identity (names),
-then verify the width signature element by element (spec/ANCHOR.md §4-5, spec/COMFYUI.md §7).
+then verify the width signature element by element (docs/anchor.md#sites, #loading-and-attaching).
 
 Names come in two spellings, both accepted wherever a name is read:
     diffusers  down_blocks.0.attentions.0.transformer_blocks.0     transformer_blocks.7
@@ -15,7 +15,7 @@ import re
 from . import AnchorError, SiteMismatch
 
 # UNet attention modules (Transformer2DModel / SpatialTransformer) in diffusers order: (name, width, depth).
-# Depth = BasicTransformerBlocks per module. SD1.5 and SDXL facts: spec/COMFYUI.md §7.
+# Depth = BasicTransformerBlocks per module. SD1.5 and SDXL facts: docs/anchor.md#sites.
 _UNET_MODULES = {
     "sd15_unet": [
         ("down_blocks.0.attentions.0", 320, 1), ("down_blocks.0.attentions.1", 320, 1),

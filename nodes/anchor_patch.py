@@ -6,11 +6,12 @@ No ComfyUI import: everything here works on plain torch modules, so it is unit-t
 (`add_object_patch` on a clone) — plus the model's `model_sampling.timestep` for eps/v trunks.
 
 Per sampling step ComfyUI puts the per-sample sigmas, shape [B] before cond/uncond batching, into
-`transformer_options["sigmas"]` (comfy/samplers.py) and hands transformer_options to every block (spec/COMFYUI.md §8).
+`transformer_options["sigmas"]` (comfy/samplers.py) and hands transformer_options to every block
+(docs/comfyui.md#patching-blocks).
 Each patched block calls the original forward, then returns `anchor.modules.adapter_output(adapter, out, s01,
 strength)` — the same per-site computation `anchor.attach` does on diffusers trunks.
 
-Sites (spec/ANCHOR.md §4): Cosmos/Anima `blocks.{i}` (output [B, T, H, W, d]); UNet BasicTransformerBlocks
+Sites (docs/anchor.md#sites): Cosmos/Anima `blocks.{i}` (output [B, T, H, W, d]); UNet BasicTransformerBlocks
 `input_blocks.N.1.transformer_blocks.t` ([B, tokens, d]) or, for 11-site SDXL files, SpatialTransformers
 `input_blocks.N.1` ([B, C, H, W]). The host list is built in TRAINING order (diffusers named_modules: mid last),
 then `anchor.sites.resolve_sites` maps by identity and checks the width signature.
@@ -74,7 +75,8 @@ class NoiseLevel:
     shared by every patched block (they all see the same sigmas tensor object).
 
     flow trunks: s01 = sigma (Anima's timestep(sigma) == sigma); eps/v: s01 = model_sampling.timestep(sigma) / 1000
-    (the model's own discrete t, spec/ANCHOR.md §3). Float64, like anchor.attach, so both give the same bits."""
+    (the model's own discrete t, docs/anchor.md#band-gating). Float64, like anchor.attach, so both give the same
+    bits."""
 
     def __init__(self, objective, timestep_fn=None):
         if objective not in ("flow", "eps", "v"):

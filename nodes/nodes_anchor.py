@@ -53,7 +53,8 @@ def anchor_path(name):
 
 
 def _declared_dtype(model):
-    """The trunk's compute dtype as configured (manual cast included), not a sniffed parameter (ANCHOR.md §5.4)."""
+    """The trunk's compute dtype as configured (manual cast included), not a sniffed parameter
+    (docs/anchor.md#declared-dtype)."""
     base = model.model
     if hasattr(base, "get_dtype_inference"):
         return base.get_dtype_inference()

@@ -674,8 +674,8 @@ def _text_parts(model_path: str):
 
 def encode_conditioning(model_path: str, text: str):
     """CONDITIONING [[cross_attn [1, L, 1024], {"t5xxl_ids": int32 [L_t5], "t5xxl_weights": [L_t5]}]], the layout
-    ComfyUI's Anima TE produces (COMFYUI.md §5.2): Qwen3's masked last hidden state, and the T5 ids that feed the
-    LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
+    ComfyUI's Anima TE produces (docs/comfyui.md#conditioning): Qwen3's masked last hidden state, and the T5 ids that
+    feed the LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
     import torch
 
     from anima_train.text import encode_qwen, qwen_attention_mask, tokenize

@@ -7,7 +7,7 @@ a callable, so this file is unit-tested with plain Python stand-ins and a fake w
                      stop_file=run_dir / STOP_NAME, grace_s=30)
     raise_for_failure(result, "training")
 
-Why a process and not a thread (COMFYUI.md §4, PEERS.md §3): an OOM or a crash in training must not take ComfyUI
+Why a process and not a thread (docs/comfyui.md#why-a-process): an OOM or a crash in training must not take ComfyUI
 down, Cancel must end the job for real, and the job must not hold ComfyUI's VRAM. The worker's stdout is the JSON
 event stream (one object per line, anima_train/progress.py); its stderr goes to a log file (a PIPE nobody reads
 deadlocks at ~64 KB) whose tail becomes the error message when the worker fails — a silent failure is the most
@@ -53,7 +53,7 @@ LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
 STOP_NAME = "comfyui-stop"  # .comfyui-stop-<job id>: created to ask one job's trainer to save and exit
 MANIFEST_NAME = "comfyui-result.json"  # what a finished run produced, and for which inputs
 CANCELLED_NAME = "comfyui-cancelled.json"  # a run cancelled with a resume state, and for which inputs
-POLL_S = 0.25  # interrupt-check cadence; COMFYUI.md §3 asks for at least every 0.5 s
+POLL_S = 0.25  # interrupt-check cadence: at least every 0.5 s (docs/comfyui.md#progress-and-cancel-points)
 TERM_WAIT_S = 5.0  # SIGTERM -> SIGKILL
 IS_WINDOWS = os.name == "nt"
 # The Windows constants, spelled out so the Windows branches also run (under test) where the module lacks them.
