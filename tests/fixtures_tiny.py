@@ -61,7 +61,7 @@ def latent_stats(vae):
 
 
 def training_loss(parts: dict, images: torch.Tensor, captions: list[str], generator=None) -> torch.Tensor:
-    """The MODEL.md §6 training step: Qwen3 -> conditioner -> DiT (with padding_mask) on VAE latents."""
+    """The training step (docs/model.md#flow-matching): Qwen3 -> conditioner -> DiT (padding_mask) on VAE latents."""
     tok, t5_tok = parts["tokenizer"], parts["t5_tokenizer"]
     q = tok(captions, padding="longest", return_tensors="pt")
     t5 = t5_tok(captions, padding="longest", return_tensors="pt")
@@ -86,8 +86,9 @@ def comfy_text_encoder(tmp_path_factory, seed: int = 0):
     """A random-weight Qwen3 text encoder ComfyUI's CLIPLoader loads (native names, bf16, ~1.2 GB, ~15 s).
 
     The one model that cannot be tiny: ComfyUI hard-codes the Qwen3-0.6B config of Anima's text encoder (28 layers,
-    vocab 151936; COMFYUI.md §5.2), so a workflow with a CLIPLoader needs a file of exactly that shape. The shapes
-    come from transformers' Qwen3 with the full config, built on the meta device (no 0.6B initialisation)."""
+    vocab 151936; docs/comfyui.md#model-detection), so a workflow with a CLIPLoader needs a file of exactly that
+    shape. The shapes come from transformers' Qwen3 with the full config, built on the meta device (no 0.6B
+    initialisation)."""
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3Model
 

@@ -10,7 +10,7 @@ import torch
 from anima_train import adapters
 from anima_train.config import Config
 
-# MODEL.md §10 tiny configs
+# the tiny configs of docs/model.md#tiny-models
 TRANSFORMER_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
                         mlp_ratio=4.0, text_embed_dim=32, adaln_lora_dim=16, max_size=(128, 240, 240),
                         patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True,
@@ -46,7 +46,7 @@ def tiny_batch(seed: int = 1, batch: int = 2, dtype=torch.float32) -> dict:
 
 
 def tiny_forward(models: dict, b: dict) -> torch.Tensor:
-    """Qwen3 -> conditioner -> DiT, as in MODEL.md §6 (no VAE: latents are given)."""
+    """Qwen3 -> conditioner -> DiT, as in docs/model.md#flow-matching (no VAE: latents are given)."""
     mask = torch.ones_like(b["ids"])
     h = models["text_encoder"](input_ids=b["ids"], attention_mask=mask).last_hidden_state
     ctx = models["text_conditioner"](source_hidden_states=h, target_input_ids=b["t5"],

@@ -14,7 +14,7 @@ from anchor.cli import convert_add_arguments, convert_run, info_add_arguments, i
 from anchor.format import AnchorFile, content_hash_v2, detect_kind, is_safetensors, load, save
 from anchor.modules import fresh_anchor
 
-WORKED_EXAMPLE = {  # the seed's worked example meta (SCHEMA.md)
+WORKED_EXAMPLE = {  # the format's published worked example meta (fields: docs/anchor.md#metadata)
     "format": "amoe.diffusion.anchor", "version": 1,
     "display_name": "SD1.5 Multiband — Coarse-to-Fine v1 (seed 0)",
     "adapter": {"kind": "multiband3", "rank": 16},

@@ -9,7 +9,7 @@ from anchor.modules import (MultibandAdapter, RelayAdapter, adapter_output, band
                             fresh_anchor)
 
 
-# Expected values computed by hand from spec/ANCHOR.md §3:
+# Expected values computed by hand from the band law (docs/anchor.md#band-gating):
 #   ramp(x) = 0.5 - 0.5 cos(pi (clamp(x/0.06, -1, 1) + 1) / 2); up1 = ramp(s-0.35); up2 = ramp(s-0.75)
 #   w = [1-up1, up1(1-up2), up1 up2]
 # 0.32: x/0.06 = -0.5 -> ramp = 0.5 - 0.5 cos(pi/4) = 0.5 - 0.35355339 = 0.14644661

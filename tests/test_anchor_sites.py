@@ -5,7 +5,7 @@ from anchor import AnchorError, SiteMismatch
 from anchor.sites import (check_widths, execution_rank, reference_widths, resolve_sites, site_names,
                           to_comfy_name, to_diffusers_name)
 
-# spec/COMFYUI.md §7 / seed 002: SD1.5 width signature in training (diffusers) and execution order.
+# SD1.5 width signature in training (diffusers) and execution order (docs/anchor.md#sites).
 SD15_TRAINING = [320, 320, 640, 640, 1280, 1280, 1280, 1280, 1280, 640, 640, 640, 320, 320, 320, 1280]
 SD15_EXECUTION = [320, 320, 640, 640, 1280, 1280, 1280, 1280, 1280, 1280, 640, 640, 640, 320, 320, 320]
 

@@ -24,7 +24,7 @@ SIZES = [(64, 64), (96, 64), (64, 128), (128, 96)]
 
 
 def make_vae_repo(root: Path, seed: int) -> Path:
-    """A diffusers-layout folder with only vae/ (all `cache` needs): the tiny VAE of MODEL.md §10."""
+    """A diffusers-layout folder with only vae/ (all `cache` needs): the tiny VAE of docs/model.md#tiny-models."""
     from diffusers import AutoencoderKLQwenImage
 
     with torch.random.fork_rng(devices=[]):

@@ -1,4 +1,4 @@
-"""Caption building rules of CONFIG.md §B.6."""
+"""Caption building rules (docs/training.md#captions)."""
 
 import random
 

@@ -1,4 +1,4 @@
-"""Checkpoint naming, keep_last_n pruning and resume resolution (CONFIG.md §B.11)."""
+"""Checkpoint naming, keep_last_n pruning and resume resolution (docs/training.md#outputs-and-resume)."""
 
 from __future__ import annotations
 

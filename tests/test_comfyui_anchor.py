@@ -30,7 +30,7 @@ from anchor.modules import fresh_anchor
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-WIDTH, BLOCKS = 256, 10  # the tiny ComfyUI-detectable Anima (spec/COMFYUI.md §5.2)
+WIDTH, BLOCKS = 256, 10  # the tiny ComfyUI-detectable Anima (docs/comfyui.md#model-detection)
 GRID = [1.0, 0.85, 0.78, 0.72, 0.68, 0.5, 0.2]
 EDGE_LOW = 0.75 - 0.06  # HIGH band weight is exactly 0 at or below this sigma
 

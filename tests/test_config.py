@@ -1,7 +1,7 @@
-"""Tests of anima_train.config against /work/shared/spec/CONFIG.md.
+"""Tests of anima_train.config against the configuration of the original trainer this project re-creates.
 
-The expected defaults below are copied from the spec tables by hand, not generated from the module, so a default
-that drifts in config.py fails here.
+The expected defaults below are that trainer's, written out by hand, not generated from the module, so a default
+that drifts in config.py fails here (docs/config.md is generated from the module and shows the same values).
 """
 
 import dataclasses
@@ -24,7 +24,7 @@ SPEC_DEFAULTS = {
     "train": {
         "model_path": "../anima-diffusers", "output_dir": "output", "run_name": "anima", "epochs": 1,
         "max_steps": None, "batch_size": 1, "gradient_accumulation_steps": 1, "gradient_checkpointing": True,
-        "checkpoint_blocks": "auto",  # ours (the speed issue): CONFIG.md has only the all-or-nothing switch
+        "checkpoint_blocks": "auto",  # ours (the speed issue): the original has only the all-or-nothing switch
         "dtype": "bfloat16", "seed": 42, "num_workers": 2, "vae_encode_chunk": 1, "save_every_steps": None,
         "save_every_epochs": 1, "save_native": True, "save_optimizer_state": False,
         "save_state_on_stop": True,  # ours (the ComfyUI issue): a stop keeps what resuming needs
@@ -100,7 +100,7 @@ def _errors(text: str) -> str:
 @pytest.mark.parametrize("table", list(SPEC_DEFAULTS))
 def test_every_key_has_the_spec_default(table):
     got = {f.name: f.default for f in iter_fields(table)}
-    assert set(got) == set(SPEC_DEFAULTS[table]), "keys differ from CONFIG.md"
+    assert set(got) == set(SPEC_DEFAULTS[table]), "keys differ from the original trainer's"
     for key, want in SPEC_DEFAULTS[table].items():
         assert got[key] == want and type(got[key]) is type(want), f"[{table}] {key}: {got[key]!r} != {want!r}"
 

@@ -91,7 +91,7 @@ def test_converted_repo_loads_and_runs_a_training_forward(converted):
 
 
 def test_configs_inferred_from_full_size_shapes_are_the_real_ones():
-    """On the meta device: the released files' shapes give exactly the MODEL.md §3 configs."""
+    """On the meta device: the released files' shapes give exactly the configs of docs/model.md#configurations."""
     from accelerate import init_empty_weights
 
     from anima_train.tiny import CONFIGS

@@ -418,7 +418,8 @@ def test_sampler_deterministic_homogeneous_partial_tail():
 
 
 def test_steps_per_epoch_worked_example():
-    # CONFIG.md §B.4: 113 images, micro-batch 12, accum 2, 2 processes -> 10 batches -> 5/rank -> 3 steps
+    # docs/training.md#batches-and-steps: 113 images, micro-batch 12, accum 2, 2 processes -> 10 batches -> 5/rank
+    # -> 3 steps
     sampler = BucketBatchSampler([((64, 64), True)] * 113, {((64, 64), True): 12}, seed=0)
     assert len(sampler) == 10 and len(list(sampler)) == 10
     assert steps_per_epoch(len(sampler), 2, 2) == 3

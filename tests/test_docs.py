@@ -1,9 +1,9 @@
 """The design is written down inside the repository, and nothing in the repository points outside it.
 
-* No text file names the research notes the project was first built from (their upper-case file names, a "§"
-  section sign, the notes' folders or the build machine's absolute paths): a person who clones the repository
-  cannot read them. Facts the code relies on live in docs/ (model.md, comfyui.md, anchor.md, sdnq.md,
-  training.md, and the generated config.md).
+* No text file names the research notes the project was first built from (their upper-case file names, the
+  section sign they were cited with, the notes' folders or the build machine's absolute paths): a person who clones
+  the repository cannot read them. Facts the code relies on live in docs/ (model.md, comfyui.md, anchor.md,
+  sdnq.md, training.md, and the generated config.md).
 * One folder beside the checkout is allowed, precisely: `shared/comfyui/` (as `../shared/comfyui/...`).
   It is the input of the CI harness (.ci/comfyui.sh extracts the ComfyUI snapshot from there, README says how to
   point it elsewhere), not a design reference.
@@ -110,19 +110,34 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
-CITATION = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.(?:md|png))(?:#([\w-]+))?")
+CITATION = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.(?:md|png))((?:#[\w-]+)?)")
+# more headings of the same page may follow a citation: "docs/training.md#buckets, #tiers-and-the-audit and
+# #curriculum", also across a line break (and a comment's "# ")
+MORE_ANCHORS = re.compile(r"(?:,|\s+and|\s+or)\s+(?:#\s+)?(#[\w-]+)")
+
+
+def cited_anchors(text: str, end: int) -> list[str]:
+    found = []
+    while m := MORE_ANCHORS.match(text, end):
+        found.append(m.group(1))
+        end = m.end()
+    return found
 
 
 def test_every_cited_doc_and_heading_exists(texts):
     bad = []
     for name, text in texts.items():
-        for number, line in enumerate(text.splitlines(), 1):
-            for m in CITATION.finditer(line):
-                target = DOCS / m.group(1)
-                if not target.is_file():
-                    bad.append(f"{name}:{number}: docs/{m.group(1)} does not exist")
-                elif m.group(2) and m.group(2) not in anchors(target):
-                    bad.append(f"{name}:{number}: docs/{m.group(1)} has no heading #{m.group(2)}")
+        for m in CITATION.finditer(text):
+            where = f"{name}:{text.count(chr(10), 0, m.start()) + 1}"
+            target = DOCS / m.group(1)
+            if not target.is_file():
+                bad.append(f"{where}: docs/{m.group(1)} does not exist")
+                continue
+            wanted = [m.group(2)] if m.group(2) else []
+            if m.group(2) or target.suffix == ".md":
+                wanted += cited_anchors(text, m.end())
+            have = anchors(target) if target.suffix == ".md" else set()
+            bad += [f"{where}: docs/{m.group(1)} has no heading {a}" for a in wanted if a[1:] not in have]
     assert not bad, "\n".join(bad)
 
 

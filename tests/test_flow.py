@@ -1,4 +1,5 @@
-"""Flow-matching math (CONFIG.md §9, §B.7, §B.8, §B.9): timestep distributions against the measured tables,
+"""Flow-matching math (docs/training.md#flow-matching-and-timesteps, #curriculum, #ot-noise-pairing): timestep
+distributions against the measured tables,
 shift/curriculum order, truncation that cannot hang, OT pairing, the hf token loss and its off-switch."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_static_shift_formula():
     torch.testing.assert_close(got, 3 * raw / (1 + 2 * raw))
 
 
-# §B.7 table: on [0, 0.6], logit_normal with sigmoid_scale 1.3 -> mean, p50, p90.
+# docs/training.md#curriculum's table: on [0, 0.6], logit_normal with sigmoid_scale 1.3 -> mean, p50, p90.
 CURRICULUM_TABLE = {"full": (0.499, 0.499, 0.840), "rescale": (0.300, 0.299, 0.504),
                     "truncate": (0.338, 0.344, 0.548)}
 
@@ -321,7 +322,7 @@ def test_hf_scale_zero_is_plain_mse_with_nothing_else(monkeypatch):
     gen_state, rng_state = gen.get_state(), torch.get_rng_state()
     total, parts = flow_loss(pred, x0, noise, x_t, t, hf_scale=0.0, hf_exponent=2.0)
     assert torch.equal(gen.get_state(), gen_state) and torch.equal(torch.get_rng_state(), rng_state)
-    plain = F.mse_loss(pred.float(), (noise - x0).float())  # MODEL.md §6's training loss
+    plain = F.mse_loss(pred.float(), (noise - x0).float())  # the training loss of docs/model.md#flow-matching
     assert torch.equal(total, plain) and set(parts) == {"mse"}
 
 

@@ -30,7 +30,7 @@ def full_meta():
 
 
 def test_full_size_native_tensor_counts_match_the_released_files(full_meta):
-    # MODEL.md: the released native files hold 685 (DiT + adapter) / 310 (Qwen3) / 194 (VAE) tensors.
+    # docs/model.md#key-maps: the released native files hold 685 (DiT + adapter) / 310 (Qwen3) / 194 (VAE) tensors.
     # The diffusers models have 567 + 118 / 310 / 194, so the released DiT file carries none of the native-only
     # keys (accum_*, pos_embedder.*, _extra_state) that km.DIT_NATIVE_ONLY would drop.
     native = km.join_anima_native(full_meta["transformer"], full_meta["text_conditioner"])
@@ -46,7 +46,7 @@ def test_full_size_dit_round_trip_and_native_names(full_meta):
     assert len(native) == len(dit)  # one-to-one
     assert km.dit_native_to_diffusers(native) == dit  # exact inverse, shapes carried along
     assert km.dit_native_to_diffusers({"net." + k: v for k, v in native.items()}) == dit
-    # names ComfyUI's MiniTrainDIT uses (COMFYUI.md §6 module list) with the shapes MODEL.md §9 gives
+    # names ComfyUI's MiniTrainDIT uses (docs/model.md#dit-key-map) with the shapes of docs/model.md#linear-groups
     assert native["x_embedder.proj.1.weight"] == (2048, 68)
     assert native["blocks.27.cross_attn.k_proj.weight"] == (2048, 1024)
     assert native["blocks.0.mlp.layer1.weight"] == (8192, 2048)
@@ -75,7 +75,7 @@ def test_dit_table_agrees_with_diffusers_own_converters(full_meta):
     assert convert_cosmos_transformer_checkpoint_to_diffusers(dict(native)) == dit
     # LoRA targets are the Linear layers (diffusers' LoRA renamer does not cover the q/k RMSNorms)
     modules = sorted({k.rsplit(".", 1)[0] for k in dit if not re.search(r"norm_[qk]|time_embed\.norm", k)})
-    assert len(modules) == 6 + 28 * 16  # MODEL.md §9: 448 block Linears + 6 others
+    assert len(modules) == 6 + 28 * 16  # docs/model.md#linear-groups: 448 block Linears + 6 others
     lora = {f"diffusion_model.{km.dit_module_to_native(m)}.lora_A.weight": m for m in modules}
     converted = _convert_non_diffusers_anima_lora_to_diffusers(lora)
     assert converted == {f"transformer.{m}.lora_A.weight": m for m in modules}
@@ -101,7 +101,7 @@ def test_vae_explicit_table_covers_the_real_diffusers_vae_once(full_meta):
     assert len(table) == 194 and sorted(table.values()) == sorted(vae)  # every diffusers key exactly once
     layout = km.wan_vae_native_layout()  # ComfyUI WanVAE(dim=96, z_dim=16) names + shapes
     assert {table[k]: s for k, s in layout.items()} == vae  # same shape in each mapped slot
-    # spot checks straight from MODEL.md §7
+    # spot checks straight from docs/model.md#vae-key-map
     assert table["conv1.weight"] == "quant_conv.weight" and table["conv2.bias"] == "post_quant_conv.bias"
     assert table["decoder.upsamples.3.time_conv.weight"] == "decoder.up_blocks.0.upsamplers.0.time_conv.weight"
     assert table["decoder.upsamples.11.resample.1.bias"] == "decoder.up_blocks.2.upsamplers.0.resample.1.bias"

@@ -147,7 +147,7 @@ def test_quantized_matmul_auto_rule():
 @pytest.mark.parametrize("kind", ["lora", "lokr"])
 def test_frozen_int8_base_gives_exact_adapter_gradients(kind):
     """Adapters over the int8 training-format base get the same gradients as the same adapters over a plain
-    Linear holding the dequantized weight (the inference format fails this: SDNQ.md §4)."""
+    Linear holding the dequantized weight (the inference format fails this: docs/sdnq.md#training-format-only)."""
     models = tiny_models()
     cfg = frozen_cfg(kind, quantize_text_conditioner=True)
     reference = {k: copy.deepcopy(v) for k, v in models.items()}
@@ -258,7 +258,7 @@ def test_dynamic_loss_threshold_picks_bits_per_layer():
 
 
 def test_training_mode_full_finetune_with_stochastic_rounding_and_export(tmp_path):
-    dtype = torch.bfloat16  # SDNQ.md §0.5: cast to the training dtype before quantizing
+    dtype = torch.bfloat16  # cast to the training dtype before quantizing (docs/sdnq.md#no-autocast)
     models = tiny_models(dtype=dtype)
     originals = {k: v.detach().clone() for k, v in models["transformer"].state_dict().items()}
     cfg = make_cfg(kind="none")
@@ -266,7 +266,7 @@ def test_training_mode_full_finetune_with_stochastic_rounding_and_export(tmp_pat
     cfg.component_lr.adaln = 0.0  # frozen: quantized without stochastic rounding, never updated
     cfg.optimizer.kind, cfg.optimizer.lr, cfg.optimizer.quantize_state = "adamw8bit", 1e-3, True
     cfg.quant.mode, cfg.quant.weights_dtype, cfg.quant.skip_policy = "training", "int8", "default"
-    cfg.quant.group_size = 32  # groups of 32 inputs (SDNQ.md §5's full-finetune recipe)
+    cfg.quant.group_size = 32  # groups of 32 inputs (SDNQ's own training default)
     report = quant.quantize_models(models, cfg, **TINY)
     assert not report.use_quantized_matmul  # always off in training mode
     dit = models["transformer"]

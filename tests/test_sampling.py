@@ -55,7 +55,7 @@ seed = 7
 def test_simple_sigmas_are_comfyuis_table_for_anima():
     # ComfyUI: sigmas[k] = shift(k/1000), k = 1..1000; "simple" takes sigmas[-(1 + int(i * 1000/steps))], then 0
     sig = sampling.simple_sigmas(4, 3.0)
-    assert sig.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5, 0.0], abs=1e-6)  # COMFYUI.md §5.3's table
+    assert sig.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5, 0.0], abs=1e-6)  # docs/comfyui.md#sampling
     three = sampling.simple_sigmas(3, 3.0)
     # i = 1: int(333.33) = 333 -> t = (1000 - 333)/1000 = 0.667 -> 3t/(1 + 2t)
     assert three[1].item() == pytest.approx(3 * 0.667 / (1 + 2 * 0.667), abs=1e-6)

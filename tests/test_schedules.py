@@ -1,5 +1,6 @@
-"""LR schedules (CONFIG.md §12, §B.5): point-by-point against independently written reference loops, the measured
-1000-step table, ReREX shape, short runs, warmup, floor, per-group ratios and Accelerate's num_processes stepping."""
+"""LR schedules (docs/training.md#learning-rate-schedules): point-by-point against independently written reference
+loops, the measured 1000-step table, ReREX shape, short runs, warmup, floor, per-group ratios and Accelerate's
+num_processes stepping."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from anima_train.schedules import build_scheduler, lr_multiplier, rerex_segment_
 KINDS = ("constant", "linear", "cosine", "rex", "rerex")
 
 
-# ------------------------------------------------------------------- reference, written out from §B.5 separately
+# --------------------------------------------------- reference, written out from the docs' formulas separately
 
 
 def ref_rex(p, d):
@@ -78,17 +79,17 @@ def test_rerex_knobs_match_reference(local_d, global_d, power, n):
     assert got == pytest.approx(want, abs=1e-12)
 
 
-# CONFIG.md §B.5's table (multiplier at 250/500/750 and the mean, 1000 steps, defaults).
+# The original trainer's table (multiplier at 250/500/750 and the mean, 1000 steps, defaults).
 TABLE = {
     "linear": (0.75, 0.50, 0.25, 0.50),
     "cosine": (0.85, 0.50, 0.15, 0.50),
     "rex": (0.97, 0.91, 0.75, 0.83),
     "rerex": (0.95, 0.83, 0.62, 0.76),
 }
-# Three cells of that table do not follow from §B.5's own formulas, which we implement exactly:
+# Three cells of that table do not follow from its own formulas, which we implement exactly:
 # REX at p = 0.75, d = 0.9 is 0.25 / (0.1 + 0.9·0.25) = 0.769 (sd-scripts' RexLR gives the same, z/(0.1+0.9z)),
 # and ReREX evaluates to 0.8248 / 0.6626 at 500 / 750. The means and every other cell agree. We pin the
-# formula's values here so a change to the curve still fails; see the task report.
+# formula's values here so a change to the curve still fails; docs/training.md#learning-rate-schedules says so.
 TABLE_ERRATA = {("rex", 750): 0.77, ("rerex", 500): 0.82, ("rerex", 750): 0.66}
 
 

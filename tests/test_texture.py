@@ -1,7 +1,7 @@
-"""Texture mode (CONFIG.md §5, §B.10): each rung of the oversize cascade on constructed images whose correct crop,
-padding and mask are known by construction; the energy-weighted position; the legacy byte-for-byte case; the
-sampler/dataset in a texture phase; a tiny-model fullres -> texture -> fullres run that learns and resumes bit-exactly
-from a state saved inside the texture phase; the refusal under two processes (torchrun, gloo)."""
+"""Texture mode (docs/training.md#texture-mode): each rung of the oversize cascade on constructed images whose
+correct crop, padding and mask are known by construction; the energy-weighted position; the legacy byte-for-byte
+case; the sampler/dataset in a texture phase; a tiny-model fullres -> texture -> fullres run that learns and resumes
+bit-exactly from a state saved inside the texture phase; the refusal under two processes (torchrun, gloo)."""
 
 from __future__ import annotations
 

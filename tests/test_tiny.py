@@ -181,9 +181,10 @@ def test_synthetic_dataset(tmp_path):
 
 @pytest.mark.slow  # ~3 s of CPU but writes ~640 MB and peaks at ~1.5 GB RSS; over 20 s on a busy 2-core box
 def test_comfy_size_matches_comfyui_detection(tmp_path):
-    """The 'comfy' size carries what ComfyUI's detection reads (COMFYUI.md §5.2): width from x_embedder, exactly
-    10 blocks and 16 heads for that width, a full-size llm_adapter, a Wan2.1 VAE with num_res_blocks 2 and a
-    1024-wide Qwen3 with q_norm. Whether ComfyUI really loads it is the comfyui-marked integration test's job."""
+    """The 'comfy' size carries what ComfyUI's detection reads (docs/comfyui.md#model-detection): width from
+    x_embedder, exactly 10 blocks and 16 heads for that width, a full-size llm_adapter, a Wan2.1 VAE with
+    num_res_blocks 2 and a 1024-wide Qwen3 with q_norm. Whether ComfyUI really loads it is the comfyui-marked
+    integration test's job."""
     t0 = time.perf_counter()
     built = tiny.build_tiny_anima(tmp_path, size="comfy")
     elapsed = time.perf_counter() - t0
