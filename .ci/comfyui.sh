@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ComfyUI integration tests (`pytest -m comfyui`, browser included) against the ComfyUI snapshot in shared/.
+# The ComfyUI integration tests (`pytest -m comfyui`, browser included) against the ComfyUI snapshot in shared/comfyui/.
 #
 #   bash .ci/comfyui.sh [extra pytest args]     (after `bash install.sh`; .ci/run calls it)
 #

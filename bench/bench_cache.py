@@ -3,9 +3,9 @@
     python bench/bench_cache.py [--n-images 200] [--resolution 128] [--n-sizes 10000] [--skip-encode]
 
 1. cache: `make_synthetic_dataset` writes N images (64-256 px, aspect 0.3-3.2, PNG/JPEG) with captions; a tiny
-   random VAE (MODEL.md §10) is saved as a diffusers `vae/` folder; `anima-train cache` encodes them (batched by
-   bucket; bucket_reso_steps 16, as the generated set has ~20 px thin images) and the img/s of the encode loop
-   and of the whole command are reported.
+   random VAE (docs/model.md#tiny-models) is saved as a diffusers `vae/` folder; `anima-train cache` encodes them
+   (batched by bucket; bucket_reso_steps 16, as the generated set has ~20 px thin images) and the img/s of the
+   encode loop and of the whole command are reported.
 2. scan + plan: N header-only PNGs with the sizes of a mixed set (bench_buckets.synthetic_sizes: aspect 0.3-3.2,
    0.2-40 MP) and captions; timed: folder scan, header reads, min_source_area, bucketing at 3 tiers (dedup), and
    then the whole `build_training_data` (source = "encode": no caches needed) incl. dataset, sampler and report.

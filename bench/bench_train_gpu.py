@@ -8,8 +8,11 @@ compiles runs of 200+ steps, and the bench stops a long run early). Each of our 
 its captions with Qwen3 and runs the LLM adapter, because that is what training does.
 
     python3 bench/bench_train_gpu.py --work /tmp/bench --only lora_b8,full_b4 \
-        --baseline shared/bench/gpu_baseline.py --seed-bench shared/bench/peers/seed_bench.py \
-        --seed-tar shared/bench/peers/seed-*.tar.gz [--cap-gib 24] [--steps 12]
+        --baseline BASELINE.py --seed-bench SEED_BENCH.py --seed-tar 'SEED-*.tar.gz' [--cap-gib 24] [--steps 12]
+
+The three comparison inputs are optional and not part of this repository: BASELINE.py is a naive diffusers + peft
+training step on a full-size random Anima (prints one JSON line per run), SEED_BENCH.py times the original trainer
+(the seed) from its unmodified source tarball SEED-*.tar.gz. Without them only our runs are measured.
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
 lean full finetune); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
@@ -19,10 +22,10 @@ memory and allocator retries per micro-step and the plan "auto" chose. Under a c
 configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
 torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
 
-Texture mode (CONFIG.md §B.10) needs images, not latents (source = "encode": the VAE runs every step). `encode_bN`
-(full-resolution 1024x1024 buckets, encoded in the loop) and `texture_bN` (one texture phase over the whole run,
-1024x1024 canvases cut from 1536x1536 sources) train the same LoRA on the same synthetic images, built on first use
-under --work/images; their s/step difference is the per-step cost of texture mode:
+Texture mode (docs/training.md#texture-mode) needs images, not latents (source = "encode": the VAE runs every step).
+`encode_bN` (full-resolution 1024x1024 buckets, encoded in the loop) and `texture_bN` (one texture phase over the
+whole run, 1024x1024 canvases cut from 1536x1536 sources) train the same LoRA on the same synthetic images, built on
+first use under --work/images; their s/step difference is the per-step cost of texture mode:
 
     python3 bench/bench_train_gpu.py --work /tmp/bench --only encode_b4,texture_b4
 
