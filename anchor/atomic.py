@@ -2,7 +2,7 @@
 `models/loras`, a resumed run) or a crash never sees half a file.
 
 The one helper of the pack: `anchor` owns it because `anchor` must not depend on the trainer, and the trainer
-(`anima_train.atomic`) and the nodes import it from here.
+(`anima_train.files`) and the nodes import it from here.
 
 The finished file gets the mode a plain `open()` would give it (0666 minus the umask). safetensors' `save_file` and
 `tempfile.mkstemp` create 0600 files, which other accounts sharing a ComfyUI models folder could not read.

@@ -2,7 +2,7 @@
 
 import sys
 
-from anima_train import parent_watch
+from anima_train.system import parent_watch
 
 parent_watch.start_from_env()  # a worker of the ComfyUI node ends with ComfyUI (before anything heavy loads)
 

@@ -34,16 +34,16 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "convert": Command("anima_train.convert", "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
-    "cache": Command("anima_train.cache", "encode a dataset's images into latent caches next to them"),
-    "audit": Command("anima_train.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
-    "train": Command("anima_train.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "convert": Command("anima_train.model.convert", "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
+    "cache": Command("anima_train.data.latent_cache", "encode a dataset's images into latent caches next to them"),
+    "audit": Command("anima_train.data.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
+    "train": Command("anima_train.training.train", "train a LoRA / LoKr / full finetune from a TOML config"),
     "config": Command("anima_train.config_reference",
                       "check a config and the paths it names, or print every key (--reference)"),
     "demo": Command("anima_train.demo", "train a LoRA on a tiny model and a generated dataset (no downloads)"),
     "tiny-model": Command("anima_train.demo", "write a tiny random Anima model to try the trainer on your images",
                           "tiny_model_add_arguments", "tiny_model_run"),
-    "check": Command("anima_train.check", "import every dependency, print versions and device info"),
+    "check": Command("anima_train.system.check", "import every dependency, print versions and device info"),
     "anchor-info": Command("anchor.cli", "print an anchor file's usage card and width signature",
                            "info_add_arguments", "info_run"),
     "anchor-convert": Command("anchor.cli", "convert a .pt anchor file to .safetensors",

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 from anima_train import config_aliases
-from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS
+from anima_train.data.captions import CAPTION_MODES, CAPTION_VARIANTS
 from anima_train.errors import UserError
 
 DEFAULT_MODEL_PATH = "../anima-diffusers"
@@ -909,7 +909,7 @@ def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
 
     A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
     """
-    from anima_train.atomic import write_text
+    from anima_train.files import write_text
 
     dest = Path(dest_path)
     if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():

@@ -150,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _write_new(out: Path, text: str) -> None:
     """--out FILE: written atomically, and never over an existing file (it may be the user's own notes or config;
     published with a hard link, so a file that appears meanwhile is not replaced either)."""
-    from anima_train.atomic import atomic_path
+    from anima_train.files import atomic_path
 
     refused = UserError(f"--out {out}: the file already exists; give another path, or delete it first to replace it")
     if out.exists() or out.is_symlink():
@@ -176,9 +176,9 @@ def run(args) -> int:
     if not args.config:
         raise UserError("give a config file to check (anima-train config CFG.toml), or --reference for the list "
                         "of every key")
-    from anima_train.dataset import build_training_data
-    from anima_train.preflight import check_run_paths
-    from anima_train.sampler import settings_not_followed, steps_per_epoch
+    from anima_train.data.dataset import build_training_data
+    from anima_train.training.preflight import check_run_paths
+    from anima_train.data.batches import settings_not_followed, steps_per_epoch
 
     cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)

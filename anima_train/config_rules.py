@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from anima_train.captions import CAPTION_VARIANTS, parse_protected_tags
+from anima_train.data.captions import CAPTION_VARIANTS, parse_protected_tags
 from anima_train.config import (COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, ComponentLRConfig, Config,
                                 Problems, as_toml, betas_problem, shift_problem, table_label)
 

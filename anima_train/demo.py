@@ -62,12 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cache(config: Path, device: str) -> None:
-    from anima_train import cache
+    from anima_train.data import latent_cache
 
     parser = argparse.ArgumentParser()
-    cache.add_arguments(parser)
+    latent_cache.add_arguments(parser)
     args = parser.parse_args(["--config", str(config), "--device", device, "--dtype", "float32"])
-    code = cache.run(args)
+    code = latent_cache.run(args)
     if code != 0:
         raise SystemExit(f"demo: caching failed (exit {code})")
 
@@ -76,11 +76,11 @@ def run(args) -> int:
     import torch
 
     from anima_train.config import load_config
-    from anima_train.evaluate import cached_eval_set, evaluate
-    from anima_train.models import load_components
-    from anima_train.tiny import build_tiny_anima, make_synthetic_dataset
-    from anima_train.runs import LOSS_PLOT_NAME
-    from anima_train.train import train
+    from anima_train.training.evaluate import cached_eval_set, evaluate
+    from anima_train.model.components import load_components
+    from anima_train.model.tiny import build_tiny_anima, make_synthetic_dataset
+    from anima_train.outputs.run_folder import LOSS_PLOT_NAME
+    from anima_train.training.train import train
 
     for flag, value in (("--steps", args.steps), ("--images", args.images)):
         if value < 1:  # before anything is built or written
@@ -154,7 +154,7 @@ def tiny_model_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tiny_model_run(args) -> int:
     """A tiny random-weight Anima (seconds, no downloads) to try configs, datasets and ComfyUI wiring on."""
-    from anima_train.tiny import build_tiny_anima
+    from anima_train.model.tiny import build_tiny_anima
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

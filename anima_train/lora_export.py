@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from anima_train import __version__, keymaps
-from anima_train.atomic import atomic_path, publish_dir
+from anima_train import __version__
+from anima_train.model import keymaps
+from anima_train.files import atomic_path, publish_dir
 from anima_train.config import LORA_FORMATS
 
 DIFFUSION_PREFIX = "diffusion_model."  # ComfyUI's model key prefix; diffusers' Anima LoRA loader expects it too
@@ -136,7 +137,7 @@ def _module_path(name: str) -> str:
 
 def _plain_state_dict(model) -> dict:
     """Plain tensors under clean names; SDNQ-quantized weights (quant.mode = "training") are dequantized."""
-    from anima_train.quant import dequantized_state_dict
+    from anima_train.model.quant import dequantized_state_dict
 
     return {_module_path(k): v for k, v in dequantized_state_dict(model).items()}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from anima_train.buckets import make_bucketers, plan_tiers, tier_counts, tier_report  # noqa: E402
+from anima_train.data.buckets import make_bucketers, plan_tiers, tier_counts, tier_report  # noqa: E402
 
 
 def synthetic_sizes(n: int, seed: int = 0) -> list[tuple[int, int]]:

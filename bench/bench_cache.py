@@ -28,14 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_buckets import png_header, synthetic_sizes  # noqa: E402
 
 from anima_train.config import load_config  # noqa: E402
-from anima_train.dataset import (  # noqa: E402
-    BucketSettings,
-    build_training_data,
-    image_sources,
-    plan_sources,
-    resolve_modes,
-    scan_folders,
-)
+from anima_train.data.dataset import (BucketSettings, build_training_data, image_sources, plan_sources,
+    resolve_modes, scan_folders)
 
 
 def bench_encode(n: int, resolution: int, batch_size: int) -> None:
@@ -43,7 +37,7 @@ def bench_encode(n: int, resolution: int, batch_size: int) -> None:
     from diffusers import AutoencoderKLQwenImage
 
     from anima_train import cli
-    from anima_train.tiny import CONFIGS, make_synthetic_dataset
+    from anima_train.model.tiny import CONFIGS, make_synthetic_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.cli import main as cli  # noqa: E402
-from anima_train.tiny import CONFIGS, make_synthetic_dataset  # noqa: E402
+from anima_train.model.tiny import CONFIGS, make_synthetic_dataset  # noqa: E402
 
 
 def main() -> int:

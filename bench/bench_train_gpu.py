@@ -1,4 +1,4 @@
-"""GPU benchmark of the real trainer (`anima_train.train.train`) on a full-size random-init Anima, beside the naive
+"""GPU benchmark of the real trainer (`anima_train.training.train.train`) on a full-size random-init Anima, beside the naive
 baseline and the seed trainer, in one call, with the ratios.
 
 1024x1024 (4096 tokens), bf16, AdamW; LoRA r32 on attention + MLP and a full finetune of the DiT. Ours runs the
@@ -53,9 +53,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
-from anima_train.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
-from anima_train.speed import resolve_compile  # noqa: E402
-from anima_train.train import train  # noqa: E402
+from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
+from anima_train.training.memory import resolve_compile  # noqa: E402
+from anima_train.training.train import train  # noqa: E402
 
 LORA = '[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'
 FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\nlr = 1e-5\n'
@@ -117,7 +117,7 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 def prepare_images(work: Path) -> Path:
     """48 synthetic 1536x1536 images with captions (for the encode/texture runs), built on first use."""
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     images = work / "images"
     if not images.exists():
@@ -223,7 +223,7 @@ def allocator_stats() -> dict:
 def install_diag() -> None:
     """--diag: one JSON line per micro-step (memory now, peaks so far, allocator retries) and one for the plan
     checkpoint_blocks = "auto" makes after the first step, with what it measured."""
-    import anima_train.train as train_module
+    import anima_train.training.train as train_module
 
     loss_fn, plan_fn = train_module._flow_matching_loss, train_module.plan_checkpointing
     count = [0]

@@ -1,4 +1,4 @@
-"""Profile a few optimizer steps of the real trainer (`anima_train.train.train`) with torch.profiler.
+"""Profile a few optimizer steps of the real trainer (`anima_train.training.train.train`) with torch.profiler.
 
 Same model, data and TOML as bench/bench_train_gpu.py (full-size random Anima, synthetic 1024x1024 latents, bf16,
 gradient checkpointing). The profiler schedule advances once per optimizer step (wrapped `Progress.step`), skips
@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile, schedule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
-from anima_train.progress import Progress  # noqa: E402
-from anima_train.tiny import build_tiny_anima, make_synthetic_latents  # noqa: E402
-from anima_train.train import train  # noqa: E402
+from anima_train.outputs.progress import Progress  # noqa: E402
+from anima_train.model.tiny import build_tiny_anima, make_synthetic_latents  # noqa: E402
+from anima_train.training.train import train  # noqa: E402
 from bench.bench_train_gpu import parse_run, prepare, run_config_text  # noqa: E402
 
 TRACE_LIMIT = 16 * 2**20

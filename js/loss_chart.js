@@ -1,13 +1,13 @@
 // Anima Trainer pack: the live loss chart of the "Anima: Train" node — state and drawing, no ComfyUI imports.
 //
-// The Train node relays every trainer event (anima_train/progress.py) as the websocket message
+// The Train node relays every trainer event (anima_train/outputs/progress.py) as the websocket message
 // `anima_train.progress` = {node, prompt_id, event, ...}; js/anima_train.js feeds them to applyEvent() and draws the
 // result with drawChart() and statusLines(). Plain <canvas> 2D, no libraries. Every string that comes from the server
 // (paths, messages) is only ever put into textContent or fillText, never into markup.
 //
 // ComfyUI loads every .js in js/ as an extension module; this one only exports, so loading it does nothing.
 
-export const EMA_BETA = 0.95; // = anima_train/plot.py LOSS_EMA_BETA (one definition; tests/test_plot.py holds them equal)
+export const EMA_BETA = 0.95; // = anima_train/outputs/plot.py LOSS_EMA_BETA (one definition; tests/test_plot.py holds them equal)
 const MAX_POINTS = 200000; // beyond this, every second point is dropped (the chart is a few hundred px wide)
 
 const COLOURS = {
@@ -166,7 +166,7 @@ export function statusLines(run) {
   return lines;
 }
 
-// The curriculum phase of a step event (anima_train/flow.py phase_summary), e.g. "phase 2/3 texture (t 0–0.6, LR
+// The curriculum phase of a step event (anima_train/training/flow.py phase_summary), e.g. "phase 2/3 texture (t 0–0.6, LR
 // ×0.5)"; "" without a curriculum.
 function phaseText(phase) {
   if (!phase || typeof phase !== "object" || !finite(phase.index)) return "";

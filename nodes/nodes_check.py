@@ -6,7 +6,7 @@ diffusers or a torchvision for the wrong torch. This node shows what the trainer
 
 from __future__ import annotations
 
-from anima_train.check import run_checks
+from anima_train.system.check import run_checks
 
 from .comfy import CATEGORY, io
 

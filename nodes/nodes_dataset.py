@@ -106,7 +106,7 @@ def _dataset_fingerprint(dataset_dir, config, *widgets) -> str:
 class AnimaTrainConvert(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        from anima_train.models import DEFAULT_TOKENIZER_REPO
+        from anima_train.model.components import DEFAULT_TOKENIZER_REPO
 
         return io.Schema(
             node_id="AnimaTrainConvert",
@@ -154,7 +154,7 @@ class AnimaTrainConvert(io.ComfyNode):
 
     @classmethod
     def execute(cls, anima, qwen, vae, out_dir="", tokenizers=""):
-        from anima_train.models import ModelRepoError, check_repo
+        from anima_train.model.components import ModelRepoError, check_repo
 
         files, out = cls._resolve(anima, qwen, vae, out_dir)
         key = worker.result_key(inputs=worker.files_digest(files.values()), tok=tokenizers)

@@ -234,7 +234,7 @@ def _is_linked(value: str) -> bool:
 def check_paths(cfg) -> list[str]:
     """Problems load_config cannot see: the model repo, dataset folders, output folder and resume_from, checked
     here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
-    from anima_train.preflight import path_problems
+    from anima_train.training.preflight import path_problems
 
     return path_problems(cfg, skip=_is_linked)
 
@@ -368,12 +368,12 @@ class Relay:
 
 
 def loss_image(losses: list[float], path: Path):
-    """The loss chart (anima_train.plot) as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1."""
+    """The loss chart (anima_train.outputs.plot) as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1."""
     import numpy as np
     import torch
     from PIL import Image
 
-    from anima_train.plot import plot_losses
+    from anima_train.outputs.plot import plot_losses
 
     if losses:
         plot_losses(losses, path, title=f"training loss: {path.parent.name}")
@@ -412,7 +412,7 @@ def pick_run(cfg, toml: str, key: str):
     locks the folder only once its worker has started (seconds later), and in that gap another ComfyUI's node
     (same output folder) would otherwise pick the same free name and overwrite this job's files. A folder
     resumed while another job holds it is refused (RunRefused, naming the holder)."""
-    from anima_train import runs
+    from anima_train.outputs import run_folder
     from anima_train.config import load_config
 
     output_dir = Path(cfg.train.output_dir)
@@ -426,12 +426,12 @@ def pick_run(cfg, toml: str, key: str):
             break
         cancelled = None if resumed is not None else worker.resumable_cancel(run_dir, key)
         resuming = cancelled is not None or (resumed is not None and resumed == run_dir.resolve())
-        if resuming or (not runs.run_files(run_dir, stem) and runs.lock_holder(run_dir) is None):
-            job_lock = runs.RunLock(run_dir, JOB_LOCK_NAME)
+        if resuming or (not run_folder.run_files(run_dir, stem) and run_folder.lock_holder(run_dir) is None):
+            job_lock = run_folder.RunLock(run_dir, JOB_LOCK_NAME)
             try:
                 job_lock.acquire(say=lambda _note: None)  # a lock left by a crashed ComfyUI is simply taken over
                 break
-            except runs.RunRefused:
+            except run_folder.RunRefused:
                 job_lock = None
                 if resuming:
                     raise
@@ -498,8 +498,8 @@ class AnimaTrainTrain(io.ComfyNode):
     @classmethod
     def execute(cls, config, gpus=1, copy_to_loras=True):
         from anima_train.config import load_config
-        from anima_train.texture import refuse_multi_process
-        from anima_train.windows import refuse_multi_gpu
+        from anima_train.data.texture import refuse_multi_process
+        from anima_train.system.windows import refuse_multi_gpu
 
         refuse_multi_gpu(gpus)  # Windows: no tested multi-GPU path; before any worker or run folder exists
         hidden = getattr(cls, "hidden", None)
@@ -568,7 +568,7 @@ class AnimaTrainTrain(io.ComfyNode):
     def _cancelled(cls, cfg, run_dir: Path, key: str, relay: Relay) -> None:
         """After Cancel: say on the node where the run stopped and how it goes on, and record a resumable stop so
         that queueing the same inputs again resumes it. Never raises (ComfyUI's interrupt must go on)."""
-        from anima_train.checkpoints import state_dir_for
+        from anima_train.outputs.checkpoint_files import state_dir_for
 
         try:
             done = relay.stop_done or {}
@@ -657,7 +657,7 @@ _TEXT_CACHE: dict = {}  # (repo, stat digest) -> (tokenizer, t5_tokenizer, text_
 
 
 def _text_parts(model_path: str):
-    from anima_train.models import check_repo
+    from anima_train.model.components import check_repo
 
     root = check_repo(model_path)
     key = (str(root), worker.files_digest([root / "text_encoder", root / "tokenizer", root / "t5_tokenizer"]))
@@ -678,7 +678,7 @@ def encode_conditioning(model_path: str, text: str):
     feed the LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
     import torch
 
-    from anima_train.text import encode_qwen, qwen_attention_mask, tokenize
+    from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
 
     tokenizer, t5_tokenizer, text_encoder = _text_parts(model_path)
     tok = tokenize([text], tokenizer, t5_tokenizer)

@@ -219,7 +219,7 @@ def refused(problems: list[str]) -> PathRefused:
 
 # -- plain node inputs -----------------------------------------------------------------------------------------------
 
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what anima_train.convert accepts as a Hugging Face repo id
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what anima_train.model.convert accepts as a Hugging Face repo id
 
 
 def tokenizers_source(value: str, policy: Policy, key: str = "tokenizers") -> str:

@@ -9,7 +9,7 @@ a callable, so this file is unit-tested with plain Python stand-ins and a fake w
 
 Why a process and not a thread (docs/comfyui.md#why-a-process): an OOM or a crash in training must not take ComfyUI
 down, Cancel must end the job for real, and the job must not hold ComfyUI's VRAM. The worker's stdout is the JSON
-event stream (one object per line, anima_train/progress.py); its stderr goes to a log file (a PIPE nobody reads
+event stream (one object per line, anima_train/outputs/progress.py); its stderr goes to a log file (a PIPE nobody reads
 deadlocks at ~64 KB) whose tail becomes the error message when the worker fails — a silent failure is the most
 common complaint about training packs.
 
@@ -81,7 +81,7 @@ def pack_dir() -> Path:
 def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
     """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, and
     this process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends."""
-    from anima_train.parent_watch import PARENT_PID_ENV
+    from anima_train.system.parent_watch import PARENT_PID_ENV
 
     env = dict(os.environ if base is None else base)
     env[PARENT_PID_ENV] = str(os.getpid())

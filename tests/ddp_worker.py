@@ -2,7 +2,7 @@
 
 argv: config, folder for the rank records, and "save" to write checkpoints (default: --no-save), then "stop": rank
 0 alone is given a stop file, which it creates while it reports step 2 (rank 1's never appears), so only rank 0 asks
-to stop. A run refused at start (anima_train.runs.RunRefused) records its message instead, so the test sees that
+to stop. A run refused at start (anima_train.outputs.run_folder.RunRefused) records its message instead, so the test sees that
 every rank got it."""
 
 import json
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from anima_train.config import load_config
-from anima_train.runs import RunRefused
-from anima_train.train import train
+from anima_train.outputs.run_folder import RunRefused
+from anima_train.training.train import train
 
 cfg_path, out_dir = sys.argv[1], Path(sys.argv[2])
 save = len(sys.argv) > 3 and sys.argv[3] == "save"
@@ -20,7 +20,7 @@ stop = len(sys.argv) > 4 and sys.argv[4] == "stop"
 rank = int(os.environ.get("RANK", "0"))  # set by torchrun (the process group is gone after end_training)
 stop_file = None
 if stop:
-    from anima_train.progress import Progress
+    from anima_train.outputs.progress import Progress
 
     stop_file = str(out_dir / ("STOP" if rank == 0 else "NEVER"))
     report = Progress.step

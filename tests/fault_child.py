@@ -19,8 +19,11 @@ from diffusers.models.condition_embedders.condition_embedder_anima import AnimaT
 from transformers import AutoTokenizer, Qwen3Model  # noqa: F401
 
 import anima_train.cli  # noqa: F401
-import anima_train.train  # noqa: F401
-from anima_train import adapters, dataset, flow, models, optimizers, schedules, text  # noqa: F401
+import anima_train.training.train  # noqa: F401
+from anima_train import adapters
+from anima_train.data import dataset
+from anima_train.model import components, prompts
+from anima_train.training import flow, optimizers, schedules  # noqa: F401
 
 # One intra-op thread, set before any computation: no thread pool exists when the runs are forked, and every run (the
 # reference included) does its float reductions in the same order.
@@ -28,7 +31,7 @@ torch.set_num_threads(1)
 if os.environ.get("ANIMA_FAULT_WARM_MODEL") and __name__ != "__main__":
     # one model load in the server fills the caches every run would fill again (transformers compiles ~1000 regular
     # expressions on its first load: ~1 s per run otherwise)
-    models.load_components(os.environ["ANIMA_FAULT_WARM_MODEL"], dtype=torch.float32, device="cpu")
+    components.load_components(os.environ["ANIMA_FAULT_WARM_MODEL"], dtype=torch.float32, device="cpu")
 
 
 def run(argv: list[str], log: str) -> None:

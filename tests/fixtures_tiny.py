@@ -20,7 +20,7 @@ _CACHE: dict = {}
 
 def tiny_anima(tmp_path_factory, size: str = "tiny", seed: int = 0):
     """Build once per test session (per size/seed) and share; treat the files as read-only."""
-    from anima_train.tiny import build_tiny_anima
+    from anima_train.model.tiny import build_tiny_anima
 
     key = ("anima", size, seed)
     if key not in _CACHE:
@@ -29,7 +29,7 @@ def tiny_anima(tmp_path_factory, size: str = "tiny", seed: int = 0):
 
 
 def synthetic_dataset(tmp_path_factory, n: int = 16, seed: int = 0):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     key = ("dataset", n, seed)
     if key not in _CACHE:
@@ -92,8 +92,8 @@ def comfy_text_encoder(tmp_path_factory, seed: int = 0):
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3Model
 
-    from anima_train import keymaps
-    from anima_train.tiny import QWEN3_FULL
+    from anima_train.model import keymaps
+    from anima_train.model.tiny import QWEN3_FULL
 
     key = ("comfy_text_encoder", seed)
     if key not in _CACHE:

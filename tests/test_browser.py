@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.progress import format_duration
+from anima_train.outputs.progress import format_duration
 from tests import comfy_browser
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
@@ -68,8 +68,8 @@ def preview_events(tiny_anima, tmp_path_factory):
     import torch
     from peft import LoraConfig
 
-    from anima_train import sampling
-    from anima_train.models import load_components
+    from anima_train.training import previews as sampling
+    from anima_train.model.components import load_components
     from nodes.previews import with_thumbnails
 
     parts = load_components(tiny_anima.diffusers_dir, dtype="float32")

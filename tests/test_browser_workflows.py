@@ -12,7 +12,7 @@ the Queue button's own code. The assertions are here:
   * the queued prompt carries the substitutions, and ends in execution_success with the images saved.
 
 Models: the file names the workflows use are served by the temp base's models folders with tiny ComfyUI-detectable
-files (anima_train.tiny size "comfy"), except the CLIPLoader's text encoder: ComfyUI hard-codes Qwen3-0.6B, so that
+files (anima_train.model.tiny size "comfy"), except the CLIPLoader's text encoder: ComfyUI hard-codes Qwen3-0.6B, so that
 one is a random full-size file (fixtures_tiny.comfy_text_encoder). The Convert node gets the tiny Qwen3 and tokenizers.
 """
 from __future__ import annotations
@@ -43,14 +43,14 @@ def _anchor_file(path: Path) -> Path:
     from anchor.format import save
     from anchor.modules import fresh_anchor
 
-    width, blocks = 256, 10  # the tiny ComfyUI-detectable Anima (anima_train.tiny "comfy")
+    width, blocks = 256, 10  # the tiny ComfyUI-detectable Anima (anima_train.model.tiny "comfy")
     save(fresh_anchor("multiband3", [width] * blocks, family="cosmos_dit", objective="flow", rank=4), path)
     return path
 
 
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
     from tests import fixtures_tiny
 
     tools = comfy_browser.browser_tools()

@@ -10,23 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.buckets import (
-    BucketError,
-    Bucketer,
-    area_percentiles,
-    audit_report,
-    below_min_source_area,
-    bucket_settings,
-    ceiling_tier,
-    crop_ltrb,
-    make_bucket_resolutions,
-    make_bucketers,
-    plan_tiers,
-    suggest_ladder,
-    tier_counts,
-    tier_report,
-    verify_max_resolution,
-)
+from anima_train.data.buckets import (BucketError, Bucketer, area_percentiles, audit_report, below_min_source_area,
+    bucket_settings, ceiling_tier, crop_ltrb, make_bucket_resolutions, make_bucketers, plan_tiers, suggest_ladder,
+    tier_counts, tier_report, verify_max_resolution)
 
 PARITY = Path(__file__).parent / "data" / "buckets" / "sdscripts_parity.csv.gz"
 
@@ -140,7 +126,7 @@ def test_bad_settings_and_sources_raise_clearly():
 
 def test_verify_max_resolution(caplog):
     assert verify_max_resolution([(1920, 1024), (1024, 1024)]) == []
-    with caplog.at_level(logging.WARNING, logger="anima_train.buckets"):
+    with caplog.at_level(logging.WARNING, logger="anima_train.data.buckets"):
         assert verify_max_resolution([(2048, 512), (1984, 640), (1920, 1088)]) == [(1984, 640), (2048, 512)]
     assert "1984x640" in caplog.text and "max_bucket_reso = 1920" in caplog.text
     with pytest.raises(BucketError, match="2112x512"):

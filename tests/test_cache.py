@@ -13,12 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anima_train import cli
-from anima_train.buckets import Bucketer
+from anima_train.data.buckets import Bucketer
 from anima_train.config import load_config
-from anima_train.dataset import (DatasetError, build_training_data, collate, encode_latents, load_pixels,
-                                  vae_identity)
+from anima_train.data.dataset import (DatasetError, build_training_data, collate, encode_latents, load_pixels,
+    vae_identity)
 from anima_train.errors import DATA_VERDICT_EXIT
-from anima_train.tiny import CONFIGS, make_synthetic_dataset
+from anima_train.model.tiny import CONFIGS, make_synthetic_dataset
 
 SIZES = [(64, 64), (96, 64), (64, 128), (128, 96)]
 
@@ -229,8 +229,8 @@ def test_cache_prints_the_dataset_warnings(images, tmp_path, capsys):
     # drops, and cache files that no tier uses under these settings
     Image.new("RGB", (16, 16), "white").save(images / "tiny.png")
     (images / "tiny.txt").write_text("white square")
-    from anima_train.cache import save_cache
-    from anima_train.dataset import BucketSettings, cache_path, plan_metadata
+    from anima_train.data.latent_cache import save_cache
+    from anima_train.data.dataset import BucketSettings, cache_path, plan_metadata
 
     other = BucketSettings(tiers=(48,), bucket_reso_steps=16)
     plan = Bucketer(48, bucket_reso_steps=16).select(64, 64)

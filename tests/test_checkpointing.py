@@ -5,23 +5,23 @@ from __future__ import annotations
 import torch
 from test_train import latents_dir, make_cfg  # noqa: F401 (a fixture)
 
-from anima_train import checkpointing
-from anima_train.checkpointing import GIB, plan_unchecked, predicted_peak
-from anima_train.speed import COMPILE_MIN_STEPS, resolve_compile
-from anima_train.train import train
+from anima_train.training import recompute
+from anima_train.training.recompute import GIB, plan_unchecked, predicted_peak
+from anima_train.training.memory import COMPILE_MIN_STEPS, resolve_compile
+from anima_train.training.train import train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def _count_recomputes(monkeypatch) -> list:
     calls = []
-    real = checkpointing.checkpoint
+    real = recompute.checkpoint
 
     def counting(fn, *args, **kw):
         calls.append(fn)
         return real(fn, *args, **kw)
 
-    monkeypatch.setattr(checkpointing, "checkpoint", counting)
+    monkeypatch.setattr(recompute, "checkpoint", counting)
     return calls
 
 
@@ -50,10 +50,10 @@ def test_gradient_checkpointing_false_wins_over_checkpoint_blocks(tiny_anima, la
 
 
 def test_auto_recomputes_every_block_off_cuda():
-    assert checkpointing.parse_setting(True, "auto", 28, CPU) == 28
-    assert checkpointing.parse_setting(True, "auto", 28, CUDA) is None  # measured on the first step
-    assert checkpointing.parse_setting(True, 40, 28, CUDA) == 28
-    assert checkpointing.parse_setting(False, "all", 28, CUDA) == 0
+    assert recompute.parse_setting(True, "auto", 28, CPU) == 28
+    assert recompute.parse_setting(True, "auto", 28, CUDA) is None  # measured on the first step
+    assert recompute.parse_setting(True, 40, 28, CUDA) == 28
+    assert recompute.parse_setting(False, "all", 28, CUDA) == 0
 
 
 def test_plan_keeps_as_many_blocks_as_fit():
@@ -61,7 +61,7 @@ def test_plan_keeps_as_many_blocks_as_fit():
     # (the last kept block costs half a block over its recompute: the all-checkpointed peak already holds one
     # block's recomputed activations, in the backward of the last block)
     keep, peak = plan_unchecked(n_blocks=28, act=1 * GIB, peak=10 * GIB, steady=6 * GIB, scale=1.0, budget=24 * GIB)
-    usable = 24 * GIB - max(int(24 * GIB * checkpointing.MARGIN_FRACTION), checkpointing.MARGIN_BYTES)
+    usable = 24 * GIB - max(int(24 * GIB * recompute.MARGIN_FRACTION), recompute.MARGIN_BYTES)
     assert keep == 1 + (usable - 10 * GIB - GIB // 2) // GIB and peak == 10 * GIB + GIB // 2 + (keep - 1) * GIB
     assert peak <= usable < peak + GIB
     # a batch twice as large somewhere in the epoch: transient part and block activations double
@@ -126,11 +126,11 @@ class StrictCuda:
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: (index_only(d), allocated)[1])
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: (index_only(d), peak)[1])
-        from anima_train import speed
+        from anima_train.training import memory
 
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # fixed segments unless a test says otherwise
         monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-        monkeypatch.setitem(speed._EXPANDABLE, "set", False)
+        monkeypatch.setitem(memory._EXPANDABLE, "set", False)
         self.retries = 0  # the allocator's num_alloc_retries; a test raises it
         monkeypatch.setattr(torch.cuda, "memory_stats", lambda d=None: {"num_alloc_retries": self.retries})
 
@@ -153,17 +153,17 @@ def test_auto_plan_after_the_first_step(monkeypatch):
     """The decision the trainer makes after its first step, with torch.cuda's memory readings faked as a 24 GiB
     card (12 GiB of which a ComfyUI process holds): Qwen3 (1 GiB) kept on the GPU first, then as many blocks as the
     rest holds, and the message."""
-    from anima_train.speed import plan_checkpointing
+    from anima_train.training.memory import plan_checkpointing
 
     StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=36 * GIB, fraction=2 / 3)  # cap 24 GiB
     blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
-    plan = checkpointing.BlockCheckpointing(blocks)
+    plan = recompute.BlockCheckpointing(blocks)
     plan.set_recomputed(28)
-    plan.measure = checkpointing.Measure(tokens=4096 * 8, act=GIB)
+    plan.measure = recompute.Measure(tokens=4096 * 8, act=GIB)
     said = []
     parked = Parked(GIB)
     plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
-    usable = 24 * GIB - max(int(24 * GIB * checkpointing.MARGIN_FRACTION), checkpointing.MARGIN_BYTES)
+    usable = 24 * GIB - max(int(24 * GIB * recompute.MARGIN_FRACTION), recompute.MARGIN_BYTES)
     keep = 1 + (usable - 11 * GIB - GIB // 2) // GIB  # the all-checkpointed peak with Qwen3 resident: 11 GiB
     assert plan.recomputed == 28 - keep and plan.measure is None and plan.retries == 0
     assert parked.resident
@@ -178,15 +178,15 @@ def test_auto_plan_at_8_gib_batch_2(monkeypatch):
     parked and one block is kept. Expandable segments (0.5 GiB margin): Qwen3 stays on the GPU and every block
     recomputes: the seed's own configuration there (its peak: 7.32 GiB), which ran 0.1742 s/image against 0.1985
     for Qwen3 parked with 2 blocks kept."""
-    from anima_train import speed
-    from anima_train.speed import plan_checkpointing
+    from anima_train.training import memory
+    from anima_train.training.memory import plan_checkpointing
 
     for expandable, resident, recomputed in ((False, False, 27), (True, True, 28)):
         StrictCuda(monkeypatch, allocated=int(4.56 * GIB), peak=int(6.2 * GIB), total=8 * GIB)
-        monkeypatch.setitem(speed._EXPANDABLE, "set", expandable)
-        plan = checkpointing.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)])
+        monkeypatch.setitem(memory._EXPANDABLE, "set", expandable)
+        plan = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)])
         plan.set_recomputed(28)
-        plan.measure = checkpointing.Measure(tokens=8192, act=int(0.71 * GIB))
+        plan.measure = recompute.Measure(tokens=8192, act=int(0.71 * GIB))
         parked, said = Parked(int(1.1 * GIB)), []
         plan_checkpointing(plan, 8192, parked, torch.device("cuda"), said.append)
         assert (parked.resident, plan.recomputed) == (resident, recomputed), said
@@ -197,12 +197,12 @@ def test_a_step_that_makes_the_allocator_retry_gives_memory_back(monkeypatch):
     """After the plan, a step whose allocations had to free the cache and retry (a stall every step) first sends
     Qwen3 back to host memory, then recomputes one more block per such step; a step without retries changes
     nothing."""
-    from anima_train.speed import plan_checkpointing, relieve
+    from anima_train.training.memory import plan_checkpointing, relieve
 
     cuda = StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=140 * GIB)
-    plan = checkpointing.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)])
+    plan = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)])
     plan.set_recomputed(28)
-    plan.measure = checkpointing.Measure(tokens=4096, act=GIB)
+    plan.measure = recompute.Measure(tokens=4096, act=GIB)
     parked, said = Parked(GIB), []
     device = torch.device("cuda")
     plan_checkpointing(plan, 4096, parked, device, said.append)
@@ -220,13 +220,13 @@ def test_a_step_that_makes_the_allocator_retry_gives_memory_back(monkeypatch):
 
 
 def test_auto_plan_on_a_large_card_keeps_everything(monkeypatch):
-    from anima_train.speed import plan_checkpointing
+    from anima_train.training.memory import plan_checkpointing
 
     StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=140 * GIB)
     blocks = [torch.nn.Linear(2, 2) for _ in range(28)]
-    plan = checkpointing.BlockCheckpointing(blocks)
+    plan = recompute.BlockCheckpointing(blocks)
     plan.set_recomputed(28)
-    plan.measure = checkpointing.Measure(tokens=4096 * 8, act=GIB)
+    plan.measure = recompute.Measure(tokens=4096 * 8, act=GIB)
     parked = Parked(4 * 2**20)
     said = []
     plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
@@ -237,7 +237,7 @@ def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
     """Seen on the GPU: after the plan kept Qwen3 on the GPU, the preview renderer (which holds the same parked
     weights) parked them again after its round, and the next training step met Qwen3 on the CPU (index_select:
     tensors on cuda:0 and cpu). Here park/restore record where the weights are."""
-    from anima_train.speed import ParkedWeights
+    from anima_train.training.memory import ParkedWeights
 
     class Recorded(ParkedWeights):
         where = "host"
@@ -261,7 +261,7 @@ def test_a_resident_text_encoder_is_not_parked_again_by_another_holder():
 def test_largest_batch_counts_texture_canvases():
     from types import SimpleNamespace
 
-    from anima_train.sampler import BucketBatchSampler
+    from anima_train.data.batches import BucketBatchSampler
 
     keys = [((512, 512), True)] * 6 + [((768, 512), False)] * 2
     sampler = BucketBatchSampler(keys, {((512, 512), True): 4, ((768, 512), False): 4})
@@ -276,7 +276,7 @@ def test_blocks_added_to_the_recompute_mid_run_change_no_number(tiny_anima, late
     run with every block recomputed, and the recompute count did grow."""
     from dataclasses import dataclass
 
-    from anima_train import speed
+    from anima_train.training import memory
 
     calls = _count_recomputes(monkeypatch)
     reference = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "all", max_steps=3,
@@ -285,12 +285,12 @@ def test_blocks_added_to_the_recompute_mid_run_change_no_number(tiny_anima, late
     assert n_blocks >= 2
 
     @dataclass
-    class Watched(checkpointing.BlockCheckpointing):
+    class Watched(recompute.BlockCheckpointing):
         retries: int | None = 0  # as after the auto plan (which only runs on CUDA)
 
     retries = iter(range(1, 100))  # every step made the allocator retry
-    monkeypatch.setattr(checkpointing, "BlockCheckpointing", Watched)
-    monkeypatch.setattr(speed, "alloc_retries", lambda device: next(retries))
+    monkeypatch.setattr(recompute, "BlockCheckpointing", Watched)
+    monkeypatch.setattr(memory, "alloc_retries", lambda device: next(retries))
     calls.clear()
     grown = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "grown", max_steps=3,
                            gradient_checkpointing="true", checkpoint_blocks="1"), cpu=True, no_save=True)
@@ -301,21 +301,21 @@ def test_blocks_added_to_the_recompute_mid_run_change_no_number(tiny_anima, late
 
 
 def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
-    from anima_train import speed
-    from anima_train.speed import expandable_segments_on, use_expandable_segments
+    from anima_train.training import memory
+    from anima_train.training.memory import expandable_segments_on, use_expandable_segments
 
     asked = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", asked.append, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", asked.append, raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setitem(speed._EXPANDABLE, "set", False)
-    monkeypatch.setattr(speed.sys, "platform", "win32")  # PyTorch ignores the setting there
+    monkeypatch.setitem(memory._EXPANDABLE, "set", False)
+    monkeypatch.setattr(memory.sys, "platform", "win32")  # PyTorch ignores the setting there
     assert not use_expandable_segments(CUDA) and asked == []
-    monkeypatch.setattr(speed.sys, "platform", "linux")
+    monkeypatch.setattr(memory.sys, "platform", "linux")
     assert not use_expandable_segments(CPU) and asked == [] and not expandable_segments_on()
     assert use_expandable_segments(CUDA) and asked == ["expandable_segments:True"] and expandable_segments_on()
-    monkeypatch.setitem(speed._EXPANDABLE, "set", False)
+    monkeypatch.setitem(memory._EXPANDABLE, "set", False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert not use_expandable_segments(CUDA) and asked == ["expandable_segments:True"]
     assert not expandable_segments_on()

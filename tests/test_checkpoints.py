@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from anima_train import checkpoints as C
+from anima_train.outputs import checkpoint_files as C
 
 
 def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None):
@@ -134,8 +134,8 @@ def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch)
     """save_full_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
     open handle on Windows): the earlier folder is still there, whole. The old code deleted it first, then renamed."""
     from anima_train import lora_export
-    from anima_train.models import load_components
-    from anima_train.tiny import build_tiny_anima
+    from anima_train.model.components import load_components
+    from anima_train.model.tiny import build_tiny_anima
 
     parts = load_components(build_tiny_anima(tmp_path / "repo").diffusers_dir, dtype="float32")
     folder = lora_export.save_full_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.tiny import make_synthetic_dataset, make_synthetic_latents
+from anima_train.model.tiny import make_synthetic_dataset, make_synthetic_latents
 from tests.fixtures_tiny import anima_train_cli, small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_an_unwritable_output_dir_is_refused_before_loading(tiny_anima, latents,
 
 def test_an_output_dir_that_cannot_be_created_or_written_is_named(tmp_path, monkeypatch):
     # (in-process: as root every folder is writable, so the permission branch is reached through os.access)
-    from anima_train import preflight
+    from anima_train.training import preflight
     from anima_train.config import load_config
 
     (tmp_path / "a-file").write_text("x")
@@ -226,13 +226,13 @@ def test_torchrun_prints_a_user_error_once(tmp_path):
 
 
 def test_the_library_errors_are_user_errors():
-    from anima_train.buckets import BucketError
-    from anima_train.checkpoints import ResumeError
+    from anima_train.data.buckets import BucketError
+    from anima_train.outputs.checkpoint_files import ResumeError
     from anima_train.config import ConfigError
-    from anima_train.convert import ConvertError
-    from anima_train.dataset import DatasetError
+    from anima_train.model.convert import ConvertError
+    from anima_train.data.dataset import DatasetError
     from anima_train.errors import UserError
-    from anima_train.models import ModelRepoError
+    from anima_train.model.components import ModelRepoError
 
     for kind in (ConfigError, DatasetError, BucketError, ResumeError, ModelRepoError, ConvertError):
         assert issubclass(kind, UserError), kind
@@ -244,7 +244,7 @@ class _Unreadable:
         return 1
 
     def __getitem__(self, i):
-        from anima_train.dataset import DatasetError
+        from anima_train.data.dataset import DatasetError
 
         raise DatasetError("latent cache /d/x_0128x0128_anima.safetensors cannot be read: delete it")
 
@@ -252,7 +252,7 @@ class _Unreadable:
 def test_a_user_error_from_a_data_loader_worker_keeps_only_its_message():
     from torch.utils.data import DataLoader
 
-    from anima_train.dataset import DatasetError
+    from anima_train.data.dataset import DatasetError
     from anima_train.errors import user_message
 
     with pytest.raises(DatasetError) as caught:

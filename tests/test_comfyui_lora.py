@@ -2,7 +2,7 @@
 
 Runs only with COMFYUI_PATH (a ComfyUI checkout with Anima support) and COMFYUI_PYTHON (its venv's python; our venv's
 torch differs from ComfyUI's, so ComfyUI code runs in a subprocess). Here we build the smallest Anima ComfyUI detects
-(tiny.py size "comfy": width 256, 10 blocks, full-size llm_adapter), attach peft adapters with alpha != rank, export
+(model/tiny.py size "comfy": width 256, 10 blocks, full-size llm_adapter), attach peft adapters with alpha != rank, export
 every format, and compute the expected patched weights W + strength·ΔW from the peft parameters. The subprocess loads
 the DiT with `comfy.sd.load_diffusion_model` (our full-finetune native file), applies each file with
 `comfy.sd.load_lora_for_models`, and returns the weights ComfyUI patches (`patch_weight_to_device`). The Qwen3 LoRA
@@ -23,8 +23,9 @@ import torch
 from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
-from anima_train import keymaps, lora_export
-from anima_train.tiny import CONFIGS, build_models
+from anima_train import lora_export
+from anima_train.model import keymaps
+from anima_train.model.tiny import CONFIGS, build_models
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 

@@ -183,7 +183,7 @@ def _checkout_state(comfy_root: str) -> str:
 
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
     from tests import fixtures_tiny
 
     comfy_root = os.environ["COMFYUI_PATH"]

@@ -1,6 +1,6 @@
-"""A preview predicts what ComfyUI shows: our sampler (anima_train.sampling) against ComfyUI's own KSampler.
+"""A preview predicts what ComfyUI shows: our sampler (anima_train.training.previews) against ComfyUI's own KSampler.
 
-On the tiny ComfyUI-detectable Anima (tiny.py size "comfy", fp32) with a LoRA attached: we render a prompt with the
+On the tiny ComfyUI-detectable Anima (model/tiny.py size "comfy", fp32) with a LoRA attached: we render a prompt with the
 trainer's sampler (the adapter active, our text path, our VAE decode). ComfyUI, in its own python, loads the same
 DiT from the native file with UNETLoader's loader, applies the exported LoRA file, samples with `comfy.sample.sample`
 (what KSampler runs: euler, simple, same seed/steps/cfg, an empty latent), and decodes with the native VAE file
@@ -55,10 +55,11 @@ SCRIPT = textwrap.dedent(r'''
 def test_preview_equals_comfyui_ksampler(tmp_path):
     from peft import LoraConfig
 
-    from anima_train import lora_export, sampling
-    from anima_train.models import load_components
-    from anima_train.tiny import build_tiny_anima
-    from anima_train.text import encode_qwen, qwen_attention_mask, tokenize
+    from anima_train import lora_export
+    from anima_train.training import previews
+    from anima_train.model.components import load_components
+    from anima_train.model.tiny import build_tiny_anima
+    from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
 
     comfy_path, comfy_python = os.environ["COMFYUI_PATH"], os.environ.get("COMFYUI_PYTHON", sys.executable)
     tiny = build_tiny_anima(tmp_path / "tiny", seed=0, size="comfy", dtype=torch.float32)
@@ -75,7 +76,7 @@ def test_preview_equals_comfyui_ksampler(tmp_path):
     prompt, negative = "red circle, white background", "blue square"
     job = dict(width=64, height=48, steps=4, cfg=3.5, seed=123)
 
-    images = sampling.render([prompt], negative, width=job["width"], height=job["height"], steps=job["steps"],
+    images = previews.render([prompt], negative, width=job["width"], height=job["height"], steps=job["steps"],
                              cfg_scale=job["cfg"], seed=job["seed"], shift=3.0, transformer=parts.transformer,
                              conditioner=parts.text_conditioner, text_encoder=parts.text_encoder,
                              tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer, vae=parts.vae, device="cpu",
@@ -109,7 +110,7 @@ def test_preview_equals_comfyui_ksampler(tmp_path):
 
     # and the LoRA mattered: without it the picture is clearly different
     parts.transformer.disable_adapters()
-    plain = sampling.render([prompt], negative, width=job["width"], height=job["height"], steps=job["steps"],
+    plain = previews.render([prompt], negative, width=job["width"], height=job["height"], steps=job["steps"],
                             cfg_scale=job["cfg"], seed=job["seed"], shift=3.0, transformer=parts.transformer,
                             conditioner=parts.text_conditioner, text_encoder=parts.text_encoder,
                             tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer, vae=parts.vae, device="cpu",

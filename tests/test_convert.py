@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from anima_train import cli, convert, keymaps
-from anima_train.models import check_repo, load_components
+from anima_train import cli
+from anima_train.model import convert, keymaps
+from anima_train.model.components import check_repo, load_components
 from tests import fixtures_tiny
 
 WEIGHT_FILES = {"transformer": "diffusion_pytorch_model.safetensors",
@@ -94,7 +95,7 @@ def test_configs_inferred_from_full_size_shapes_are_the_real_ones():
     """On the meta device: the released files' shapes give exactly the configs of docs/model.md#configurations."""
     from accelerate import init_empty_weights
 
-    from anima_train.tiny import CONFIGS
+    from anima_train.model.tiny import CONFIGS
     from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel
     from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
     from transformers import Qwen3Config, Qwen3Model

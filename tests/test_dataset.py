@@ -14,19 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from anima_train.buckets import Bucketer
-from anima_train.cache import save_cache
+from anima_train.data.buckets import Bucketer
+from anima_train.data.latent_cache import save_cache
 from anima_train.config import load_config
-from anima_train.dataset import (
-    BucketSettings,
-    DatasetError,
-    bucket_batch_sizes,
-    build_training_data,
-    cache_path,
-    collate,
-    plan_metadata,
-)
-from anima_train.sampler import BucketBatchSampler, steps_per_epoch
+from anima_train.data.dataset import (BucketSettings, DatasetError, bucket_batch_sizes, build_training_data,
+    cache_path, collate, plan_metadata)
+from anima_train.data.batches import BucketBatchSampler, steps_per_epoch
 
 
 def write_image(folder: Path, stem: str, size, ext=".png", caption: str | None = "red circle, white background"):

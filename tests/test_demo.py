@@ -39,7 +39,7 @@ def test_demo_refuses_a_non_empty_folder(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_tiny_model_writes_a_model_path_and_a_config_that_trains_on_your_images(tmp_path):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     out = anima_train_cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

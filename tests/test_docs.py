@@ -72,7 +72,7 @@ def text_files() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def texts() -> dict[str, str]:
     files = text_files()
-    assert "README.md" in files and "anima_train/keymaps.py" in files, "the file listing missed the sources"
+    assert "README.md" in files and "anima_train/model/keymaps.py" in files, "the file listing missed the sources"
     return files
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from anima_train import flow
+from anima_train.training import flow
 from anima_train.config import CurriculumPhase, FlowConfig
-from anima_train.flow import (active_phase, flow_loss, flux_shift_mu, hf_token_weights, noisy_latents,
-                              ot_pair_noise, sample_timesteps, velocity_target)
+from anima_train.training.flow import (active_phase, flow_loss, flux_shift_mu, hf_token_weights, noisy_latents,
+    ot_pair_noise, sample_timesteps, velocity_target)
 
 N = 20_000  # the draw count of the measured tables
 

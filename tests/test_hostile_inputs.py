@@ -20,11 +20,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from anima_train import errors, parent_watch
+from anima_train import errors
+from anima_train.system import parent_watch
 from anima_train.config import TextureConfig
-from anima_train.images import decoded_size, header_size
-from anima_train.texture import texture_sample
-from anima_train.tiny import make_synthetic_dataset
+from anima_train.data.images import decoded_size, header_size
+from anima_train.data.texture import texture_sample
+from anima_train.model.tiny import make_synthetic_dataset
 from tests.fixtures_tiny import anima_train_cli, small_run_toml
 
 ROOT = Path(__file__).resolve().parents[1]

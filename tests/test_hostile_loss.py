@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from anima_train import errors
-from anima_train.tiny import make_synthetic_latents
-from anima_train.train import Diverged, train
+from anima_train.model.tiny import make_synthetic_latents
+from anima_train.training.train import Diverged, train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 

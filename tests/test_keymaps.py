@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from anima_train import keymaps as km
-from anima_train.tiny import CONFIGS
+from anima_train.model import keymaps as km
+from anima_train.model.tiny import CONFIGS
 
 
 @pytest.fixture(scope="module")

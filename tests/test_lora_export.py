@@ -13,8 +13,9 @@ from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from anima_train import keymaps, lora_export
-from anima_train.tiny import build_models
+from anima_train import lora_export
+from anima_train.model import keymaps
+from anima_train.model.tiny import build_models
 
 DIT_TARGETS = ["to_q", "to_k", "to_out.0", "ff.net.0.proj", "norm1.linear_1", "proj_out"]
 ADAPTER_TARGETS = ["q_proj", "o_proj", "mlp.0"]

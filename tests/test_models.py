@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from anima_train import models
+from anima_train.model import components
 
 
 @pytest.fixture()
@@ -22,7 +22,7 @@ def no_weight_loading(monkeypatch):
 
 
 def test_load_components_returns_every_part_in_the_dtype(tiny_anima):
-    parts = models.load_components(tiny_anima.diffusers_dir, dtype="bfloat16", device="cpu")
+    parts = components.load_components(tiny_anima.diffusers_dir, dtype="bfloat16", device="cpu")
     for name in ("transformer", "text_conditioner", "text_encoder"):
         model = getattr(parts, name)
         assert not model.training and next(model.parameters()).dtype == torch.bfloat16, name
@@ -41,26 +41,26 @@ def test_load_components_returns_every_part_in_the_dtype(tiny_anima):
 def test_repo_without_tokenizers_is_refused_before_loading_weights(tiny_anima, tmp_path, no_weight_loading):
     repo = tmp_path / "repo"
     shutil.copytree(tiny_anima.diffusers_dir, repo, ignore=shutil.ignore_patterns("tokenizer", "t5_tokenizer"))
-    with pytest.raises(models.ModelRepoError, match=r"no tokenizer/ and no t5_tokenizer/.*--tokenizers") as info:
-        models.load_components(repo)
+    with pytest.raises(components.ModelRepoError, match=r"no tokenizer/ and no t5_tokenizer/.*--tokenizers") as info:
+        components.load_components(repo)
     assert "hf download" in str(info.value) and str(repo) in str(info.value)
     shutil.copytree(tiny_anima.diffusers_dir / "tokenizer", repo / "tokenizer")
-    with pytest.raises(models.ModelRepoError, match=r"no t5_tokenizer/ folder"):
-        models.load_components(repo)
+    with pytest.raises(components.ModelRepoError, match=r"no t5_tokenizer/ folder"):
+        components.load_components(repo)
 
 
 def test_not_a_repo_is_refused_with_the_convert_command(tiny_anima, tmp_path, no_weight_loading):
-    with pytest.raises(models.ModelRepoError, match="anima-train convert"):
-        models.load_components(tmp_path / "missing")
-    with pytest.raises(models.ModelRepoError, match="anima-train convert"):
-        models.load_components(tiny_anima.native_dir)  # the single files, not a repo
+    with pytest.raises(components.ModelRepoError, match="anima-train convert"):
+        components.load_components(tmp_path / "missing")
+    with pytest.raises(components.ModelRepoError, match="anima-train convert"):
+        components.load_components(tiny_anima.native_dir)  # the single files, not a repo
     repo = tmp_path / "repo"
     shutil.copytree(tiny_anima.diffusers_dir, repo, ignore=shutil.ignore_patterns("text_encoder"))
-    with pytest.raises(models.ModelRepoError, match=r"missing text_encoder/"):
-        models.load_components(repo)
+    with pytest.raises(components.ModelRepoError, match=r"missing text_encoder/"):
+        components.load_components(repo)
 
 
 def test_resolve_dtype():
-    assert models.resolve_dtype("float16") is torch.float16 and models.resolve_dtype(torch.float32) is torch.float32
+    assert components.resolve_dtype("float16") is torch.float16 and components.resolve_dtype(torch.float32) is torch.float32
     with pytest.raises(ValueError, match="bfloat16, float16, float32"):
-        models.resolve_dtype("int8")
+        components.resolve_dtype("int8")

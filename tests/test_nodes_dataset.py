@@ -86,7 +86,7 @@ def fake_cli(env, monkeypatch, tmp_path):
 
 @pytest.fixture
 def images(tmp_path):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     folder = tmp_path / "data"
     make_synthetic_dataset(folder, n=4, sizes=[(64, 64)])
@@ -164,7 +164,7 @@ def test_real_cli_convert_cache_and_audit(env, images, tiny_anima, tmp_path):
     nd = env.nd
     repo = nd.AnimaTrainConvert.execute(**env.names, out_dir=str(tmp_path / "repo"),
                                         tokenizers=str(tiny_anima.diffusers_dir)).values[0]
-    from anima_train.models import check_repo
+    from anima_train.model.components import check_repo
 
     check_repo(repo)
     report, safe = nd.AnimaTrainAudit.execute(dataset_dir=str(images), resolutions="64", model_path=repo).values

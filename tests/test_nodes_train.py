@@ -407,7 +407,7 @@ def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_i
     said = after[-1]["text"]
     assert said.startswith("cancelled at step 1 of 3: saved ") and str(ckpt) in said, said
     assert not any(p.name.startswith((".comfyui-stop", "comfyui-stop")) for p in run_dir.iterdir())
-    from anima_train.runs import lock_holder
+    from anima_train.outputs.run_folder import lock_holder
 
     assert lock_holder(run_dir, env.nt.JOB_LOCK_NAME) is None  # the node's lock on the folder is free again
 
@@ -505,11 +505,11 @@ def test_encode_prompt_gives_the_conditioning_layout_comfy_anima_consumes(comfy_
 def test_two_comfyui_instances_never_pick_the_same_run_folder(comfy_env, tiny_anima, dataset):
     """Another ComfyUI (same output folder) has picked output/anima_train/cat and not started its worker yet: the
     folder has no run files and no trainer lock, only that node's job lock. This job must take cat-2."""
-    from anima_train import runs
+    from anima_train.outputs import run_folder
 
     env = comfy_env
     config = _config(env, tiny_anima, dataset, run_name="cat")
-    other = runs.RunLock(Path(config["run_dir"]), env.nt.JOB_LOCK_NAME)  # an OS lock: held per open file
+    other = run_folder.RunLock(Path(config["run_dir"]), env.nt.JOB_LOCK_NAME)  # an OS lock: held per open file
     other.acquire()
     try:
         out = _train(env, config)
@@ -519,14 +519,14 @@ def test_two_comfyui_instances_never_pick_the_same_run_folder(comfy_env, tiny_an
     assert env.spawned[0][0].parent.name == "cat-2" and "running job" in out.ui["text"][0].splitlines()[0]
     assert not (Path(config["run_dir"]) / "comfyui-job.toml").exists()  # the other job's folder is untouched
     # the lock is released after the job: the next job may use cat-2 again (re-used, unchanged inputs)
-    assert runs.lock_holder(Path(out.values[0]).parent, env.nt.JOB_LOCK_NAME) is None
+    assert run_folder.lock_holder(Path(out.values[0]).parent, env.nt.JOB_LOCK_NAME) is None
 
 
 @pytest.mark.slow
 def test_a_trainer_lock_refusal_is_shown_on_the_node(comfy_env, tiny_anima, dataset, monkeypatch):
     """The real trainer as the worker. Between the node picking a free folder and its worker starting, a CLI run
     (`anima-train train`) starts in the same folder; the worker refuses (RunRefused) and the node says why."""
-    from anima_train import runs
+    from anima_train.outputs import run_folder
 
     env = comfy_env
     monkeypatch.setattr(env.nt, "train_command", env.real_train_command)
@@ -535,7 +535,7 @@ def test_a_trainer_lock_refusal_is_shown_on_the_node(comfy_env, tiny_anima, data
 
     def pick_then_cli_starts(*args):
         result = picked(*args)
-        cli["lock"] = runs.RunLock(result[2])  # the trainer's own lock, as the CLI run holds it
+        cli["lock"] = run_folder.RunLock(result[2])  # the trainer's own lock, as the CLI run holds it
         cli["lock"].acquire()
         return result
 
@@ -555,7 +555,7 @@ def test_a_trainer_lock_refusal_is_shown_on_the_node(comfy_env, tiny_anima, data
     assert "exit status" not in msg and msg.splitlines()[-1] == f"full log: {run_dir / 'comfyui-worker.log'}"
     assert [e[1]["message"] for e in env.log if e[0] == "ws" and e[1]["event"] == "error"] == [
         msg.splitlines()[0].removeprefix("training cat did not start: ")]  # the chart shows it too
-    assert not runs.run_files(run_dir, "cat") and not (run_dir / "comfyui-result.json").exists()
+    assert not run_folder.run_files(run_dir, "cat") and not (run_dir / "comfyui-result.json").exists()
 
 
 def test_relay_sends_previews_as_small_inline_images(comfy_env, tmp_path):
@@ -586,7 +586,7 @@ def test_relay_sends_previews_as_small_inline_images(comfy_env, tmp_path):
 
 def test_a_texture_curriculum_goes_in_extra_toml_and_two_gpus_are_refused_before_a_worker(comfy_env, tiny_anima,
                                                                                          dataset):
-    from anima_train.texture import TextureError
+    from anima_train.data.texture import TextureError
 
     env = comfy_env
     extra = ('[dataset]\nsource = "encode"\n[dataset.texture]\ncanvases = [[64, 64], [64, 64], [128, 64]]\n'

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anima_train.config import SDNQ_OPTIMIZERS, OptimizerConfig
-from anima_train.optimizers import build_optimizer, optimizer_state_bytes
+from anima_train.training.optimizers import build_optimizer, optimizer_state_bytes
 
 
 def tiny_mlp(seed: int = 0, dtype=torch.float32) -> torch.nn.Module:
@@ -118,7 +118,7 @@ def test_bf16_tensors_get_fp32_masters_that_resume_exactly():
 
 
 def test_torch_adamw_refuses_sdnq_weights():
-    from anima_train.quant import import_sdnq
+    from anima_train.model.quant import import_sdnq
     sdnq = import_sdnq()
     model = tiny_mlp()
     sdnq.training.sdnq_training_post_load_quant(model, weights_dtype="int8", group_size=-1, add_skip_keys=False,
@@ -134,7 +134,7 @@ def test_gradients_reach_the_masters_exactly_in_any_chunking(monkeypatch):
     # the bf16 gradients are up-cast onto the masters in foreach chunks (fewer launches than one .to() per tensor);
     # chunk boundaries inside the parameter list (1 element: every tensor its own chunk; 200: mixed) change nothing,
     # and the result is the fp32 AdamW step on exactly the up-cast gradients
-    from anima_train.optimizers import FP32MasterWeights
+    from anima_train.training.optimizers import FP32MasterWeights
 
     _, whole = train("adamw", dtype=torch.bfloat16)
     for chunk in (1, 200):

@@ -128,7 +128,7 @@ def test_cli_missing_dependency_is_not_disguised_as_not_yet(monkeypatch, tmp_pat
 
 
 def test_check_passes_here_and_fails_on_a_broken_required_module(monkeypatch, capsys):
-    from anima_train import check
+    from anima_train.system import check
 
     assert check.run(type("A", (), {"quiet": False})()) == 0
     assert "all required pieces work" in capsys.readouterr().out
@@ -193,7 +193,7 @@ def test_atomic_writes_get_normal_file_modes(tmp_path):
     # safetensors and mkstemp create 0600 files; outputs must be readable like any file the user writes
     import torch
 
-    from anima_train.atomic import write_text
+    from anima_train.files import write_text
     from anima_train.lora_export import write_safetensors
 
     old = os.umask(0o022)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.tiny import make_synthetic_latents
+from anima_train.model.tiny import make_synthetic_latents
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ COMFYUI = textwrap.dedent(r'''
 ''')
 
 # A model that takes a minute to load, like the real one on a slow disk: the worker is silent meanwhile.
-SLOW_LOAD = ("import runpy, time; import anima_train.models as m; load = m.load_components; "
+SLOW_LOAD = ("import runpy, time; import anima_train.model.components as m; load = m.load_components; "
              "m.load_components = lambda *a, **k: (time.sleep(60), load(*a, **k))[1]; "
              "runpy.run_module('anima_train', run_name='__main__', alter_sys=True)")
 

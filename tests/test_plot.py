@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from anima_train.plot import nice_ticks, plot_losses
+from anima_train.outputs.plot import nice_ticks, plot_losses
 
 
 @pytest.mark.parametrize("lo, hi, ticks, decimals", [
@@ -33,7 +33,7 @@ def test_png_and_live_chart_draw_the_same_loss_ema(tmp_path):
     import subprocess
     from pathlib import Path
 
-    from anima_train.plot import ema
+    from anima_train.outputs.plot import ema
 
     node = shutil.which("node")
     if node is None:

@@ -14,9 +14,10 @@ import warnings
 import pytest
 import torch
 
-from anima_train import adapters, optimizers
+from anima_train import adapters
+from anima_train.training import optimizers
 from anima_train.config import SDNQ_OPTIMIZERS
-from anima_train.train import train
+from anima_train.training.train import train
 from tests.test_adapters import inject, make_cfg as adapter_cfg, tiny_batch, tiny_loss, tiny_models
 from tests.test_train import make_cfg as run_cfg
 
@@ -81,7 +82,7 @@ def test_the_trainer_in_bf16_trains_like_fp32(mode, tiny_anima, latents_dir, tmp
 
 @pytest.fixture(scope="module")
 def latents_dir(tmp_path_factory):
-    from anima_train.tiny import make_synthetic_latents
+    from anima_train.model.tiny import make_synthetic_latents
 
     out = tmp_path_factory.mktemp("latents")
     make_synthetic_latents(out, n=12, seed=0)

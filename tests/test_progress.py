@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from anima_train import progress as P
+from anima_train.outputs import progress as P
 
 
 def _stats(step, **kw):

@@ -8,9 +8,10 @@ import copy
 import pytest
 import torch
 
-from anima_train import adapters, quant
+from anima_train import adapters
+from anima_train.model import quant
 from anima_train.config import Config
-from anima_train.optimizers import build_optimizer
+from anima_train.training.optimizers import build_optimizer
 from tests.test_adapters import make_cfg, tiny_models
 
 SDNQ = quant.import_sdnq()  # module level: the import (env defaults) is part of what is tested

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.tiny import make_synthetic_latents
-from anima_train.train import train
+from anima_train.model.tiny import make_synthetic_latents
+from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 
@@ -135,7 +135,7 @@ def test_an_existing_stop_file_is_refused_before_the_run_starts(tiny_anima, late
 
 
 def test_only_the_runs_own_files_count_as_an_earlier_run(tmp_path):
-    from anima_train.runs import free_run_name, latest_state, run_files
+    from anima_train.outputs.run_folder import free_run_name, latest_state, run_files
 
     run = tmp_path / "cat"
     run.mkdir()

@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from anima_train import sampling
+from anima_train.training import previews
 from anima_train.config import ConfigError, load_config
-from anima_train.models import load_components
-from anima_train.tiny import make_synthetic_latents
-from anima_train.train import train
+from anima_train.model.components import load_components
+from anima_train.model.tiny import make_synthetic_latents
+from anima_train.training.train import train
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +54,17 @@ seed = 7
 
 def test_simple_sigmas_are_comfyuis_table_for_anima():
     # ComfyUI: sigmas[k] = shift(k/1000), k = 1..1000; "simple" takes sigmas[-(1 + int(i * 1000/steps))], then 0
-    sig = sampling.simple_sigmas(4, 3.0)
+    sig = previews.simple_sigmas(4, 3.0)
     assert sig.tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5, 0.0], abs=1e-6)  # docs/comfyui.md#sampling
-    three = sampling.simple_sigmas(3, 3.0)
+    three = previews.simple_sigmas(3, 3.0)
     # i = 1: int(333.33) = 333 -> t = (1000 - 333)/1000 = 0.667 -> 3t/(1 + 2t)
     assert three[1].item() == pytest.approx(3 * 0.667 / (1 + 2 * 0.667), abs=1e-6)
-    assert sampling.simple_sigmas(2, 1.0).tolist() == pytest.approx([1.0, 0.5, 0.0])
+    assert previews.simple_sigmas(2, 1.0).tolist() == pytest.approx([1.0, 0.5, 0.0])
 
 
 def test_initial_noise_is_comfyuis_and_leaves_the_global_rng_alone():
     state = torch.get_rng_state()
-    noise = sampling.initial_noise(7, 48, 64)
+    noise = previews.initial_noise(7, 48, 64)
     assert torch.equal(torch.get_rng_state(), state)
     torch.manual_seed(7)  # what comfy.sample.prepare_noise does
     assert torch.equal(noise, torch.randn((1, 16, 1, 6, 8), dtype=torch.float32))
@@ -74,9 +74,9 @@ def test_euler_cfg_matches_a_float64_reference(tiny_anima):
     parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
     g = torch.Generator().manual_seed(0)
     cond, uncond = torch.randn(1, 64, 32, generator=g), torch.randn(1, 64, 32, generator=g)
-    noise = sampling.initial_noise(3, 32, 32)
-    sigmas = sampling.simple_sigmas(3, 3.0)
-    got = sampling.euler_cfg(parts.transformer, noise, sigmas, cond, uncond, 2.5, torch.float32)
+    noise = previews.initial_noise(3, 32, 32)
+    sigmas = previews.simple_sigmas(3, 3.0)
+    got = previews.euler_cfg(parts.transformer, noise, sigmas, cond, uncond, 2.5, torch.float32)
 
     dit = parts.transformer.double()
     x = noise.double()
@@ -173,11 +173,11 @@ def test_previews_and_tensorboard_on_a_tiny_run(tmp_path, tiny_anima, latents_di
 
     # the same step-0 preview, rendered outside training from the base model, is identical
     parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
-    base = sampling.render(["red circle, white background"], "gray", width=64, height=48, steps=3, cfg_scale=3.0,
+    base = previews.render(["red circle, white background"], "gray", width=64, height=48, steps=3, cfg_scale=3.0,
                            seed=7, shift=3.0, transformer=parts.transformer, conditioner=parts.text_conditioner,
                            text_encoder=parts.text_encoder, tokenizer=parts.tokenizer,
                            t5_tokenizer=parts.t5_tokenizer, vae=parts.vae, device="cpu", dtype=torch.float32)
-    again = rgb(sampling.to_pil(base[0]))
+    again = rgb(previews.to_pil(base[0]))
     assert torch.equal(again, pixels[0][0])
 
     # TensorBoard: one run folder, read with TensorBoard's own reader

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from anima_train.config import ScheduleConfig
-from anima_train.schedules import build_scheduler, lr_multiplier, rerex_segment_lengths
+from anima_train.training.schedules import build_scheduler, lr_multiplier, rerex_segment_lengths
 
 KINDS = ("constant", "linear", "cosine", "rex", "rerex")
 
@@ -116,7 +116,7 @@ def test_rerex_continuous_and_monotone(total, power):
     assert all(b <= a for a, b in zip(values, values[1:]))
     # Continuity: evaluate at fractional positions around every segment boundary.
     cfg = ScheduleConfig(kind="rerex", weight_power=power)
-    from anima_train.schedules import _rerex
+    from anima_train.training.schedules import _rerex
     D = max(1, total)
     boundary = 0
     for length in rerex_segment_lengths(D, cfg.num_segments, cfg.weight_power)[:-1]:
@@ -256,7 +256,7 @@ DDP_WORKER = '''
 import json, sys, torch
 from accelerate import Accelerator
 from anima_train.config import ScheduleConfig
-from anima_train.schedules import build_scheduler
+from anima_train.training.schedules import build_scheduler
 
 acc = Accelerator(cpu=True)
 model = torch.nn.Linear(2, 1)

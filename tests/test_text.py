@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from anima_train.text import encode_prompts, tokenize
+from anima_train.model.prompts import encode_prompts, tokenize
 from tests.fixtures_tiny import load_repo
 
 
@@ -39,7 +39,7 @@ def test_matches_diffusers_pipeline(tiny_anima):
 def test_qwen_mask_is_decided_on_the_host(tiny_anima):
     # transformers reads a device [B, L] mask back twice per call (two host syncs per training step on a GPU); we
     # hand SDPA the mask it would build: none without padding, causal & padding with it (equality: test above)
-    from anima_train.text import qwen_attention_mask
+    from anima_train.model.prompts import qwen_attention_mask
 
     parts = load_repo(tiny_anima.diffusers_dir)
     te = parts["text_encoder"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from anima_train import texture as T
+from anima_train.data import texture as T
 from anima_train.config import ConfigError, CurriculumPhase, TextureConfig, load_config
 from tests.fixtures_tiny import torchrun
 
@@ -267,7 +267,7 @@ def test_refusal_under_several_processes_unless_allowed():
 
 
 def _two_subsets(tmp_path):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     crops, flat = tmp_path / "crops", tmp_path / "flat"
     make_synthetic_dataset(crops, n=8, sizes=[(192, 160), (160, 192)], seed=1)
@@ -276,7 +276,7 @@ def _two_subsets(tmp_path):
 
 
 def test_texture_batches_in_texture_phases_only_exempt_subsets_keep_their_captions(tmp_path):
-    from anima_train.dataset import build_training_data, collate
+    from anima_train.data.dataset import build_training_data, collate
 
     crops, flat = _two_subsets(tmp_path)
     cfg = load_config(f'[train]\nbatch_size = 2\n[dataset]\nresolution = 128\nsource = "encode"\n'
@@ -350,7 +350,7 @@ at = 0.7
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     out = tmp_path_factory.mktemp("tex_images")
     make_synthetic_dataset(out, n=6, sizes=[(160, 128), (128, 160), (128, 128)], seed=4)
@@ -359,9 +359,9 @@ def images(tmp_path_factory):
 
 def _eval_set(model_dir, folder):
     """Every image at its bucket, through the VAE: fixed latents for the fixed-quantile eval loss."""
-    from anima_train.captions import read_caption_files
-    from anima_train.dataset import build_training_data, encode_latents, load_pixels
-    from anima_train.models import load_components
+    from anima_train.data.captions import read_caption_files
+    from anima_train.data.dataset import build_training_data, encode_latents, load_pixels
+    from anima_train.model.components import load_components
 
     cfg = load_config(f'[dataset]\npath = "{folder}"\nresolution = 128\nsource = "encode"\n')
     data = build_training_data(cfg)
@@ -373,9 +373,9 @@ def _eval_set(model_dir, folder):
 
 def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_texture_phase(tiny_anima, images,
                                                                                            tmp_path):
-    from anima_train.evaluate import evaluate
-    from anima_train.models import load_components
-    from anima_train.train import train
+    from anima_train.training.evaluate import evaluate
+    from anima_train.model.components import load_components
+    from anima_train.training.train import train
 
     model = tiny_anima.diffusers_dir
     latents, captions = _eval_set(model, images)
@@ -403,7 +403,7 @@ def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_t
 
 
 def test_a_texture_phase_on_a_cached_dataset_built_in_code_is_refused(tiny_anima, images, tmp_path):
-    from anima_train.dataset import DatasetError, build_training_data
+    from anima_train.data.dataset import DatasetError, build_training_data
 
     cfg = load_config(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path))
     cfg.dataset.source = "images"  # past load_config, which refuses this
@@ -454,7 +454,7 @@ def test_the_train_nodes_chart_shows_the_active_phase():
 
 
 def test_phase_summary_numbers_phases_in_at_order():
-    from anima_train.flow import active_phase, phase_summary
+    from anima_train.training.flow import active_phase, phase_summary
 
     phases = [CurriculumPhase(at=0.5, mode="texture"), CurriculumPhase(at=0.0)]
     assert phase_summary(phases, None) is None and phase_summary([], None) is None

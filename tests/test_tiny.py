@@ -1,4 +1,4 @@
-"""Tiny Anima builder, tokenizers and synthetic dataset (anima_train/tiny.py)."""
+"""Tiny Anima builder, tokenizers and synthetic dataset (anima_train/model/tiny.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from anima_train import keymaps as km
-from anima_train import tiny
+from anima_train.model import keymaps as km
+from anima_train.model import tiny
 from tests import fixtures_tiny
 
 SUBFOLDERS = ("transformer", "text_conditioner", "text_encoder", "tokenizer", "t5_tokenizer", "vae", "scheduler")

@@ -11,10 +11,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anima_train.config import load_config
-from anima_train.evaluate import cached_eval_set, evaluate
-from anima_train.models import load_components
-from anima_train.tiny import make_synthetic_latents
-from anima_train.train import train
+from anima_train.training.evaluate import cached_eval_set, evaluate
+from anima_train.model.components import load_components
+from anima_train.model.tiny import make_synthetic_latents
+from anima_train.training.train import train
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_earlier_checkpoints(
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from anima_train.checkpoints import resolve_resume
+    from anima_train.outputs.checkpoint_files import resolve_resume
 
     real_torch_save, real_save_file = torch.save, safetensors.torch.save_file
 
@@ -224,7 +224,7 @@ def test_resumed_run_never_prunes_the_checkpoint_it_resumed_from(tiny_anima, lat
 def test_kohya_output_format_applies_the_trained_update(tiny_anima, latents_dir, tmp_path):
     from peft.tuners.lora import LoraLayer
 
-    from anima_train import keymaps
+    from anima_train.model import keymaps
 
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, 'output_format = "kohya"\n'
                    '[optimizer]\nlr = 1e-2\n', max_steps=2)
@@ -246,7 +246,7 @@ def test_kohya_output_format_applies_the_trained_update(tiny_anima, latents_dir,
 
 
 def _stop_at_step_2(monkeypatch, stop: Path) -> None:
-    from anima_train.progress import Progress
+    from anima_train.outputs.progress import Progress
 
     step = Progress.step
 
@@ -361,8 +361,8 @@ def test_text_encoder_lora_goes_to_a_te_sibling(tiny_anima, latents_dir, tmp_pat
 
 
 def test_parked_weights_round_trip(tiny_anima):
-    from anima_train.text import encode_prompts
-    from anima_train.speed import ParkedWeights
+    from anima_train.model.prompts import encode_prompts
+    from anima_train.training.memory import ParkedWeights
 
     parts = load_components(tiny_anima.diffusers_dir, dtype="float32")
     kw = dict(tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer, text_encoder=parts.text_encoder,
@@ -392,7 +392,7 @@ def test_regional_compile_matches_eager(tiny_anima, latents_dir, tmp_path):
 
 
 def test_encode_mode_runs_the_vae_in_the_loop(tiny_anima, tmp_path):
-    from anima_train.tiny import make_synthetic_dataset
+    from anima_train.model.tiny import make_synthetic_dataset
 
     data = tmp_path / "images"
     make_synthetic_dataset(data, n=6, sizes=[(128, 128), (192, 64)])
@@ -410,7 +410,7 @@ def test_loader_workers_start_once_per_run_and_each_epoch_still_draws_its_own_ca
     sample key: a persistent worker's dataset copy never sees set_epoch). The resumed run stays bit-exact."""
     import os
 
-    from anima_train import captions, dataset
+    from anima_train.data import captions, dataset
 
     record = tmp_path / "captions.jsonl"
     real = captions.build_caption

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from anima_train import cli
-from anima_train.tiny import make_synthetic_dataset
+from anima_train.model.tiny import make_synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 

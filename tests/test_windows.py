@@ -20,7 +20,8 @@ from pathlib import PureWindowsPath
 
 import pytest
 
-from anima_train import check, parent_watch, runs
+from anima_train.outputs import run_folder
+from anima_train.system import check, parent_watch
 from nodes import worker
 from tests.fixtures_tiny import forget_inductor_cpu_checks
 
@@ -319,34 +320,34 @@ class FakeMsvcrt:
 def msvcrt(monkeypatch):
     fake = FakeMsvcrt()
     monkeypatch.setitem(sys.modules, "msvcrt", fake)
-    monkeypatch.setattr(runs, "IS_WINDOWS", True)
+    monkeypatch.setattr(run_folder, "IS_WINDOWS", True)
     return fake
 
 
 def test_windows_run_lock_refuses_a_second_run_and_frees_on_release(msvcrt, tmp_path):
-    first = runs.RunLock(tmp_path / "run")
+    first = run_folder.RunLock(tmp_path / "run")
     first.acquire(say=pytest.fail)
-    info = runs.lock_holder(tmp_path / "run")
+    info = run_folder.lock_holder(tmp_path / "run")
     assert info["pid"] == os.getpid()  # readable while locked: the locked byte lies past the holder info
-    assert all(offset >= (tmp_path / "run" / runs.LOCK_NAME).stat().st_size for _, _, offset in msvcrt.locks)
-    with pytest.raises(runs.RunRefused, match=f"in use by another training run \\(pid {os.getpid()} on "):
-        runs.RunLock(tmp_path / "run").acquire(say=pytest.fail)
+    assert all(offset >= (tmp_path / "run" / run_folder.LOCK_NAME).stat().st_size for _, _, offset in msvcrt.locks)
+    with pytest.raises(run_folder.RunRefused, match=f"in use by another training run \\(pid {os.getpid()} on "):
+        run_folder.RunLock(tmp_path / "run").acquire(say=pytest.fail)
     first.release()
-    assert msvcrt.locks == {} and runs.lock_holder(tmp_path / "run") is None
+    assert msvcrt.locks == {} and run_folder.lock_holder(tmp_path / "run") is None
     notes = []
-    second = runs.RunLock(tmp_path / "run")
+    second = run_folder.RunLock(tmp_path / "run")
     second.acquire(say=notes.append)  # a cleanly released lock is no "left by" note
-    assert notes == [] and runs.lock_holder(tmp_path / "run")["pid"] == os.getpid()
+    assert notes == [] and run_folder.lock_holder(tmp_path / "run")["pid"] == os.getpid()
     second.release()
 
 
 def test_windows_run_lock_left_by_a_dead_run_is_taken_over_and_said_so(msvcrt, tmp_path):
-    dead = runs.RunLock(tmp_path / "run")
+    dead = run_folder.RunLock(tmp_path / "run")
     dead.acquire(say=pytest.fail)
-    (tmp_path / "run" / runs.LOCK_NAME).write_text(json.dumps({"pid": 99999, "host": "pc", "started": "then"}))
+    (tmp_path / "run" / run_folder.LOCK_NAME).write_text(json.dumps({"pid": 99999, "host": "pc", "started": "then"}))
     msvcrt.crash(dead._fd)
     notes = []
-    lock = runs.RunLock(tmp_path / "run")
+    lock = run_folder.RunLock(tmp_path / "run")
     lock.acquire(say=notes.append)
     assert len(notes) == 1 and "taking over the lock" in notes[0] and "pid 99999 on pc" in notes[0]
     lock.release()
@@ -485,14 +486,14 @@ def test_check_reports_a_triton_that_imports_but_cannot_build_as_broken(monkeypa
     device is claimed; the probe runs on the CPU, whose Inductor path needs the same headers)."""
     import torch
 
-    from anima_train import speed
+    from anima_train.training import memory
 
     triton = pytest.importorskip("triton")  # torch's Linux wheel brings it
     monkeypatch.setattr(check, "IS_WINDOWS", windows)
     monkeypatch.setattr(check.sys, "executable", _portable_layout(tmp_path / "portable"))
     monkeypatch.setattr(check, "_probe_device", lambda torch: torch.device("cuda", 0))
     probed = []
-    monkeypatch.setattr(check, "_probe", lambda torch: probed.append(1) or speed.probe_compile("cpu"))
+    monkeypatch.setattr(check, "_probe", lambda torch: probed.append(1) or memory.probe_compile("cpu"))
     item = (check._triton_windows_item if windows else check._triton_item)(torch)
     assert probed and not item.ok and not item.required
     assert item.detail.startswith(f"broken: triton {triton.__version__} imports but a compiled kernel failed on "
@@ -594,7 +595,7 @@ def test_windows_train_node_refuses_several_gpus_before_a_worker_or_a_run_folder
 def test_windows_cli_under_a_launcher_refuses_several_processes_before_accelerate(monkeypatch, tmp_path, tiny_anima,
                                                                                 capsys):
     from anima_train import cli
-    from anima_train.tiny import make_synthetic_latents
+    from anima_train.model.tiny import make_synthetic_latents
     from tests.fixtures_tiny import small_run_toml
 
     data = tmp_path / "data"
@@ -621,10 +622,11 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     import threading
     import time
 
-    from anima_train import checkpoints, windows
+    from anima_train.outputs import checkpoint_files
+    from anima_train.system import windows
     from anima_train.config import load_config
-    from anima_train.tiny import make_synthetic_latents
-    from anima_train.train import train
+    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.training.train import train
     from tests.fixtures_tiny import small_run_toml
 
     for name in ("_requested", "_finished"):
@@ -658,8 +660,8 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     assert result.stopped and 1 <= result.global_step < 400
     # the process was let go only once the stop's checkpoint and resumable state were written
     assert answer == {"handled": True, "states": [f"close-step{result.global_step:06d}-state"]}
-    state = checkpoints.resolve_resume(str(run_dir / f"close-step{result.global_step:06d}.safetensors"))
-    info = checkpoints.read_state(state)
+    state = checkpoint_files.resolve_resume(str(run_dir / f"close-step{result.global_step:06d}.safetensors"))
+    info = checkpoint_files.read_state(state)
     assert info["global_step"] == result.global_step and (state / "accelerator" / "optimizer.pt").is_file()
     messages = [json.loads(line) for line in events.read_text().splitlines()]
     assert any("stop requested (the console window was closed)" in m.get("text", m.get("message", ""))

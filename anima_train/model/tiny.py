@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from anima_train import keymaps
-from anima_train.atomic import atomic_path, write_text
+from anima_train.model import keymaps
+from anima_train.files import atomic_path, write_text
 
 # ----------------------------------------------------------------------------------------------------------
 # Configurations (docs/model.md#configurations real, #tiny-models tiny)
@@ -328,7 +328,7 @@ def make_synthetic_dataset(out_dir, n: int = 16, seed: int = 0, sizes=None, min_
     return paths
 
 
-if __name__ == "__main__":  # python -m anima_train.tiny OUT_DIR [tiny|comfy]: build and print timings/sizes
+if __name__ == "__main__":  # python -m anima_train.model.tiny OUT_DIR [tiny|comfy]: build and print timings/sizes
     import sys
 
     target = Path(sys.argv[1])
@@ -349,7 +349,7 @@ def make_synthetic_latents(out_dir, n: int = 12, seed: int = 0, latent_hw: tuple
     std), so text cannot help predict it and a conditioning test learns nothing. Here each background, colour and
     shape has its own fixed 16-channel direction, so a model that reads its caption can beat one that does not.
     """
-    from anima_train.dataset import cache_path
+    from anima_train.data.dataset import cache_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

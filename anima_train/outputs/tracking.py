@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from anima_train.runs import LOGS_DIR
+from anima_train.outputs.run_folder import LOGS_DIR
 
 TRACKER = "tensorboard"
 

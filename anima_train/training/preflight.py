@@ -18,8 +18,8 @@ from anima_train.config import Config, ConfigError
 def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False) -> list[str]:
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
     True for a value not known yet (a ComfyUI input linked from another node)."""
-    from anima_train import checkpoints
-    from anima_train.models import ModelRepoError, check_weights
+    from anima_train.outputs import checkpoint_files
+    from anima_train.model.components import ModelRepoError, check_weights
 
     problems = []
     model = cfg.train.model_path
@@ -43,16 +43,16 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     resume = cfg.train.resume_from
     if resume is not None and not skip(resume):
         try:
-            state = checkpoints.resolve_resume(resume)  # its state.json is read and checked there
-            info = checkpoints.read_state(state)
-            checkpoints.refuse_adapter_change(state, info, cfg)
+            state = checkpoint_files.resolve_resume(resume)  # its state.json is read and checked there
+            info = checkpoint_files.read_state(state)
+            checkpoint_files.refuse_adapter_change(state, info, cfg)
             if saving:  # a run that writes nothing replaces nothing
-                from anima_train.runs import free_run_name
+                from anima_train.outputs.run_folder import free_run_name
 
                 run_dir = Path(cfg.train.output_dir).expanduser() / cfg.run_stem
-                checkpoints.refuse_older_state(state, info["global_step"], run_dir,
+                checkpoint_files.refuse_older_state(state, info["global_step"], run_dir,
                                                free_run_name(run_dir.parent, cfg.run_stem))
-        except checkpoints.ResumeError as exc:
+        except checkpoint_files.ResumeError as exc:
             problems.append(f"[train] {exc}")
     return problems
 
@@ -77,7 +77,7 @@ def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
 
 def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
     """Raise one ConfigError listing every unusable path of `cfg` (see path_problems)."""
-    from anima_train.models import ModelRepoError, check_weight_shapes
+    from anima_train.model.components import ModelRepoError, check_weight_shapes
 
     problems = path_problems(cfg, saving=saving)
     if not problems:

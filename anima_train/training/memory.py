@@ -1,5 +1,5 @@
 """Speed and memory of the training step: torch.compile, how many DiT blocks recompute their activations (decided
-after the first step under checkpoint_blocks = "auto", see checkpointing.py), the frozen Qwen3 parked in host
+after the first step under checkpoint_blocks = "auto", see training/recompute.py), the frozen Qwen3 parked in host
 memory between steps, and host<->device copies that do not stall the GPU.
 
 A host sync (`.item()`, `.tolist()`, `bool(tensor)`, or a copy from pageable host memory, which waits for every
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from anima_train import checkpointing, errors
-from anima_train.check import toolchain_fix
-from anima_train.quant import import_sdnq
+from anima_train import errors
+from anima_train.training import recompute
+from anima_train.system.check import toolchain_fix
+from anima_train.model.quant import import_sdnq
 
 if TYPE_CHECKING:
     from anima_train.config import Config
@@ -130,21 +131,21 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     blocks kept ran 0.1985 s/image, the seed with Qwen3 resident and every block recomputed 0.1742."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
-    steady, peak, budget = checkpointing.memory_now(device)
+    steady, peak, budget = recompute.memory_now(device)
     scale = max(1.0, largest_tokens / max(measure.tokens, 1))
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
     expandable = expandable_segments_on()
-    resident = parked is not None and checkpointing.fits(peak=peak + host, steady=steady + host, scale=scale,
+    resident = parked is not None and recompute.fits(peak=peak + host, steady=steady + host, scale=scale,
                                                          budget=budget, expandable=expandable)
     if resident:
         steady, peak = steady + host, peak + host
-    keep, predicted = checkpointing.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
+    keep, predicted = recompute.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
                                                    scale=scale, budget=budget, expandable=expandable)
     block_ckpt.set_recomputed(n - keep)
     if resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
     block_ckpt.retries = alloc_retries(device)  # from now on a step that makes the allocator retry relieves it
-    gib = checkpointing.GIB
+    gib = recompute.GIB
     say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB)"
         + ("; Qwen3 stays on the GPU" if resident else ""))
@@ -323,7 +324,7 @@ def disable_sdnq_triton() -> None:
 
 
 def enable_hint(device: torch.device) -> str:
-    """What would make compiled kernels work on this machine (check.py knows the Triton pin and the embedded
+    """What would make compiled kernels work on this machine (system/check.py knows the Triton pin and the embedded
     Python's missing pieces)."""
     return toolchain_fix(device.type)
 

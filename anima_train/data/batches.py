@@ -1,6 +1,6 @@
 """The batch sampler: bucket-homogeneous batches, deterministic per (seed, epoch), and the steps an epoch makes.
 
-Split from dataset.py (which builds the entries it samples from): the sampler knows only indices, their group keys
+Split from data/dataset.py (which builds the entries it samples from): the sampler knows only indices, their group keys
 (bucket, texture eligibility) and a batch size per group; the texture schedule, when there is one, marks its batches.
 """
 

@@ -23,15 +23,18 @@ from pathlib import Path
 
 import torch
 
-from anima_train import checkpoints as ckpt
-from anima_train import checkpointing, errors, parent_watch, preflight, runs, sampling, tracking, windows
-from anima_train.speed import (CompileDecision, HostCopy, ParkedWeights, compile_transformer, decide_compile,
-                               plan_checkpointing, relieve, to_device, use_expandable_segments)
-from anima_train.atomic import publish_dir, write_text
+from anima_train.outputs import checkpoint_files as ckpt
+from anima_train import errors
+from anima_train.outputs import run_folder, tracking
+from anima_train.system import parent_watch, windows
+from anima_train.training import recompute as checkpointing, preflight, previews as sampling
+from anima_train.training.memory import (CompileDecision, HostCopy, ParkedWeights, compile_transformer,
+    decide_compile, plan_checkpointing, relieve, to_device, use_expandable_segments)
+from anima_train.files import publish_dir, write_text
 from anima_train.config import Config, copy_config_verbatim, load_config
-from anima_train.progress import Progress, StepStats
+from anima_train.outputs.progress import Progress, StepStats
 
-from anima_train.models import DTYPES
+from anima_train.model.components import DTYPES
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Run:
     optimizer: object
     scheduler: object
     gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
-    claim: runs.Claim  # the run folder's claim: an --overwrite's set-aside files go once the first save is in place
+    claim: run_folder.Claim  # the run folder's claim: an --overwrite's set-aside files go once the first save is in place
     grad_norms: list = field(default_factory=list)  # (step, HostCopy) gradient norms not yet checked to be finite
     earlier_losses: list = field(default_factory=list)  # a resumed run's losses before it (its state's losses.json)
     first_loss_step: int = 1  # the step of earlier_losses[0] (or of this run's first loss when there are none)
@@ -116,7 +119,7 @@ def _precision_note() -> str | None:
 def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: str | None = None,
           skip_unreadable: bool = False, cpu: bool = False, stop_file: str | None = None,
           overwrite: bool = False, allow_missing_captions: bool = False) -> TrainResult:
-    # several processes on Windows: refused before accelerate starts (anima_train/windows.py says why)
+    # several processes on Windows: refused before accelerate starts (anima_train/system/windows.py says why)
     windows.refuse_multi_gpu(windows.launcher_processes())
     from accelerate import Accelerator, DataLoaderConfiguration
 
@@ -144,11 +147,11 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
 def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_save: bool,
            skip_unreadable: bool, stop_file: str | None = None, overwrite: bool = False,
            allow_missing_captions: bool = False, cleanup: contextlib.ExitStack) -> TrainResult:
-    from anima_train.sampler import settings_not_followed, steps_per_epoch
-    from anima_train.flow import active_phase
-    from anima_train.optimizers import build_optimizer
-    from anima_train.schedules import build_scheduler
-    from anima_train.texture import check_batch_phase
+    from anima_train.data.batches import settings_not_followed, steps_per_epoch
+    from anima_train.training.flow import active_phase
+    from anima_train.training.optimizers import build_optimizer
+    from anima_train.training.schedules import build_scheduler
+    from anima_train.data.texture import check_batch_phase
 
     t_start = time.perf_counter()
     say = progress.message
@@ -325,9 +328,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                              batch_index=0 if epoch_finished else batch_index, final=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not no_save and result.losses:
-        from anima_train.plot import plot_losses
+        from anima_train.outputs.plot import plot_losses
 
-        plot_losses(run.earlier_losses + result.losses, run_dir / runs.LOSS_PLOT_NAME,
+        plot_losses(run.earlier_losses + result.losses, run_dir / run_folder.LOSS_PLOT_NAME,
                     title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step)
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
@@ -345,10 +348,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
                   stop_file: str | None, overwrite: bool,
-                  cleanup: contextlib.ExitStack) -> tuple[Path | None, runs.Claim]:
+                  cleanup: contextlib.ExitStack) -> tuple[Path | None, run_folder.Claim]:
     """The checks that need no model, and the claim on the run folder. Returns the state folder a resume starts
     from (None: a fresh run) and the claim (runs.Claim: told when the first checkpoint is saved)."""
-    from anima_train.texture import refuse_multi_process
+    from anima_train.data.texture import refuse_multi_process
 
     # texture phases: one process unless allow_multi_gpu_texture (docs/training.md#several-processes)
     refuse_multi_process(cfg, accelerator.num_processes)
@@ -361,14 +364,14 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     if state_dir is not None and not dry_run:
         ckpt.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
-    claim = cleanup.enter_context(runs.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
+    claim = cleanup.enter_context(run_folder.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
                                                  overwrite=overwrite, stop_file=stop_file, saving=not no_save,
                                                  say=say))
     return state_dir, claim
 
 
 def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, allow_missing_captions: bool):
-    from anima_train.dataset import build_training_data
+    from anima_train.data.dataset import build_training_data
 
     progress.event("status", message="scanning dataset")
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
@@ -419,13 +422,13 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
     """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing
     and the parked Qwen3 set up."""
     from anima_train.adapters import build_param_groups, inject_adapters
-    from anima_train.models import load_components
+    from anima_train.model.components import load_components
 
     parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
 
     if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
-        from anima_train.quant import dit_tokens, quantize_models
+        from anima_train.model.quant import dit_tokens, quantize_models
 
         tokens = [dit_tokens(*e.plan.bucket) for e in data.entries]
         report = quantize_models({"transformer": transformer, "text_conditioner": conditioner,
@@ -491,8 +494,8 @@ def _loader(cfg: Config, data, device: torch.device):
     dataset, so each sample key carries its epoch (sampler.EpochKeys) and the captions are still drawn per epoch."""
     from torch.utils.data import DataLoader
 
-    from anima_train.dataset import collate
-    from anima_train.sampler import EpochKeys
+    from anima_train.data.dataset import collate
+    from anima_train.data.batches import EpochKeys
 
     workers = cfg.train.num_workers
     return DataLoader(data.dataset, batch_sampler=EpochKeys(data.sampler), collate_fn=collate,
@@ -539,9 +542,9 @@ def _say_steps(say, cfg: Config, per_epoch: int, *, batches: int, world: int, ac
 def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phase) -> tuple[torch.Tensor, dict]:
     """One micro-batch: x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, caption). Returns the
     loss and its parts (mse, hf, ot) for the report."""
-    from anima_train.dataset import encode_latents
-    from anima_train.flow import flow_loss, noisy_latents, ot_pair_noise, sample_timesteps
-    from anima_train.text import encode_prompts
+    from anima_train.data.dataset import encode_latents
+    from anima_train.training.flow import flow_loss, noisy_latents, ot_pair_noise, sample_timesteps
+    from anima_train.model.prompts import encode_prompts
 
     device, dtype, parts, block_ckpt, parked = model.device, model.dtype, model.parts, model.block_ckpt, model.parked
     if model.vae is not None:  # source = "encode": the VAE runs here, without autograd
@@ -588,7 +591,7 @@ def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: 
                 peak_gb: list[float]) -> StepStats:
     """The optimizer step's report from its mean-over-ranks [loss, mse, hf, ot]; a part the config does not use
     is None."""
-    from anima_train.flow import phase_summary
+    from anima_train.training.flow import phase_summary
 
     return StepStats(step=step, epoch=epoch + 1, loss=stats[0],
                      mse=stats[1] if cfg.flow.hf_scale > 0 else None,
@@ -787,7 +790,7 @@ def config_json(cfg: Config) -> dict:
 
 def tag_frequency(sources) -> dict[str, dict[str, int]]:
     """sd-scripts' `ss_tag_frequency`: {dataset folder: {tag: count}} over the raw `.txt` captions."""
-    from anima_train.captions import read_caption_file, split_tags
+    from anima_train.data.captions import read_caption_file, split_tags
 
     freq: dict[str, dict[str, int]] = {}
     for src in sources:

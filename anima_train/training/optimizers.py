@@ -83,7 +83,7 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.opt
     if cfg.kind not in SDNQ_OPTIMIZERS:
         raise ValueError(f"[optimizer] kind = {cfg.kind!r}: unknown; use adamw or one of {', '.join(SDNQ_OPTIMIZERS)}")
 
-    from anima_train.quant import import_sdnq
+    from anima_train.model.quant import import_sdnq
     sdnq_optim = import_sdnq().optim
     shared = dict(use_kahan=cfg.use_kahan, use_quantized_buffers=cfg.quantize_state,
                   offload_buffers=cfg.offload_state)

@@ -151,7 +151,7 @@ def _probe_device(torch):
 
 def _probe(torch) -> str | None:
     """The trainer's own compile probe on the probe device (speed imports torch: imported only when torch works)."""
-    from anima_train.speed import probe_compile
+    from anima_train.training.memory import probe_compile
 
     return probe_compile(_probe_device(torch))
 

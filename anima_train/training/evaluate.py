@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from anima_train.flow import noisy_latents, velocity_target
-from anima_train.text import encode_prompts
+from anima_train.training.flow import noisy_latents, velocity_target
+from anima_train.model.prompts import encode_prompts
 
 DEFAULT_TIMESTEPS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -32,8 +32,8 @@ class EvalResult:
 
 def cached_eval_set(folder: str | Path) -> tuple[list[torch.Tensor], list[str]]:
     """Every latent cache in `folder` (sorted by name) with the tag caption of its source (`<stem>.txt`)."""
-    from anima_train.captions import read_caption_files
-    from anima_train.dataset import CACHE_NAME, CACHE_TAIL, load_latents
+    from anima_train.data.captions import read_caption_files
+    from anima_train.data.dataset import CACHE_NAME, CACHE_TAIL, load_latents
 
     latents, captions = [], []
     for path in sorted(Path(folder).glob("*" + CACHE_TAIL)):

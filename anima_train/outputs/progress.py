@@ -154,7 +154,7 @@ class Progress:
             self._events.flush()
         except BrokenPipeError:
             # The reader went away (the ComfyUI that started this worker ended): losing the events must not end the
-            # run before anima_train.parent_watch has had it save its state.
+            # run before anima_train.system.parent_watch has had it save its state.
             self._events = None
 
     # -- human messages ----------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ import time
 import warnings
 from pathlib import Path
 
-from anima_train import keymaps
-from anima_train.atomic import publish_dir
+from anima_train.model import keymaps
+from anima_train.files import publish_dir
 from anima_train.errors import UserError
-from anima_train.models import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
+from anima_train.model.components import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
 
 # which state_dict_kind each slot expects, and how to name it in messages
 SLOTS = {
@@ -123,7 +123,7 @@ def _count(sd: dict, pattern: str) -> int:
 
 
 def transformer_config(sd: dict) -> dict:
-    from anima_train.tiny import TRANSFORMER_FULL  # the real constants (docs/model.md#configurations)
+    from anima_train.model.tiny import TRANSFORMER_FULL  # the real constants (docs/model.md#configurations)
 
     hidden, patch_in = sd["patch_embed.proj.weight"].shape
     head_dim = sd["transformer_blocks.0.attn1.norm_q.weight"].shape[0]
@@ -139,7 +139,7 @@ def transformer_config(sd: dict) -> dict:
 
 
 def conditioner_config(sd: dict) -> dict:
-    from anima_train.tiny import CONDITIONER_FULL
+    from anima_train.model.tiny import CONDITIONER_FULL
 
     target_dim, model_dim = sd["out_proj.weight"].shape
     head_dim = sd["blocks.0.cross_attn.q_norm.weight"].shape[0]
@@ -154,7 +154,7 @@ def conditioner_config(sd: dict) -> dict:
 
 
 def qwen3_config(sd: dict) -> dict:
-    from anima_train.tiny import QWEN3_FULL
+    from anima_train.model.tiny import QWEN3_FULL
 
     head_dim = sd["layers.0.self_attn.q_norm.weight"].shape[0]
     vocab, hidden = sd["embed_tokens.weight"].shape
@@ -166,7 +166,7 @@ def qwen3_config(sd: dict) -> dict:
 
 
 def vae_config(native_sd: dict, path: Path) -> dict:
-    from anima_train.tiny import VAE_FULL
+    from anima_train.model.tiny import VAE_FULL
 
     base_dim, z_dim = native_sd["encoder.conv1.weight"].shape[0], native_sd["conv2.weight"].shape[0]
     r = keymaps.vae_num_res_blocks(native_sd)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from anima_train.atomic import write_text
+from anima_train.files import write_text
 from anima_train.errors import UserError
 
 STATE_SUFFIX = "-state"

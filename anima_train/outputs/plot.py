@@ -88,7 +88,7 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
     for x, y in raw:
         d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(120, 120, 120))
 
-    from anima_train.atomic import atomic_path
+    from anima_train.files import atomic_path
 
     with atomic_path(path) as tmp:
         img.save(tmp, format="PNG")

@@ -20,28 +20,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
-from anima_train.atomic import atomic_path
-from anima_train.buckets import DATASET_DEFAULTS, tier_counts, tier_report
+from anima_train.files import atomic_path
+from anima_train.data.buckets import DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import DTYPE_NAMES
 from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
-from anima_train.dataset import (
-    BucketSettings,
-    DatasetError,
-    UnreadableImages,
-    cache_path,
-    check_caches,
-    encode_latents,
-    find_undecodable,
-    image_sources,
-    load_pixels,
-    missing_captions,
-    plan_metadata,
-    plan_sources,
-    plan_warnings,
-    refuse_missing_captions,
-    scan_folders,
-    vae_identity,
-)
+from anima_train.data.dataset import (BucketSettings, DatasetError, UnreadableImages, cache_path, check_caches,
+    encode_latents, find_undecodable, image_sources, load_pixels, missing_captions, plan_metadata, plan_sources,
+    plan_warnings, refuse_missing_captions, scan_folders, vae_identity)
 
 CACHE_HEADER_BYTES = 600  # safetensors header + our metadata, roughly
 
@@ -149,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_vae(model_path, device: str, dtype: str):
     from diffusers import AutoencoderKLQwenImage
 
-    from anima_train.models import resolve_dtype
+    from anima_train.model.components import resolve_dtype
 
     vae_dir = Path(model_path) / "vae"
     if not vae_dir.is_dir():

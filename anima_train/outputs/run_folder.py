@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from anima_train.checkpoints import STATE_FILE, STATE_SUFFIX
+from anima_train.outputs.checkpoint_files import STATE_FILE, STATE_SUFFIX
 from anima_train.errors import UserError
 
 LOCK_NAME = ".anima-train.lock"

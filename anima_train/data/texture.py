@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from anima_train.errors import UserError
-from anima_train.images import open_image
+from anima_train.data.images import open_image
 
 VAE_FACTOR = 8  # image px per latent cell
 MIN_MASK_SIDE = 4  # latent px: the supervised region is never smaller than this
@@ -278,7 +278,7 @@ class TextureSchedule:
         return int(epoch) * per_epoch + (int(position) // processes) // accum
 
     def phase_at(self, epoch: int, position: int):
-        from anima_train.flow import active_phase
+        from anima_train.training.flow import active_phase
 
         return active_phase(self.phases, self.step_of(epoch, position) / self.run[0])
 

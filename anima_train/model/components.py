@@ -35,7 +35,7 @@ REQUIRED_FILES = {
     "t5_tokenizer": ("tokenizer.json", "spiece.model", "tokenizer_config.json"),
 }
 TOKENIZER_FOLDERS = ("tokenizer", "t5_tokenizer")
-DEFAULT_TOKENIZER_REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"  # see convert.py for why this one
+DEFAULT_TOKENIZER_REPO = "circlestone-labs/Anima-Base-v1.0-Diffusers"  # see model/convert.py for why this one
 
 
 class ModelRepoError(UserError, FileNotFoundError):

@@ -10,7 +10,7 @@ snapshot's comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py) and what
   * CFG on the denoised estimate: x0 = x − σ·v per side, x0 = x0_uncond + cfg·(x0_cond − x0_uncond); Euler
     x ← x + (σ_next − σ)·(x − x0)/σ; cfg 1 skips the negative pass;
   * the result is un-normalised (Wan2.1 latent mean/std), decoded by the VAE, and mapped from [−1, 1] to [0, 1].
-The context is the trainer's own text path (anima_train.text.encode_prompts: Qwen3 + LLM adapter), one prompt at a
+The context is the trainer's own text path (anima_train.model.prompts.encode_prompts: Qwen3 + LLM adapter), one prompt at a
 time like ComfyUI's CLIPTextEncode; the adapter's output is padded to 512 tokens, as ComfyUI pads it.
 
 Memory: prompts are encoded with the parked Qwen3 brought in for the moment (speed.ParkedWeights), and a VAE that
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from anima_train.runs import SAMPLES_DIR
+from anima_train.outputs.run_folder import SAMPLES_DIR
 
 NUM_TRAIN_SIGMAS = 1000  # ComfyUI's ModelSamplingDiscreteFlow table length (timesteps = 1000)
 
@@ -145,7 +145,7 @@ def render(prompts: list[str], negative: str, *, width: int, height: int, steps:
            shift: float, transformer, conditioner, text_encoder, tokenizer, t5_tokenizer, vae, device, dtype,
            parked=None) -> list[torch.Tensor]:
     """One image per prompt ([3, H, W] in [0, 1], CPU), every one from the same seed's noise."""
-    from anima_train.text import encode_prompts
+    from anima_train.model.prompts import encode_prompts
 
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad(), eval_mode(transformer, conditioner, text_encoder):
@@ -220,7 +220,7 @@ class Previewer:
                             transformer=transformer, conditioner=conditioner, text_encoder=text_encoder,
                             tokenizer=self.parts.tokenizer, t5_tokenizer=self.parts.t5_tokenizer,
                             vae=self._vae_model(), device=self.device, dtype=self.dtype, parked=self.parked)
-            from anima_train.atomic import atomic_path
+            from anima_train.files import atomic_path
 
             pil, paths = [to_pil(im) for im in images], []
             for i, image in enumerate(pil):

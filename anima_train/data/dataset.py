@@ -42,23 +42,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from anima_train.buckets import (
-    BUCKET_KEYS,
-    DATASET_DEFAULTS,
-    BucketError,
-    BucketPlan,
-    below_min_source_area,
-    crop_ltrb,
-    make_bucketers,
-    plan_tiers,
-    tier_counts,
-    tier_report,
-)
-from anima_train.captions import CaptionError, build_caption, read_caption_files
+from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError, BucketPlan, below_min_source_area,
+    crop_ltrb, make_bucketers, plan_tiers, tier_counts, tier_report)
+from anima_train.data.captions import CaptionError, build_caption, read_caption_files
 from anima_train.config import MAX_REPEATS, check_table
 from anima_train.errors import UserError
-from anima_train.images import decoded_size, header_size, open_image
-from anima_train.sampler import BucketBatchSampler, EpochKey
+from anima_train.data.images import decoded_size, header_size, open_image
+from anima_train.data.batches import BucketBatchSampler, EpochKey
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
 CACHE_TAIL = "_anima.safetensors"
@@ -796,7 +786,7 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Dataset, collate, batch sizes (the sampler: sampler.py)
+# Dataset, collate, batch sizes (the sampler: data/batches.py)
 
 
 @dataclass(frozen=True)
@@ -815,7 +805,7 @@ class AnimaDataset:
     """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
     index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG, the epoch being
     set_epoch()'s or the one a sampler.EpochKey carries. A texture sample
-    (the sampler yields (index, canvas) in texture phases, see anima_train/texture.py) is a canvas crop of the
+    (the sampler yields (index, canvas) in texture phases, see anima_train/data/texture.py) is a canvas crop of the
     source with a loss_mask, captioned with `texture_options.trigger`."""
 
     def __init__(self, items: Sequence[Item], mode: str, caption_options, seed: int = 0,
@@ -836,7 +826,7 @@ class AnimaDataset:
         return len(self.items)
 
     def __getitem__(self, key) -> dict:
-        from anima_train.texture import split_key, texture_sample
+        from anima_train.data.texture import split_key, texture_sample
 
         epoch = self.epoch
         if isinstance(key, EpochKey):  # the training loader's keys carry their epoch (persistent workers)
@@ -1048,7 +1038,7 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
 
 def _attach_texture(cfg, items: Sequence[Item], sampler: BucketBatchSampler) -> list[str]:
     """Texture phases: give the sampler its TextureSchedule; the startup lines (canvas feasibility)."""
-    from anima_train.texture import TextureSchedule, feasibility_report, texture_phases
+    from anima_train.data.texture import TextureSchedule, feasibility_report, texture_phases
 
     phases = texture_phases(cfg)
     if not phases:

@@ -1,0 +1,1 @@
+"""The dataset side: scan folders, bucket, caption, crop, cache latents, serve batches."""

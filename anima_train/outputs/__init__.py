@@ -1,0 +1,1 @@
+"""What a run leaves behind: its folder, checkpoint files, progress events, the loss chart, TensorBoard."""
