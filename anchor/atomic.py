@@ -14,6 +14,7 @@ silent overwrite even under a race (a filesystem without hard links falls back t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -88,3 +89,8 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_json(final: str | os.PathLike, data) -> Path:
+    """`data` as indented JSON (keys sorted; a Path or other non-JSON value as its str), written atomically."""
+    return write_text(final, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")

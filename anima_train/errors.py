@@ -29,7 +29,7 @@ import sys
 INTERNAL_ERROR_EXIT = 1  # a bug in anima-train
 USER_ERROR_EXIT = 2  # bad input: a config key, a path, a flag, a damaged file
 DATA_VERDICT_EXIT = 4  # the command ran and judged the data: `cache` found images it cannot decode, `audit` NOT SAFE
-DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (train.Diverged)
+DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (training/divergence.py)
 INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT)
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error

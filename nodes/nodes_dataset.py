@@ -173,7 +173,7 @@ class AnimaTrainConvert(io.ComfyNode):
         args = ["convert", "--anima", files["anima"], "--qwen", files["qwen"], "--vae", files["vae"],
                 "--out", str(out)] + (["--tokenizers", tokenizers] if tokenizers else [])
         result = run_cli(args, "anima-train convert")
-        worker.write_json_atomic(marker, {"key": key, "inputs": files})
+        worker.write_json(marker, {"key": key, "inputs": files})
         text = _text(result) or f"wrote {out}"
         return io.NodeOutput(str(out), ui={"text": [text]})
 

@@ -35,7 +35,6 @@ OUTPUT_SUBDIR = "anima_train"  # <ComfyUI output>/anima_train/<run>/ when output
 PUBLISH_SUBDIR = "anima_train"  # models/loras/anima_train/<run>.safetensors (full finetunes: diffusion_models)
 JOB_CONFIG_NAME = "comfyui-job.toml"
 JOB_LOCK_NAME = ".comfyui-job.lock"  # held by the node from picking a run folder until its worker has ended
-LOSS_PLOT_NAME = "comfyui-loss.png"
 # Cancel: the worker stops after the step in progress and saves (checkpoint + resume state), then it is ended. It
 # gets two of its slowest steps so far plus GRACE_SAVE_S for the save, never more than GRACE_MAX_S in all.
 GRACE_SAVE_S = 60.0
@@ -367,17 +366,25 @@ class Relay:
             pass
 
 
-def loss_image(losses: list[float], path: Path):
-    """The loss chart (anima_train.outputs.plot) as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1."""
+def loss_image(losses: list[float], run_dir: Path):
+    """The run's loss chart as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1: the trainer's own `loss.png` (a
+    resumed run's covers the whole run); drawn from `losses` without writing a file when the run has none."""
+    import tempfile
+
     import numpy as np
     import torch
     from PIL import Image
 
+    from anima_train.outputs.layout import LOSS_PLOT_NAME
     from anima_train.outputs.plot import plot_losses
 
-    if losses:
-        plot_losses(losses, path, title=f"training loss: {path.parent.name}")
-        img = Image.open(path).convert("RGB")
+    chart = run_dir / LOSS_PLOT_NAME
+    if chart.is_file():
+        img = Image.open(chart).convert("RGB")
+    elif losses:
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_losses(losses, Path(tmp) / LOSS_PLOT_NAME, title=f"training loss: {run_dir.name}")
+            img = Image.open(Path(tmp) / LOSS_PLOT_NAME).convert("RGB")
     else:
         img = Image.new("RGB", (64, 64), "white")
     return torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)[None]
@@ -386,13 +393,15 @@ def loss_image(losses: list[float], path: Path):
 def publish(final: Path, kind: str, run_stem: str) -> Path | None:
     """Copy the trained file where the stock loaders list it: loras/anima_train/ (LoRA/LoKr) or
     diffusion_models/anima_train/ (full finetune, native single file). Never replaces a user's file."""
+    from anima_train.lora_export import text_encoder_lora_path
+
     if not final.is_file():
         return None  # a full finetune saved as diffusers folders: nothing a stock loader reads
     folder = "diffusion_models" if kind == "none" else "loras"
     dest = worker.publish_copy(final, Path(comfy.model_folder(folder)) / PUBLISH_SUBDIR, f"{run_stem}.safetensors")
-    te = final.with_name(final.name.replace(".safetensors", "_te.safetensors"))
+    te = text_encoder_lora_path(final)
     if te.is_file():  # the Qwen3 LoRA sibling, named after the copy
-        worker.publish_copy(te, dest.parent, dest.name.replace(".safetensors", "_te.safetensors"))
+        worker.publish_copy(te, dest.parent, text_encoder_lora_path(dest).name)
     return dest
 
 
@@ -417,16 +426,15 @@ def pick_run(cfg, toml: str, key: str):
 
     output_dir = Path(cfg.train.output_dir)
     resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
-    n, job_lock, cancelled = 1, None, None
-    while True:
-        stem = cfg.run_stem if n == 1 else f"{cfg.run_stem}-{n}"
+    job_lock, cancelled = None, None
+    for stem in run_folder.run_names(cfg.run_stem):
         run_dir = output_dir / stem
         manifest = worker.reusable_result(run_dir, key)
         if manifest is not None:
             break
         cancelled = None if resumed is not None else worker.resumable_cancel(run_dir, key)
         resuming = cancelled is not None or (resumed is not None and resumed == run_dir.resolve())
-        if resuming or (not run_folder.run_files(run_dir, stem) and run_folder.lock_holder(run_dir) is None):
+        if resuming or run_folder.holds_no_run(run_dir, stem):
             job_lock = run_folder.RunLock(run_dir, JOB_LOCK_NAME)
             try:
                 job_lock.acquire(say=lambda _note: None)  # a lock left by a crashed ComfyUI is simply taken over
@@ -435,7 +443,6 @@ def pick_run(cfg, toml: str, key: str):
                 job_lock = None
                 if resuming:
                     raise
-        n += 1
     notes = []
     if stem != cfg.run_stem:
         notes.append(f"run name {cfg.run_stem!r}: {output_dir / cfg.run_stem} holds an earlier run or a running "
@@ -528,7 +535,7 @@ class AnimaTrainTrain(io.ComfyNode):
             published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
             relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
                         "final": str(final), "reused": True, "losses": losses})  # the chart shows the run
-            image = loss_image(losses, run_dir / LOSS_PLOT_NAME)
+            image = loss_image(losses, run_dir)
             text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
                             note)
             return io.NodeOutput(str(final), image, ui={"text": [text]})
@@ -559,7 +566,7 @@ class AnimaTrainTrain(io.ComfyNode):
         published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
         worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
                               published=str(published) if published else None, warnings=relay.warnings)
-        image = loss_image(relay.losses, run_dir / LOSS_PLOT_NAME)
+        image = loss_image(relay.losses, run_dir)
         text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
@@ -568,7 +575,7 @@ class AnimaTrainTrain(io.ComfyNode):
     def _cancelled(cls, cfg, run_dir: Path, key: str, relay: Relay) -> None:
         """After Cancel: say on the node where the run stopped and how it goes on, and record a resumable stop so
         that queueing the same inputs again resumes it. Never raises (ComfyUI's interrupt must go on)."""
-        from anima_train.outputs.checkpoint_files import state_dir_for
+        from anima_train.outputs.layout import state_dir_for
 
         try:
             done = relay.stop_done or {}

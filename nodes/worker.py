@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from anchor.atomic import atomic_path, write_text
+from anchor.atomic import atomic_path, write_json
+from anima_train.system.proc import group_has_live_member
 
 LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
 STOP_NAME = "comfyui-stop"  # .comfyui-stop-<job id>: created to ask one job's trainer to save and exit
@@ -189,25 +190,7 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return _group_has_live_member(pgid)
-
-
-def _group_has_live_member(pgid: int) -> bool:
-    # killpg(0) also succeeds while a member is a zombie; /proc tells them apart where it exists.
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return group_has_live_member(pgid)  # killpg(0) succeeds while a member is a zombie
 
 
 def kill_group(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) -> None:
@@ -517,10 +500,6 @@ def result_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, data: dict) -> Path:
-    return write_text(path, json.dumps(data, indent=1, default=str))
-
-
 def _file_record(path: Path) -> dict:
     st = path.stat()
     return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -528,7 +507,7 @@ def _file_record(path: Path) -> dict:
 
 def write_manifest(run_dir: str | os.PathLike, key: str, final: str | os.PathLike, **extra) -> Path:
     """Record a finished run: the key of its inputs and the file it produced (size + mtime, to notice edits)."""
-    return write_json_atomic(Path(run_dir) / MANIFEST_NAME,
+    return write_json(Path(run_dir) / MANIFEST_NAME,
                              {"key": key, "final": _file_record(Path(final)), "finished": time.time(), **extra})
 
 
@@ -549,7 +528,7 @@ def reusable_result(run_dir: str | os.PathLike, key: str) -> dict | None:
 
 def write_cancelled(run_dir: str | os.PathLike, key: str, state: str | os.PathLike, step: int, total) -> Path:
     """Record a run Cancel stopped with a resume state: the next queue of the same inputs resumes it."""
-    return write_json_atomic(Path(run_dir) / CANCELLED_NAME,
+    return write_json(Path(run_dir) / CANCELLED_NAME,
                              {"key": key, "state": str(state), "step": step, "total": total, "cancelled": time.time()})
 
 

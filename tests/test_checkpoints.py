@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_train.outputs import checkpoint_files as C
+from anima_train.outputs import layout, resume_state
 
 
 def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None):
@@ -28,12 +29,12 @@ def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None
 
 
 def test_names():
-    assert C.checkpoint_stem("run", step=60) == "run-step000060"
-    assert C.checkpoint_stem("run", epoch=5) == "run-epoch005"
-    assert C.checkpoint_stem("run") == "run"
-    assert C.state_dir_for(Path("o/run-step000060.safetensors")) == Path("o/run-step000060-state")
+    assert layout.checkpoint_stem("run", step=60) == "run-step000060"
+    assert layout.checkpoint_stem("run", epoch=5) == "run-epoch005"
+    assert layout.checkpoint_stem("run") == "run"
+    assert layout.state_dir_for(Path("o/run-step000060.safetensors")) == Path("o/run-step000060-state")
     with pytest.raises(ValueError):
-        C.checkpoint_stem("run", step=1, epoch=1)
+        layout.checkpoint_stem("run", step=1, epoch=1)
 
 
 def test_prune_orders_by_recorded_step_and_removes_siblings_together(tmp_path):
@@ -69,29 +70,29 @@ def test_state_json_beats_metadata_and_tag(tmp_path):
 def test_resume_resolution(tmp_path):
     _ckpt(tmp_path, "run-step000010", state_step=10)
     state = tmp_path / "run-step000010-state"
-    assert C.resolve_resume(tmp_path / "run-step000010.safetensors") == state
-    assert C.resolve_resume(state) == state
+    assert resume_state.resolve_resume(tmp_path / "run-step000010.safetensors") == state
+    assert resume_state.resolve_resume(state) == state
     _ckpt(tmp_path, "run-step000020")
-    with pytest.raises(C.ResumeError, match="inference-only.*save_optimizer_state = true"):
-        C.resolve_resume(tmp_path / "run-step000020.safetensors")
+    with pytest.raises(resume_state.ResumeError, match="inference-only.*save_optimizer_state = true"):
+        resume_state.resolve_resume(tmp_path / "run-step000020.safetensors")
     broken = tmp_path / "run-step000030-state"
     broken.mkdir()
     (broken / "state.json").write_text("{}")
-    with pytest.raises(C.ResumeError, match="missing accelerator"):
-        C.resolve_resume(broken)
-    with pytest.raises(C.ResumeError, match="not found"):
-        C.resolve_resume(tmp_path / "nope-state")
+    with pytest.raises(resume_state.ResumeError, match="missing accelerator"):
+        resume_state.resolve_resume(broken)
+    with pytest.raises(resume_state.ResumeError, match="not found"):
+        resume_state.resolve_resume(tmp_path / "nope-state")
 
 
 def test_resume_from_a_path_that_is_not_there_says_not_found(tmp_path):
     _ckpt(tmp_path, "run-step000010", state_step=10)
-    with pytest.raises(C.ResumeError) as exc:
-        C.resolve_resume(tmp_path / "run-step000099.safetensors")  # a typo in the step number
+    with pytest.raises(resume_state.ResumeError) as exc:
+        resume_state.resolve_resume(tmp_path / "run-step000099.safetensors")  # a typo in the step number
     msg = str(exc.value)
     assert "run-step000099.safetensors" in msg and "not found" in msg and "inference-only" not in msg
     assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg
-    with pytest.raises(C.ResumeError, match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
-        C.resolve_resume(tmp_path)
+    with pytest.raises(resume_state.ResumeError, match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
+        resume_state.resolve_resume(tmp_path)
 
 
 @pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "scheduler.pt"])
@@ -100,20 +101,20 @@ def test_a_truncated_state_file_is_named(tmp_path, name):
     _ckpt(tmp_path, "run-step000020", state_step=20)
     damaged = tmp_path / "run-step000020-state" / "accelerator" / name
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a copy cut short
-    with pytest.raises(C.ResumeError) as exc:
-        C.resolve_resume(tmp_path / "run-step000020.safetensors")
+    with pytest.raises(resume_state.ResumeError) as exc:
+        resume_state.resolve_resume(tmp_path / "run-step000020.safetensors")
     msg = str(exc.value)
     assert str(damaged) in msg and "damaged" in msg
     assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg  # where to go instead
 
 
 def test_latest_state_is_the_highest_recorded_step(tmp_path):
-    assert C.latest_state(tmp_path) is None
+    assert layout.latest_state(tmp_path) is None
     _ckpt(tmp_path, "run-step000010", state_step=10)
     _ckpt(tmp_path, "run-epoch001", state_step=30)
     _ckpt(tmp_path, "run-step000020", state_step=20)
     (tmp_path / ".run-step000040-state.tmp").mkdir()  # an unfinished save is never a candidate
-    assert C.latest_state(tmp_path) == tmp_path / "run-epoch001-state"
+    assert layout.latest_state(tmp_path) == tmp_path / "run-epoch001-state"
 
 
 def test_publish_dir_replaces_a_folder(tmp_path):

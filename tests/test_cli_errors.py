@@ -227,7 +227,7 @@ def test_torchrun_prints_a_user_error_once(tmp_path):
 
 def test_the_library_errors_are_user_errors():
     from anima_train.data.buckets import BucketError
-    from anima_train.outputs.checkpoint_files import ResumeError
+    from anima_train.outputs.resume_state import ResumeError
     from anima_train.config import ConfigError
     from anima_train.model.convert import ConvertError
     from anima_train.data.dataset import DatasetError

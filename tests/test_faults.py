@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from anima_train.outputs import checkpoint_files as ckpt
+from anima_train.outputs import resume_state as ckpt
 from anima_train.model.tiny import make_synthetic_latents
 from tests.fixtures_tiny import small_run_toml
 

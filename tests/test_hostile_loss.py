@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from anima_train import errors
 from anima_train.model.tiny import make_synthetic_latents
-from anima_train.training.train import Diverged, train
+from anima_train.training.divergence import Diverged
+from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 

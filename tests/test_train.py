@@ -110,7 +110,7 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_earlier_checkpoints(
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from anima_train.outputs.checkpoint_files import resolve_resume
+    from anima_train.outputs.resume_state import resolve_resume
 
     real_torch_save, real_save_file = torch.save, safetensors.torch.save_file
 

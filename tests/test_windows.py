@@ -622,7 +622,7 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     import threading
     import time
 
-    from anima_train.outputs import checkpoint_files
+    from anima_train.outputs import resume_state
     from anima_train.system import windows
     from anima_train.config import load_config
     from anima_train.model.tiny import make_synthetic_latents
@@ -660,8 +660,8 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     assert result.stopped and 1 <= result.global_step < 400
     # the process was let go only once the stop's checkpoint and resumable state were written
     assert answer == {"handled": True, "states": [f"close-step{result.global_step:06d}-state"]}
-    state = checkpoint_files.resolve_resume(str(run_dir / f"close-step{result.global_step:06d}.safetensors"))
-    info = checkpoint_files.read_state(state)
+    state = resume_state.resolve_resume(str(run_dir / f"close-step{result.global_step:06d}.safetensors"))
+    info = resume_state.read_state(state)
     assert info["global_step"] == result.global_step and (state / "accelerator" / "optimizer.pt").is_file()
     messages = [json.loads(line) for line in events.read_text().splitlines()]
     assert any("stop requested (the console window was closed)" in m.get("text", m.get("message", ""))

@@ -237,6 +237,6 @@ def test_publish_copy_never_replaces_another_file(tmp_path):
     assert not [p for p in loras.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
-def test_write_json_atomic_roundtrip(tmp_path):
-    path = worker.write_json_atomic(tmp_path / "m.json", {"a": 1})
+def test_write_json_roundtrip(tmp_path):
+    path = worker.write_json(tmp_path / "m.json", {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}

@@ -1,20 +1,14 @@
-"""Checkpoint names, pruning, and the resumable `-state` directory (docs/training.md#outputs-and-resume).
+"""Checkpoint files: writing one in the layout ComfyUI loads, naming the epoch it belongs to, and pruning old ones.
 
-    <output_dir>/<run_name>/
-      <run_name>-step000060.safetensors   periodic, 6-digit step
-      <run_name>-epoch005.safetensors     periodic, 3-digit 1-based epoch
-      <run_name>.safetensors              final (bare name)
-      <stem>_te.safetensors               Qwen3 LoRA sibling
-      <run_name>.toml                     the config, copied verbatim
-      <stem>-state/                       state.json + accelerator/  (only with save_optimizer_state)
-
-One file per checkpoint (not a folder) so twenty LoRAs of one run can sit in ComfyUI's `loras` folder side by side.
-A full finetune saved as diffusers directories uses `<stem>/` instead of `<stem>.safetensors`.
+One file per checkpoint (not a folder) so twenty LoRAs of one run can sit in ComfyUI's `loras` folder side by side;
+a full finetune saved as diffusers directories uses `<stem>/` instead of `<stem>.safetensors`. The names are in
+outputs/layout.py, the `-state` folder beside a checkpoint in outputs/resume_state.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -24,22 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from anima_train.files import write_text
+from anima_train import lora_export as ex
+from anima_train.adapters import text_encoder_rank_alpha
+from anima_train.config import Config
+from anima_train.data.captions import read_caption_file, split_tags
 from anima_train.errors import UserError
-
-STATE_SUFFIX = "-state"
-STATE_FILE = "state.json"
-ACCELERATOR_DIR = "accelerator"
-
-
-def checkpoint_stem(run_name: str, *, step: int | None = None, epoch: int | None = None) -> str:
-    if step is not None and epoch is not None:
-        raise ValueError("a checkpoint is tagged by step or by epoch, not both")
-    if step is not None:
-        return f"{run_name}-step{step:06d}"
-    if epoch is not None:
-        return f"{run_name}-epoch{epoch:03d}"
-    return run_name
+from anima_train.model.components import DTYPES
+from anima_train.outputs.layout import STATE_FILE, STATE_SUFFIX, checkpoint_step, latest_state
 
 
 def epoch_of_step(step: int, steps_per_epoch: int) -> int:
@@ -47,13 +32,6 @@ def epoch_of_step(step: int, steps_per_epoch: int) -> int:
     progress line, and what a file's ss_epoch / ss_num_epochs say (sd-scripts: the epoch the file belongs to, and
     the epochs the run really does, so a max_steps cap counts, not the configured epochs)."""
     return -(-step // steps_per_epoch) if steps_per_epoch > 0 else 0
-
-
-def state_dir_for(checkpoint: Path) -> Path:
-    """`x.safetensors` or diffusers dir `x/` → `x-state/`."""
-    checkpoint = Path(checkpoint)
-    stem = checkpoint.name[: -len(".safetensors")] if checkpoint.name.endswith(".safetensors") else checkpoint.name
-    return checkpoint.with_name(stem + STATE_SUFFIX)
 
 
 # -- pruning -------------------------------------------------------------------------------------------------
@@ -76,21 +54,10 @@ class Periodic:
                     pass
         for p in self.paths:
             if p.suffix == ".safetensors" and p.is_file():
-                step = _metadata_step(p)
+                step = checkpoint_step(p)
                 if step is not None:
                     return step
         return self.number if self.tag == "step" else self.number * steps_per_epoch
-
-
-def _metadata_step(path: Path) -> int | None:
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        return int(meta["step"]) if "step" in meta else None
-    except Exception:
-        return None
 
 
 def find_periodic(run_dir: Path, run_name: str) -> list[Periodic]:
@@ -144,284 +111,6 @@ def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, ste
     return removed
 
 
-# -- resume ----------------------------------------------------------------------------------------------------
-
-
-class ResumeError(UserError, ValueError):
-    """A resume_from that cannot be resumed; the message names the path and the fix."""
-
-
-TRAINABLE_FILE = "trainable.safetensors"
-TORCH_FILES = ("optimizer.pt", "scheduler.pt")  # torch.save zip archives
-
-
-def resolve_resume(path: str | os.PathLike) -> Path:
-    """`resume_from` → the `-state` directory; refuses anything that cannot restore the optimizer, before any
-    model loads: a path that is not there, a checkpoint without its state, a state with a missing or damaged file."""
-    p = Path(path)
-    if not p.exists() and not (p.name.endswith(".safetensors") and state_dir_for(p).exists()):
-        raise ResumeError(f"resume_from = {str(p)!r}: not found. Point it at a saved state folder "
-                          f"(<run>-step000060-state) or the checkpoint file beside it.{_states_hint(p.parent)}")
-    if p.name.endswith(".safetensors") or (p.is_dir() and not p.name.endswith(STATE_SUFFIX)
-                                           and not (p / STATE_FILE).exists()):
-        state = state_dir_for(p)
-        if not state.exists() and p.is_dir() and latest_state(p) is not None:
-            raise ResumeError(f"resume_from = {str(p)!r} is a run folder, not a saved state: point it at one of its "
-                              f"states (the newest is {latest_state(p)}) or at the checkpoint file beside one")
-        if not state.exists():
-            raise ResumeError(_no_state_message(p, state))
-        p = state
-    missing = [n for n in (STATE_FILE, ACCELERATOR_DIR) if not (p / n).exists()]
-    missing += [f"{ACCELERATOR_DIR}/{n}" for n in (TRAINABLE_FILE, *TORCH_FILES)
-                if ACCELERATOR_DIR not in missing and not (p / ACCELERATOR_DIR / n).is_file()]
-    if missing:
-        raise ResumeError(f"resume_from = {str(p)!r} is not a complete state directory (missing "
-                          f"{', '.join(missing)}); it cannot restore the optimizer, so it cannot be resumed."
-                          f"{_states_hint(p.parent, exclude=p)}")
-    _check_state_files(p)
-    return p
-
-
-def _no_state_message(p: Path, state: Path) -> str:
-    """Why `p` (not a state folder) has no state beside it, as far as the files tell: a folder that is no
-    checkpoint at all, a checkpoint of a run without save_optimizer_state, or one whose state is missing (the run
-    was stopped while writing it, or it was deleted)."""
-    hint = _states_hint(p.parent)
-    if p.is_dir() and not (p / "transformer").is_dir():
-        return (f"resume_from = {str(p)!r} is a folder that is neither a saved state (<run>-step000060-state) nor a "
-                f"checkpoint: point it at a state folder of the run to continue, or at the checkpoint file beside "
-                f"one.{hint}")
-    saved_state = _saved_optimizer_state(p)
-    interrupted = any(q.name.startswith(f".{state.name}.") for q in p.parent.iterdir()) if p.parent.is_dir() else False
-    if not interrupted and not saved_state:
-        why = ("the run had save_optimizer_state = false" if saved_state is False
-               else "saved without its optimizer state, or the state was deleted")
-        return (f"resume_from = {str(p)!r}: no state directory {state.name!r} beside it. That checkpoint is "
-                f"inference-only ({why}); resuming needs the optimizer state. Set [train] save_optimizer_state = "
-                f"true for runs you may want to resume.{hint}")
-    why = ("it was being written when the run was interrupted" if interrupted else
-           "the run saved states (save_optimizer_state = true) but this one is missing: it was interrupted while "
-           "being written, or deleted")
-    return (f"resume_from = {str(p)!r}: its state {state.name!r} is not there ({why}), so this checkpoint cannot be "
-            f"resumed.{hint or ' The run has no other state to resume from.'}")
-
-
-def _saved_optimizer_state(checkpoint: Path) -> bool | None:
-    """save_optimizer_state of the run that wrote this checkpoint (its ss_training_config), None when unknown."""
-    files = [checkpoint] if checkpoint.is_file() else sorted(Path(checkpoint).glob("*/*.safetensors"))
-    for f in files:
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(f), "pt") as fh:
-                config = json.loads((fh.metadata() or {})["ss_training_config"])
-            return bool(config["train"]["save_optimizer_state"])
-        except Exception:  # a file without our metadata (or not safetensors): unknown
-            continue
-    return None
-
-
-def _check_state_files(state_dir: Path) -> None:
-    """Cheap whole-file checks (headers and zip directories, not the tensors) so that a truncated or foreign file
-    is named before minutes of model loading; `load_state_file` names one that fails later."""
-    import zipfile
-
-    from safetensors import safe_open
-
-    read_state(state_dir)
-    inner = state_dir / ACCELERATOR_DIR
-    with load_state_file(inner / TRAINABLE_FILE):
-        with safe_open(str(inner / TRAINABLE_FILE), "pt"):  # checks the header covers the whole file
-            pass
-    for name in TORCH_FILES:
-        with load_state_file(inner / name):
-            with zipfile.ZipFile(inner / name):  # a truncated torch.save archive has no central directory
-                pass
-
-
-@contextlib.contextmanager
-def load_state_file(path: Path) -> Iterator[None]:
-    """Reading one file of a state: any failure becomes a ResumeError that names the file."""
-    try:
-        yield
-    except ResumeError:
-        raise
-    except Exception as e:
-        state = Path(path).parent.parent if Path(path).parent.name == ACCELERATOR_DIR else Path(path).parent
-        raise ResumeError(f"{path} cannot be read ({type(e).__name__}: {e}); the state {state.name} is damaged "
-                          f"(truncated or overwritten), so it cannot be resumed.{_states_hint(state.parent, state)}"
-                          ) from e
-
-
-# state.json's numbers: (key, smallest value, required). Each is read on resume, so each is checked: an edited or
-# damaged file must not resume at step -5 or skip past the end of its epoch.
-STATE_INTS = (("global_step", 1, True), ("epoch", 0, False), ("batch_in_epoch", 0, False),
-              ("steps_per_epoch", 1, False), ("processes", 1, False))
-
-
-def read_state(state_dir: Path) -> dict:
-    """state.json, every value the resume reads checked for type and range, and global_step against the checkpoint
-    the state belongs to (its step tag, the file's recorded step)."""
-    state_dir = Path(state_dir)
-    path = state_dir / STATE_FILE
-    with load_state_file(path):
-        info = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(info, dict):
-        raise ResumeError(_bad_state(path, f"holds {type(info).__name__}, not a JSON object of the run's position"))
-    for key, least, required in STATE_INTS:
-        if key not in info:
-            if required:
-                raise ResumeError(_bad_state(path, f"has no {key}"))
-            continue
-        value = info[key]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ResumeError(_bad_state(path, f"{key} = {json.dumps(value)} is not a whole number"))
-        if value < least:
-            raise ResumeError(_bad_state(path, f"{key} = {value} is below {least}"))
-    step = info["global_step"]
-    stem = state_dir.name[: -len(STATE_SUFFIX)] if state_dir.name.endswith(STATE_SUFFIX) else ""
-    m = re.search(r"-step(\d+)$", stem)
-    if m and int(m.group(1)) != step:
-        raise ResumeError(_bad_state(path, f"global_step = {step}, but the state folder is of step {int(m.group(1))}"))
-    checkpoint = info.get("checkpoint")
-    if isinstance(checkpoint, str) and checkpoint:
-        recorded = _metadata_step(state_dir.parent / f"{checkpoint}.safetensors")
-        if recorded is not None and recorded != step:
-            raise ResumeError(_bad_state(path, f"global_step = {step}, but its checkpoint {checkpoint}.safetensors "
-                                               f"was saved at step {recorded}"))
-    return info  # batch_in_epoch's upper bound needs the data: check_position
-
-
-def check_position(state_dir: Path, info: dict, batches_per_epoch: int) -> None:
-    """What only the resume itself reads: the epoch, and batch_in_epoch within an epoch of this run's data (known once
-    the data loader is built)."""
-    if "epoch" not in info:
-        raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE, "has no epoch"))
-    batch = info.get("batch_in_epoch", 0)
-    if batch > batches_per_epoch:
-        raise ResumeError(_bad_state(Path(state_dir) / STATE_FILE,
-                                     f"batch_in_epoch = {batch} is past the end of an epoch ({batches_per_epoch} "
-                                     f"batches per epoch here)"))
-
-
-def _bad_state(path: Path, what: str) -> str:
-    state = path.parent
-    return (f"{path}: {what}; the state file was edited or is damaged, so {state.name} cannot be resumed. Resume "
-            f"from another state, or restore the file.{_states_hint(state.parent, state)}")
-
-
-def describe_adapter(cfg) -> dict:
-    """What the trainable tensors' names and shapes depend on, as state.json records it: a resume with another
-    adapter (rank 8 state, rank 4 config) is named by key before the model loads."""
-    a = cfg.adapter
-    out = {"kind": a.kind, "components": sorted(a.components), "train_llm_adapter": a.train_llm_adapter,
-           "train_text_encoder": a.train_text_encoder}
-    if a.kind != "none":
-        out["rank"] = a.rank
-    if a.train_text_encoder:
-        out["text_encoder_rank"] = a.text_encoder_rank or a.rank
-    if a.kind == "lokr":
-        out.update(lokr_factor=a.lokr_factor, lokr_decompose_both=a.lokr_decompose_both)
-    return out
-
-
-def refuse_adapter_change(state_dir: Path, info: dict, cfg) -> None:
-    saved = info.get("adapter")
-    if not isinstance(saved, dict):
-        return  # a state from before the description: the tensors are compared when they load
-    now = describe_adapter(cfg)
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            def show(v):
-                return "unset" if v is None else json.dumps(v)
-
-            raise ResumeError(
-                f"resume_from = {str(state_dir)!r}: [adapter] {key}: the state has {show(saved.get(key))}, this "
-                f"config has {show(now.get(key))}. A run resumes with the adapter it was trained with: set [adapter] "
-                f"{key} = {show(saved.get(key))} to resume it, or start a new run (no resume_from) for the new "
-                f"adapter.")
-
-
-def refuse_older_state(state_dir: Path, step: int, run_dir: Path, free_name: str) -> None:
-    """A resume into the run folder the state belongs to must start from its newest state: from an older one it
-    would overwrite the run's later final checkpoint, state and config copy (the later periodic files staying
-    beside them). A checkpoint whose state is missing (a run killed while writing it) is no newer state."""
-    try:
-        same_run = Path(state_dir).resolve().parent == Path(run_dir).resolve()
-    except OSError:
-        return
-    newest = latest_state(run_dir) if same_run else None
-    if newest is None or newest.resolve() == Path(state_dir).resolve():
-        return
-    newest_step = int(json.loads((newest / STATE_FILE).read_text(encoding="utf-8"))["global_step"])
-    if newest_step <= step:
-        return
-    raise ResumeError(
-        f"resume_from = {str(state_dir)!r} is at step {step}, but its run folder holds a later state, {newest} "
-        f"(step {newest_step}): resuming from the older one would replace that run's newer files (its final "
-        f"checkpoint, -state and config copy). Resume from the newest state: [train] resume_from = "
-        f"\"{newest.as_posix()}\", or to branch off at step {step}, keep resume_from and give this run a new "
-        f"[train] run_name = \"{free_name}\".")
-
-
-LOSSES_FILE = "losses.json"  # in a state folder: the loss of every step so far, so a resumed run plots all of them
-
-
-def read_losses(state_dir: Path, step: int) -> tuple[int, list[float]]:
-    """(first step, losses up to `step`) from the state's losses.json; (step + 1, []) when it has none (a state
-    from before the file) or it does not end at `step`."""
-    try:
-        data = json.loads((Path(state_dir) / LOSSES_FILE).read_text(encoding="utf-8"))
-        first, losses = int(data["first_step"]), [float(v) for v in data["losses"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return step + 1, []
-    if first < 1 or first + len(losses) - 1 != step:
-        return step + 1, []
-    return first, losses
-
-
-def latest_state(run_dir: Path, exclude: Path | None = None) -> Path | None:
-    """The complete `-state` directory with the highest recorded step in run_dir (temp dirs are hidden)."""
-    best, best_step = None, -1
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return None
-    for p in sorted(run_dir.iterdir()):
-        if p.name.startswith(".") or not p.name.endswith(STATE_SUFFIX) or p == exclude or not p.is_dir():
-            continue
-        try:
-            step = int(json.loads((p / STATE_FILE).read_text(encoding="utf-8"))["global_step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if step > best_step:
-            best, best_step = p, step
-    return best
-
-
-def _states_hint(folder: Path, exclude: Path | None = None) -> str:
-    newest = latest_state(folder, exclude)
-    return f" The newest state in {folder} is {newest}." if newest is not None else ""
-
-
-def finished_error(state_dir: Path, step: int, total: int, max_steps: int | None, epochs: int) -> ResumeError:
-    """Resuming a state that is already at (or past) this config's last step: nothing is left to train."""
-    limit = f"max_steps = {max_steps}, epochs = {epochs}" if max_steps else f"epochs = {epochs}"
-    return ResumeError(
-        f"resume_from = {str(state_dir)!r}: this run is finished (step {step} of {total}; {limit}), so there is "
-        f"nothing left to train. To continue it, raise [train] max_steps or epochs past where it stopped and "
-        f"resume from this state again.")
-
-
-def refuse_finished(state_dir: Path, max_steps: int | None, epochs: int) -> None:
-    """The part of the finished check that state.json answers alone (before the model and the data load): a state
-    at max_steps, or after the last epoch. The trainer checks the exact step total again once it is known."""
-    info = read_state(state_dir)
-    step, epoch = int(info["global_step"]), int(info.get("epoch", 0))
-    if (max_steps and step >= max_steps) or epoch >= epochs:
-        total = max_steps if max_steps and step >= max_steps else step
-        raise finished_error(state_dir, step, total, max_steps, epochs)
-
-
 # -- writing ---------------------------------------------------------------------------------------------------
 
 
@@ -459,7 +148,67 @@ def writing(path: Path, run_dir: Path, lost: str = "") -> Iterator[None]:
         raise error from e
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+# -- writing a checkpoint ------------------------------------------------------------------------------------
+
+def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, step: int, epoch: int, num_epochs: int,
+                     max_steps: int, tag_frequency: dict | None = None) -> Path:
+    """One checkpoint in the layout ComfyUI loads directly: LoRA/LoKr file (+ `_te` sibling for a Qwen3 LoRA), or
+    a full finetune as a native single file (or diffusers folders with save_native = false). Replaces a file of the
+    same name (a re-run of the same step).
+
+    The numbers describe the run that writes the file (sd-scripts' meaning): step = optimizer steps done (ss_steps),
+    epoch = the 1-based epoch that step falls in (ss_epoch), num_epochs / max_steps = the epochs and steps the run
+    really does (ss_num_epochs, ss_max_train_steps), i.e. after a max_steps cap, not the configured epochs."""
+    kind = cfg.adapter.kind
+    dtype = DTYPES[cfg.train.dtype]
+
+    def metadata(file_kind: str, rank: int | None, alpha: float | None) -> dict[str, str]:
+        return ex.training_metadata(
+            kind=file_kind, title=cfg.run_stem, rank=rank, alpha=alpha,
+            resolution=cfg.dataset.tiers, steps=step, epoch=epoch, num_epochs=num_epochs,
+            max_steps=max_steps, tag_frequency=tag_frequency,
+            training_config=config_json(cfg),
+            network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
+            extra={"step": step, "run": cfg.run_stem})
+
+    meta = metadata("full", None, None) if kind == "none" else metadata(kind, cfg.adapter.rank, cfg.adapter.alpha)
+    transformer, conditioner = models["transformer"], models["text_conditioner"]
+    adapted_conditioner = conditioner if cfg.adapter.train_llm_adapter else None
+    path = run_dir / f"{stem}.safetensors" if kind != "none" or cfg.train.save_native else run_dir / stem
+    with writing(path, run_dir):
+        if kind == "lora":
+            ex.save_lora(path, transformer, adapted_conditioner, meta, fmt=cfg.adapter.output_format, dtype=dtype,
+                         overwrite=True)
+        elif kind == "lokr":
+            ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
+        elif cfg.train.save_native:
+            ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+        else:
+            path = ex.save_full_diffusers(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+    if cfg.adapter.train_text_encoder:  # the Qwen3 LoRA's own rank and alpha, even beside a full finetune
+        te_meta = metadata("te_lora", *text_encoder_rank_alpha(cfg))
+        te_path = ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors")
+        with writing(te_path, run_dir):
+            ex.save_text_encoder_lora(te_path, models["text_encoder"], te_meta, dtype=dtype, overwrite=True)
+    return path
 
 
+def config_json(cfg: Config) -> dict:
+    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts)."""
+    data = dataclasses.asdict(cfg)
+    for private in ("source_path", "source_text"):
+        data.pop(private, None)
+    return data
+
+
+def tag_frequency(sources) -> dict[str, dict[str, int]]:
+    """sd-scripts' `ss_tag_frequency`: {dataset folder: {tag: count}} over the raw `.txt` captions."""
+    freq: dict[str, dict[str, int]] = {}
+    for src in sources:
+        txt = Path(f"{src.stem}.txt")
+        if not txt.is_file():
+            continue
+        counts = freq.setdefault(txt.parent.name, {})
+        for tag in split_tags(read_caption_file(txt), ","):
+            counts[tag] = counts.get(tag, 0) + 1
+    return freq

@@ -30,14 +30,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from anima_train.outputs.checkpoint_files import STATE_FILE, STATE_SUFFIX
 from anima_train.errors import UserError
-
-LOCK_NAME = ".anima-train.lock"
-# Written into the run folder besides the checkpoints (the one place these names are defined)
-LOSS_PLOT_NAME = "loss.png"  # the loss chart, at the end of every run that saves
-SAMPLES_DIR = "samples"  # [sample] preview images
-LOGS_DIR = "logs"  # [logging] TensorBoard runs
+from anima_train.outputs.layout import LOCK_NAME, LOGS_DIR, LOSS_PLOT_NAME, SAMPLES_DIR, STATE_SUFFIX, latest_state
 IS_WINDOWS = os.name == "nt"
 _WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
 _O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation in the holder info os.write puts there
@@ -66,29 +60,25 @@ def run_files(run_dir: str | os.PathLike, run_stem: str) -> list[Path]:
                   or p.name in ((SAMPLES_DIR, LOGS_DIR) if p.is_dir() else (LOSS_PLOT_NAME,)))
 
 
-def latest_state(run_dir: str | os.PathLike, run_stem: str) -> Path | None:
-    """The `-state` folder of this run with the highest recorded step (what `resume_from` should name)."""
-    best, best_step = None, -1
-    for p in run_files(run_dir, run_stem):
-        if p.name.endswith(STATE_SUFFIX) and (p / STATE_FILE).is_file():
-            try:
-                step = int(json.loads((p / STATE_FILE).read_text())["global_step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if step > best_step:
-                best, best_step = p, step
-    return best
+def run_names(run_stem: str):
+    """`<stem>`, `<stem>-2`, `<stem>-3`, …: the names a run of `run_stem` may take, in order."""
+    yield run_stem
+    n = 2
+    while True:
+        yield f"{run_stem}-{n}"
+        n += 1
+
+
+def holds_no_run(folder: str | os.PathLike, name: str) -> bool:
+    """Nothing of a run named `name` is in `folder`, and no process trains into it."""
+    return not run_files(folder, name) and lock_holder(folder) is None
 
 
 def free_run_name(output_dir: str | os.PathLike, run_stem: str) -> str:
     """`<stem>-2`, `<stem>-3`, … : the first name whose folder holds no run and is not locked."""
-    n = 2
-    while True:
-        name = f"{run_stem}-{n}"
-        folder = Path(output_dir) / name
-        if not run_files(folder, name) and lock_holder(folder) is None:
-            return name
-        n += 1
+    names = run_names(run_stem)
+    next(names)
+    return next(name for name in names if holds_no_run(Path(output_dir) / name, name))
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from anima_train.system.proc import proc_stat
+
 PARENT_PID_ENV = "ANIMA_TRAIN_PARENT_PID"
 POLL_S = 0.5
 SAVE_GRACE_S = 60.0  # time for the loop to finish its step and save (the node's Cancel grace with state is 60 s)
@@ -94,11 +96,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a killed parent nobody has reaped yet is a zombie: gone for our purposes
-        stat = open(f"/proc/{pid}/stat").read()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError):
-        return True
+    stat = proc_stat(pid)  # a killed parent nobody has reaped yet is a zombie: gone for our purposes
+    return stat is None or stat[0] != "Z"
 
 
 def _set_death_signal() -> bool:

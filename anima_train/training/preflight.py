@@ -18,7 +18,7 @@ from anima_train.config import Config, ConfigError
 def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False) -> list[str]:
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
     True for a value not known yet (a ComfyUI input linked from another node)."""
-    from anima_train.outputs import checkpoint_files
+    from anima_train.outputs import resume_state
     from anima_train.model.components import ModelRepoError, check_weights
 
     problems = []
@@ -43,16 +43,16 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     resume = cfg.train.resume_from
     if resume is not None and not skip(resume):
         try:
-            state = checkpoint_files.resolve_resume(resume)  # its state.json is read and checked there
-            info = checkpoint_files.read_state(state)
-            checkpoint_files.refuse_adapter_change(state, info, cfg)
+            state = resume_state.resolve_resume(resume)  # its state.json is read and checked there
+            info = resume_state.read_state(state)
+            resume_state.refuse_adapter_change(state, info, cfg)
             if saving:  # a run that writes nothing replaces nothing
                 from anima_train.outputs.run_folder import free_run_name
 
                 run_dir = Path(cfg.train.output_dir).expanduser() / cfg.run_stem
-                checkpoint_files.refuse_older_state(state, info["global_step"], run_dir,
+                resume_state.refuse_older_state(state, info["global_step"], run_dir,
                                                free_run_name(run_dir.parent, cfg.run_stem))
-        except checkpoint_files.ResumeError as exc:
+        except resume_state.ResumeError as exc:
             problems.append(f"[train] {exc}")
     return problems
 

@@ -1,0 +1,135 @@
+"""Two checkouts, the same tiny runs: equal losses, weights and events? For refactors that must change no number.
+
+    python bench/compare_trees.py BEFORE_PYTHON AFTER_PYTHON [--work DIR]
+
+Each PYTHON is an interpreter whose `anima_train` is one checkout (e.g. a venv with that checkout installed
+editable). One tiny model and dataset are built and cached once (with BEFORE); then three CPU runs go through the
+command line of each checkout: a LoRA with periodic saves and resume states, the same LoRA resumed from its step-4
+state, and a LoKr. Compared: every event of `--events` (timings, paths and versions masked), every tensor and metadata
+value of every checkpoint file, and every file of every resume state. Exit status 0 when all are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors import safe_open
+
+RUNS = {  # name -> (extra TOML, extra CLI args, resume from (run, state))
+    "lora": ('[adapter]\nkind = "lora"\nrank = 4\n', [], None),
+    "lora_resumed": ('[adapter]\nkind = "lora"\nrank = 4\n', [], ("lora", "lora-step000004-state")),
+    "lokr": ('[adapter]\nkind = "lokr"\nrank = 4\n', [], None),
+}
+MASK_KEYS = {"seconds", "time", "t", "elapsed", "eta", "s_per_step", "it_s", "run_dir", "path", "final", "saved",
+             "state", "log", "versions"}
+TIME_TEXT = re.compile(r"\d+(\.\d+)? ?s\b|/tmp/\S+|" + r"\d{4}-\d\d-\d\dT\S+")
+
+
+def sh(python: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([python, "-m", "anima_train", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{python} anima_train {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def mask(value, key=""):
+    if key in MASK_KEYS:
+        return "<masked>"
+    if isinstance(value, dict):
+        return {k: mask(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask(v) for v in value]
+    if isinstance(value, str):
+        return TIME_TEXT.sub("<t>", value)
+    return value
+
+
+def events(path: Path) -> list:
+    return [mask(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tensors(path: Path) -> tuple[dict, dict]:
+    with safe_open(str(path), "pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items()
+                if k not in ("ss_training_started_at", "ss_training_finished_at", "ss_output_name")}
+        if "ss_training_config" in meta:
+            meta["ss_training_config"] = re.sub(r'"(output_dir|resume_from|source_path|path|model_path)": "[^"]*"',
+                                                r'"\1": "<p>"', meta["ss_training_config"])
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def compare_files(a: Path, b: Path, problems: list[str], what: str) -> None:
+    if a.suffix == ".safetensors":
+        (ta, ma), (tb, mb) = tensors(a), tensors(b)
+        if ta.keys() != tb.keys():
+            problems.append(f"{what}: tensor names differ")
+        for k in ta.keys() & tb.keys():
+            if ta[k].dtype != tb[k].dtype or not (ta[k] == tb[k]).all():
+                problems.append(f"{what}: tensor {k} differs")
+        if ma != mb:
+            diff = {k for k in ma.keys() | mb.keys() if ma.get(k) != mb.get(k)}
+            problems.append(f"{what}: metadata differs in {sorted(diff)}")
+    elif a.suffix == ".json":
+        if mask(json.loads(a.read_text())) != mask(json.loads(b.read_text())):
+            problems.append(f"{what}: JSON differs")
+    elif a.suffix == ".pt":
+        import torch
+
+        sa, sb = (torch.load(p, weights_only=True, map_location="cpu") for p in (a, b))
+        if repr(sa) != repr(sb):
+            problems.append(f"{what}: {a.name} differs")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--work", default="/tmp/compare-trees")
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    sh(args.before, "demo", "--out", str(work / "base"), "--steps", "1", "--images", "12", "--cpu", cwd=Path("/"))
+    demo = (work / "base" / "demo.toml").read_text()
+    demo = re.sub(r"(?m)^\[adapter\][^\[]*", "", demo)
+    problems: list[str] = []
+    for side, python in (("before", args.before), ("after", args.after)):
+        for name, (extra, cli, resume) in RUNS.items():
+            out = work / side / name
+            toml = re.sub(r'output_dir = "[^"]*"', f'output_dir = "{out.as_posix()}"', demo)
+            toml = re.sub(r"max_steps = \d+", "max_steps = 8", toml)
+            toml = re.sub(r'run_name = "[^"]*"', f'run_name = "{name}"', toml)
+            toml = toml.replace("[train]\n", "[train]\nsave_every_steps = 4\nsave_optimizer_state = true\n", 1)
+            out.mkdir(parents=True)
+            if resume:  # a branch off the first run's step-4 state (a new run name: its own folder)
+                src = work / side / resume[0] / resume[0] / resume[1]
+                toml = toml.replace("[train]\n", f'[train]\nresume_from = "{src.as_posix()}"\n', 1)
+            (out / "cfg.toml").write_text(toml + extra)
+            sh(python, "train", str(out / "cfg.toml"), "--cpu", "--events", str(out / "events.jsonl"), *cli, cwd=out)
+    for name in RUNS:
+        a, b = work / "before" / name, work / "after" / name
+        ea, eb = events(a / "events.jsonl"), events(b / "events.jsonl")
+        if ea != eb:
+            first = next((i for i, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
+            problems.append(f"{name}: events differ from #{first}: {ea[first:first + 1]} vs {eb[first:first + 1]}")
+        losses = [e["loss"] for e in ea if e.get("event") == "step"]
+        files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".json", ".pt"))
+        files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".json", ".pt"))
+        if files_a != files_b:
+            problems.append(f"{name}: files differ: {sorted(set(files_a) ^ set(files_b))}")
+        for rel in set(files_a) & set(files_b):
+            compare_files(a / rel, b / rel, problems, f"{name}/{rel}")
+        print(f"{name}: {len(ea)} events, {len(files_a)} files, losses {[round(x, 6) for x in losses]}")
+    for p in problems:
+        print("DIFFERS:", p)
+    print("equal" if not problems else f"{len(problems)} difference(s)")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
