@@ -171,7 +171,7 @@ def test_auto_plan_at_8_gib_batch_2(monkeypatch):
         assert not said[0].endswith("Qwen3 stays on the GPU")
 
 
-# Measured on the H200 (bench/results/caps_2026-12-02, LoRA r32 1024x1024, compiled, one run each), GiB: memory
+# Measured on the H200 (bench/results/caps_2026-12-02 and -02b, LoRA r32 1024x1024, compiled, one run each), GiB:
 # allocated when the measured first step began, that step's peak (every block recomputed, Qwen3 parked), the steady
 # memory after it, a block's activations, then the plan that ran (blocks kept, Qwen3 resident) and its later peak.
 H200_RUNS = [
@@ -182,6 +182,7 @@ H200_RUNS = [
     (4.16, 8.20, 4.56, 1.412, 2, True, 11.07),  # 12 GiB b4, expandable (call2_cap12_b4_fix)
     (4.15, 6.27, 4.56, 0.706, 2, False, 7.26),  # 8 GiB b2, expandable (call2_cap8_b2_fix)
     (4.15, 6.27, 4.56, 0.706, 0, True, 7.66),  # 8 GiB b2, expandable (call4_cap8_b2_final)
+    (4.16, 12.19, 4.57, 2.824, 4, True, 22.11),  # 24 GiB b8, expandable, the fixed planner's plan (-02b B3)
 ]
 QWEN3_GIB = 1.11  # the frozen Qwen3-0.6B's weights (alloc 5.67 resident against 4.56 parked)
 
