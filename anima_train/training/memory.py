@@ -135,12 +135,15 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     scale = max(1.0, largest_tokens / max(measure.tokens, 1))
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
     expandable = expandable_segments_on()
+    start = measure.start  # the growth of the first step is charged from here (recompute.step_base)
     resident = parked is not None and recompute.fits(peak=peak + host, steady=steady + host, scale=scale,
-                                                         budget=budget, expandable=expandable)
+                                                         budget=budget, expandable=expandable,
+                                                         start=None if start is None else start + host)
     if resident:
         steady, peak = steady + host, peak + host
+        start = None if start is None else start + host
     keep, predicted = recompute.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
-                                                   scale=scale, budget=budget, expandable=expandable)
+                                                   scale=scale, budget=budget, expandable=expandable, start=start)
     block_ckpt.set_recomputed(n - keep)
     if resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again

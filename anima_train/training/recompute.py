@@ -8,8 +8,9 @@ checkpoints all 28 blocks or none. Here `train.checkpoint_blocks` picks how many
 - "all": every block (the seed's `gradient_checkpointing = true`);
 - "auto" (default): on CUDA, the fewest that fit. The first optimizer step runs with every block checkpointed
   and measures, with the real shapes, dtype, adapter and compile mode: the activations one block holds for its
-  backward (the memory a block's recompute allocates and keeps), the step's peak and the steady memory after the
-  step (weights, gradients' end state, optimizer state). From then on `plan_unchecked` decides. Off CUDA, "all".
+  backward (the memory a block's recompute allocates and keeps), the memory allocated before the step, the step's
+  peak and the steady memory after the step (weights, gradients' end state, optimizer state). From then on
+  `plan_unchecked` decides. Off CUDA, "all".
 
 Which blocks recompute never changes the numbers: a recomputed forward is the same computation (the same compiled
 graph, when compiled), so losses and weights are identical to the all-checkpointed run and resume stays bit-exact.
@@ -46,6 +47,14 @@ class Measure:
     act: int = 0
     peak: int = 0
     steady: int = 0
+    start: int | None = None  # allocated when the step began (its first micro-batch); None off CUDA
+
+    def saw(self, tokens: int, device: torch.device) -> None:
+        """A micro-batch of the measured step starts: its tokens x batch, and (the first time) the memory allocated
+        before it."""
+        self.tokens = max(self.tokens, tokens)
+        if self.start is None and device.type == "cuda":
+            self.start = torch.cuda.memory_allocated(device)
 
 
 @dataclass
@@ -112,32 +121,44 @@ def memory_now(device: torch.device) -> tuple[int, int, int]:
     return torch.cuda.memory_allocated(index), torch.cuda.max_memory_allocated(index), budget
 
 
+def step_base(*, start: int | None, peak: int, steady: int, scale: float) -> int:
+    """The peak of a later step with every block recomputed, at `scale` x the measured tokens x batch.
+
+    The first step grew from `start` (allocated before it) to `peak`; it ends at `steady`, which holds what that
+    step allocated for good after its peak (AdamW's state: 0.34 GiB for a LoRA r32, made by the first optimizer
+    step). Every later step starts from `steady` and grows as much, so its peak is steady + (peak - start), not the
+    first step's peak: at 8 GiB b2 on the H200 the first step peaked at 6.27 GiB (4.15 before it, 4.56 after) and
+    the next ones at 6.6-6.68. The growth is activations and gradients: it scales with tokens x batch. Without a
+    start (older callers) the steady memory stands in for it."""
+    start = steady if start is None else start
+    return steady + int(max(peak - start, 0) * scale)
+
+
 def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: float, budget: int,
-                   expandable: bool = False) -> tuple[int, int]:
+                   expandable: bool = False, start: int | None = None) -> tuple[int, int]:
     """(blocks that may keep their activations, predicted peak in bytes) for the largest batch.
 
-    The all-checkpointed peak is the steady memory plus a step's transient part; the transient part and a block's
-    activations grow linearly with tokens x batch (`scale` = the largest batch's tokens over the measured step's).
-    That peak comes in the backward of the last block, while its recomputed activations are alive, so keeping that
-    block's activations (the kept blocks are the last ones) costs less than a block: half of one is charged. Each
-    further kept block adds its activations (all kept ones are alive when backward starts). Measured on an H200,
-    1024x1024 LoRA r32: the first kept block raised the peak by 0.23-0.28 GiB at batch 2 and 0.35-0.37 GiB at
-    batch 4, against 0.71 and 1.41 GiB of activations; two kept blocks by 0.99 GiB at batch 2 (the earlier model
-    charged every kept block in full and left 3.4 GiB of a 12 GiB cap unused)."""
+    The all-checkpointed peak of a later step is `step_base`; its growth and a block's activations grow linearly
+    with tokens x batch (`scale` = the largest batch's tokens over the measured step's). That peak comes in the
+    backward of the last block, while its recomputed activations are alive, so keeping that block's activations
+    (the kept blocks are the last ones) adds nothing to it; each further kept block adds its activations (all kept
+    ones are alive when backward starts). Measured on an H200, 1024x1024 LoRA r32 (tests/test_checkpointing.py,
+    H200_RUNS): with the first step's growth charged, this predicts every measured peak 0.05-0.13 GiB high."""
     usable = budget - margin(budget, expandable)
-    base = steady + int(max(peak - steady, 0) * scale)
+    base = step_base(start=start, peak=peak, steady=steady, scale=scale)
     per_block = max(int(act * scale), 1)
-    if predicted_peak(base, per_block, 1) > usable:
+    if base > usable:
         return 0, base
-    keep = min(n_blocks, 1 + math.floor((usable - predicted_peak(base, per_block, 1)) / per_block))
+    keep = min(n_blocks, 1 + math.floor((usable - base) / per_block))
     return keep, predicted_peak(base, per_block, keep)
 
 
 def predicted_peak(base: int, per_block: int, keep: int) -> int:
     """The step's peak with the last `keep` blocks keeping their activations (see plan_unchecked)."""
-    return base if keep <= 0 else base + per_block // 2 + (keep - 1) * per_block
+    return base + max(keep - 1, 0) * per_block
 
 
-def fits(*, peak: int, steady: int, scale: float, budget: int, expandable: bool = False) -> bool:
+def fits(*, peak: int, steady: int, scale: float, budget: int, expandable: bool = False,
+         start: int | None = None) -> bool:
     """The all-checkpointed step at the largest batch fits under the budget (with the margin)."""
-    return steady + int(max(peak - steady, 0) * scale) <= budget - margin(budget, expandable)
+    return step_base(start=start, peak=peak, steady=steady, scale=scale) <= budget - margin(budget, expandable)

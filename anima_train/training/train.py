@@ -528,7 +528,7 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
         x0 = batch["latents"].to(device, dtype)
     b, _, _, h, w = x0.shape
     if block_ckpt.measure is not None:
-        block_ckpt.measure.tokens = max(block_ckpt.measure.tokens, b * (h // 2) * (w // 2))
+        block_ckpt.measure.saw(b * (h // 2) * (w // 2), device)  # tokens x batch, and memory before the step
     noise = torch.randn(x0.shape, generator=gens["noise"], device=device, dtype=torch.float32).to(dtype)
     moved = None
     if cfg.flow.use_ot:  # pair each latent with its most similar noise row (per micro-batch)
