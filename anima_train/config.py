@@ -42,7 +42,7 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
-DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES maps them to torch dtypes
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; model.components.DTYPES maps them to torch dtypes
 LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]

@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
 from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
-from anima_train.training.memory import resolve_compile  # noqa: E402
+from anima_train.training.compiling import resolve_compile  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
 
 LORA = '[adapter]\nkind = "lora"\nrank = 32\nalpha = 32.0\n[optimizer]\nlr = 1e-4\n'

@@ -7,7 +7,7 @@ from test_train import latents_dir, make_cfg  # noqa: F401 (a fixture)
 
 from anima_train.training import recompute
 from anima_train.training.recompute import GIB, plan_unchecked, predicted_peak
-from anima_train.training.memory import COMPILE_MIN_STEPS, resolve_compile
+from anima_train.training.compiling import COMPILE_MIN_STEPS, resolve_compile
 from anima_train.training.train import train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -18,7 +18,7 @@ import torch
 
 from anima_train import errors
 from anima_train.system import check
-from anima_train.training import memory
+from anima_train.training import compiling
 from anima_train.config import load_config
 from anima_train.model.tiny import make_synthetic_latents
 from anima_train.training.train import train
@@ -79,8 +79,8 @@ def test_auto_compile_that_cannot_build_trains_eagerly_with_one_warning_and_the_
     simulated (it does so on CUDA for 200+ steps)."""
     import torch._inductor.config as inductor_config
 
-    real = memory.resolve_compile
-    monkeypatch.setattr(memory, "resolve_compile",
+    real = compiling.resolve_compile
+    monkeypatch.setattr(compiling, "resolve_compile",
                         lambda setting, device, total: "default" if setting == "auto" else real(setting, device, total))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     events = tmp_path / "events.jsonl"
@@ -127,7 +127,7 @@ def test_a_broken_triton_on_windows_cuda_is_one_warning_naming_the_pin_and_the_m
     monkeypatch.setenv("SDNQ_USE_TRITON_MM", "1")
     cause = "RuntimeError: fatal error C1083: Cannot open include file: 'Python.h'"
     probed = []
-    decision = memory.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6,
+    decision = compiling.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6,
                                     probe=lambda d: probed.append("compile") or cause,
                                     probe_sdnq=lambda d: probed.append("sdnq") or cause)
     assert probed == ["compile", "sdnq"] and decision.mode is None and decision.sdnq_triton_off
@@ -142,19 +142,19 @@ def test_a_broken_triton_on_windows_cuda_is_one_warning_naming_the_pin_and_the_m
     # asked for by name, the same failure is a refusal before the model loads, with the same fix
     with pytest.raises(errors.UserError, match=r'^\[train\] compile = "max-autotune": torch.compile does not work '
                                                r'on cuda here .* -s -m pip install "triton-windows==3\.8\.\*"'):
-        memory.decide_compile(_quantized_cfg("max-autotune"), torch.device("cuda"), 10**6,
+        compiling.decide_compile(_quantized_cfg("max-autotune"), torch.device("cuda"), 10**6,
                              probe=lambda d: cause, probe_sdnq=lambda d: None)
 
 
 def test_compile_and_sdnq_triton_that_work_change_nothing(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("SDNQ_USE_TRITON_MM", "1")
-    decision = memory.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6, probe=lambda d: None,
+    decision = compiling.decide_compile(_quantized_cfg("auto"), torch.device("cuda"), 10**6, probe=lambda d: None,
                                     probe_sdnq=lambda d: None)
     assert decision.mode == "default" and decision.warning is None and not decision.sdnq_triton_off
     assert decision.probes == ["torch.compile", "SDNQ Triton matmul"]
     assert os.environ["SDNQ_USE_TRITON_MM"] == "1"
     # nothing is probed where nothing would compile: eager by choice costs no probe
-    off = memory.decide_compile(load_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
+    off = compiling.decide_compile(load_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
                                torch.device("cuda"), 10**6, probe=pytest.fail, probe_sdnq=pytest.fail)
     assert off.mode is None and off.probes == []

@@ -486,14 +486,14 @@ def test_check_reports_a_triton_that_imports_but_cannot_build_as_broken(monkeypa
     device is claimed; the probe runs on the CPU, whose Inductor path needs the same headers)."""
     import torch
 
-    from anima_train.training import memory
+    from anima_train.training import compiling
 
     triton = pytest.importorskip("triton")  # torch's Linux wheel brings it
     monkeypatch.setattr(check, "IS_WINDOWS", windows)
     monkeypatch.setattr(check.sys, "executable", _portable_layout(tmp_path / "portable"))
     monkeypatch.setattr(check, "_probe_device", lambda torch: torch.device("cuda", 0))
     probed = []
-    monkeypatch.setattr(check, "_probe", lambda torch: probed.append(1) or memory.probe_compile("cpu"))
+    monkeypatch.setattr(check, "_probe", lambda torch: probed.append(1) or compiling.probe_compile("cpu"))
     item = (check._triton_windows_item if windows else check._triton_item)(torch)
     assert probed and not item.ok and not item.required
     assert item.detail.startswith(f"broken: triton {triton.__version__} imports but a compiled kernel failed on "

@@ -804,7 +804,7 @@ class Item:
 class AnimaDataset:
     """Map-style dataset (torch's Dataset protocol). `__getitem__(i)` -> {latents | pixels, caption, bucket,
     index, tier, texture}; the caption is rebuilt every call from a (seed, epoch, index) RNG, the epoch being
-    set_epoch()'s or the one a sampler.EpochKey carries. A texture sample
+    set_epoch()'s or the one a batches.EpochKey carries. A texture sample
     (the sampler yields (index, canvas) in texture phases, see anima_train/data/texture.py) is a canvas crop of the
     source with a loss_mask, captioned with `texture_options.trigger`."""
 

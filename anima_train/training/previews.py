@@ -13,7 +13,7 @@ snapshot's comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py) and what
 The context is the trainer's own text path (anima_train.model.prompts.encode_prompts: Qwen3 + LLM adapter), one prompt at a
 time like ComfyUI's CLIPTextEncode; the adapter's output is padded to 512 tokens, as ComfyUI pads it.
 
-Memory: prompts are encoded with the parked Qwen3 brought in for the moment (speed.ParkedWeights), and a VAE that
+Memory: prompts are encoded with the parked Qwen3 brought in for the moment (memory.ParkedWeights), and a VAE that
 training does not use waits on the CPU and visits the GPU only for the decode. Everything runs without autograd,
 in eval mode (no LoRA dropout), inside `torch.random.fork_rng`, so a run with previews draws the same noise,
 timesteps and batches as one without.

@@ -48,8 +48,9 @@ from anima_train.training import preflight, readout, recompute, saving
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
-from anima_train.training.memory import (CompileDecision, ParkedWeights, compile_transformer, decide_compile,
-                                         plan_checkpointing, relieve, to_device, use_expandable_segments)
+from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
+from anima_train.training.memory import (ParkedWeights, plan_checkpointing, relieve, to_device,
+                                         use_expandable_segments)
 from anima_train.training.optimizers import build_optimizer
 from anima_train.training.previews import Previewer
 from anima_train.training.saving import Run
@@ -384,7 +385,7 @@ class Model:
 
     `transformer`, `conditioner` and `text_encoder` start as the bare modules; `_prepare` swaps in accelerate's
     wrappers for the trained ones. `parts` keeps the bare modules (checkpoint files, previews)."""
-    parts: object  # models.Components
+    parts: object  # model.components.Components
     device: torch.device
     dtype: torch.dtype
     groups: list  # the optimizer's parameter groups (adapters.build_param_groups)
@@ -459,7 +460,7 @@ def _total_steps(cfg: Config, per_epoch: int) -> int:
 
 
 def _decide_compile(cfg: Config, device: torch.device, total: int, progress: Progress) -> CompileDecision:
-    """Whether to torch.compile (memory.decide_compile: a probe that really compiles on this device, when compiling
+    """Whether to torch.compile (compiling.decide_compile: a probe that really compiles on this device, when compiling
     is wanted). A failure under compile = "auto" is one warning line (the log, the node) and an eager run; an
     explicitly asked mode that cannot work is a UserError here, before the model loads."""
     decision = decide_compile(cfg, device, total)
