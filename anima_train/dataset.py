@@ -55,7 +55,7 @@ from anima_train.buckets import (
     tier_report,
 )
 from anima_train.captions import CaptionError, build_caption, read_caption_files
-from anima_train.config import MAX_REPEATS, check_table
+from anima_train.config import MAX_REPEATS
 from anima_train.errors import UserError
 from anima_train.images import decoded_size, header_size, open_image
 from anima_train.sampler import BucketBatchSampler, EpochKey
@@ -824,7 +824,6 @@ class AnimaDataset:
         self.texture_options = texture_options
         self.uncaptioned = frozenset(uncaptioned)  # stems allowed to have no <stem>.txt: an empty caption
         self.mode = mode
-        check_table(caption_options, "dataset.caption")  # load_config's rules, for a config built in code
         self.caption_options = caption_options
         self.seed = int(seed)
         self.epoch = 0
