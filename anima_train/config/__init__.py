@@ -24,18 +24,19 @@ or as code does ("schedule.d"); every problem at once, one line each. So the mod
 its values again. On purpose, a file must name its training data while `Config()` in code may leave it for later,
 and the files that keys name (protected_tags_file, prompts_file) are read by load_config, relative to the config's
 folder. Assigning a key of a built table checks that key; the rules across keys run when a table is built
-(`dataclasses.replace` builds a new one).
+(`dataclasses.replace` builds a new one). Features not implemented yet (schema.NOT_IMPLEMENTED) are refused by
+load_config only.
 
 Why not pydantic (a ComfyUI dependency) or another schema library. Measured with pydantic 2.14 on a model of 7 of
-these tables (extra="forbid", strict, validate_assignment): importing pydantic takes ~180 ms and building the 7
-models ~60 ms, against ~60 ms for this whole package (ComfyUI imports it at start-up; the node validates on every
-queue). Its errors are not ours: an unknown value gives "Input should be 'constant', 'linear', ... [type=
-literal_error, input_value='rexx', input_type=str]" with a link, no did-you-mean; sd-scripts' `learning_rate` gives
-"Extra inputs are not permitted"; a wrong table key gives two lines of union branches; and a rule across tables (a
-model_validator) does not run once any field failed, so a config with a bad value and a broken rule shows one problem,
-not both. Lax mode takes the string "3" as an integer; strict mode refuses the TOML table { 768 = 16 } (its keys are
-strings). Keeping our messages would mean rewriting every error pydantic produces and keeping aliases.py, rules.py and
-the collector anyway: the library would add ~240 ms of start-up and a translation layer, and remove nothing.
+these tables (extra="forbid", strict, validate_assignment): importing pydantic takes ~130-180 ms of CPU and building
+the 7 models ~50-70 ms, against ~75 ms for this whole package (ComfyUI imports it at start-up). Its errors are not
+ours: an unknown value gives "Input should be 'constant', 'linear', ... [type=literal_error, input_value='rexx',
+input_type=str]" and a link, no did-you-mean; sd-scripts' `learning_rate` gives "Extra inputs are not permitted"; a
+wrong table key gives two lines of union branches; and a rule across tables (a model_validator) does not run once a
+field failed, so a config with a bad value and a broken rule shows one problem, not both. Lax mode takes the string
+"3" as an integer; strict mode refuses the TOML table { 768 = 16 } (its keys are strings). Keeping our messages would
+mean rewriting every error pydantic produces and keeping aliases.py, rules.py and the collector anyway: the library
+would add ~200 ms of start-up and a translation layer, and remove little.
 """
 
 from anima_train.config.constants import (CAME_BETAS, COMPONENT_LR_KEYS, DEFAULT_MODEL_PATH, DIT_COMPONENTS,
