@@ -171,7 +171,8 @@ def _build_config(raw: dict, p: Problems) -> Config:
     phases = raw.get("curriculum", [])
     if not (isinstance(phases, list) and all(isinstance(v, dict) for v in phases)):
         phases = []  # reported above
-    tables["curriculum"] = [_read_table(TABLES["curriculum"], ph, at("curriculum", i), p) for i, ph in enumerate(phases)]
+    tables["curriculum"] = [_read_table(TABLES["curriculum"], ph, at("curriculum", i), p)
+                            for i, ph in enumerate(phases)]
     return unchecked(Config, **tables)
 
 
