@@ -16,7 +16,7 @@ checkpoints.ResumeError, checkpoints.SaveError, captions.CaptionError, runs.RunR
 convert.ConvertError. New checks should raise one of those, or
 UserError itself (or a new subclass of it) when none fits.
 
-No imports beyond the standard library: config.py (no torch) and the CLI's start-up import this module.
+No imports beyond the standard library: the config package (no torch) and the CLI's start-up import this module.
 """
 
 from __future__ import annotations

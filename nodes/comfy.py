@@ -90,6 +90,16 @@ def prompt_id() -> str | None:
     return getattr(_module("server").PromptServer.instance, "last_prompt_id", None)
 
 
+def queued_prompt_id() -> str | None:
+    """The id of the queued prompt whose node ComfyUI is calling now, or None outside one (a script or a test calling
+    a node). ComfyUI runs validate_inputs (when the prompt is queued), fingerprint_inputs and execute all inside it."""
+    try:
+        context = _module("comfy_execution.utils").get_executing_context()
+    except ImportError:
+        return None
+    return str(context.prompt_id) if context is not None and context.prompt_id else None
+
+
 def client_id() -> str | None:
     """The websocket client of the prompt now executing (capture it in execute; threads send later)."""
     return getattr(_module("server").PromptServer.instance, "client_id", None)

@@ -16,8 +16,11 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,8 +241,47 @@ def check_paths(cfg) -> list[str]:
     return path_problems(cfg, skip=_is_linked)
 
 
+# One queue parses its config once and walks its dataset once: ComfyUI calls the Training config's validate_inputs,
+# fingerprint_inputs and execute, then Train's execute, all for the same queued prompt (comfy.queued_prompt_id), so
+# what they compute from the same inputs is kept for that prompt, and dropped when the next one comes. Outside a
+# queued prompt nothing is kept.
+_QUEUE_MEMO: dict[tuple[str, str, str], object] = {}
+_QUEUE_LOCK = threading.Lock()  # validation runs on the server's thread, execution on the prompt worker's
+
+
+def _queued(what: str, key: str):
+    """What this queue computed for `key` (None if nothing)."""
+    prompt = comfy.queued_prompt_id()
+    with _QUEUE_LOCK:
+        return _QUEUE_MEMO.get((prompt, what, key)) if prompt is not None else None
+
+
+def _once_per_queue(what: str, key: str, compute):
+    """compute(), once per queued prompt and key."""
+    prompt = comfy.queued_prompt_id()
+    if prompt is None:
+        return compute()
+    with _QUEUE_LOCK:
+        if (prompt, what, key) in _QUEUE_MEMO:
+            return _QUEUE_MEMO[(prompt, what, key)]
+    value = compute()
+    with _QUEUE_LOCK:
+        for old in [k for k in _QUEUE_MEMO if k[0] != prompt]:
+            del _QUEUE_MEMO[old]
+        _QUEUE_MEMO[(prompt, what, key)] = value
+    return value
+
+
 def build_config(values: dict):
-    """(Config, TOML text) from the node's values; ConfigError listing every problem."""
+    """(Config, TOML text) from the node's values; ConfigError listing every problem. Once per queue: the TOML text
+    is kept too, so that Train's execute, given this text, uses this Config (confined and checked) as it is."""
+    cfg, text = _once_per_queue("values", json.dumps(values, sort_keys=True, default=str),
+                                lambda: _build_config(values))
+    _once_per_queue("toml", text, lambda: cfg)
+    return cfg, text
+
+
+def _build_config(values: dict):
     import warnings
 
     from anima_train.config import ConfigError, load_config
@@ -257,8 +299,13 @@ def build_config(values: dict):
 
 def _model_and_data_digest(cfg) -> dict:
     model = cfg.train.model_path
-    return {"dataset": worker.dataset_digest([s.path for s in cfg.dataset.resolved_subsets()]),
-            "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
+    folders = [s.path for s in cfg.dataset.resolved_subsets()]
+
+    def digest() -> dict:
+        return {"dataset": worker.dataset_digest(folders),
+                "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
+
+    return _once_per_queue("digest", json.dumps([folders, model]), digest)
 
 
 class ConfigRefused(ValueError):
@@ -422,7 +469,6 @@ def pick_run(cfg, toml: str, key: str):
     (same output folder) would otherwise pick the same free name and overwrite this job's files. A folder
     resumed while another job holds it is refused (RunRefused, naming the holder)."""
     from anima_train.outputs import run_folder
-    from anima_train.config import load_config
 
     output_dir = Path(cfg.train.output_dir)
     resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
@@ -461,7 +507,12 @@ def pick_run(cfg, toml: str, key: str):
     if cancelled is not None:
         doc["train"]["resume_from"] = cancelled["state"]
     toml = tomlkit.dumps(doc)
-    return load_config(toml), toml, run_dir, manifest, "\n".join(notes), job_lock
+    cfg = copy.deepcopy(cfg)  # what load_config(toml) gives, without parsing it again; the queue's Config stays as is
+    cfg.train.run_name = stem
+    if cancelled is not None:
+        cfg.train.resume_from = cancelled["state"]
+    cfg.source_text = toml
+    return cfg, toml, run_dir, manifest, "\n".join(notes), job_lock
 
 
 def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None) -> str:
@@ -512,8 +563,10 @@ class AnimaTrainTrain(io.ComfyNode):
         hidden = getattr(cls, "hidden", None)
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
         toml = config["toml"] if isinstance(config, dict) else str(config)
-        toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
-        cfg = load_config(toml)
+        cfg = _queued("toml", toml)  # this queue's Training config node built it: confined and checked
+        if cfg is None:
+            toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
+            cfg = load_config(toml)
         refuse_multi_process(cfg, gpus)  # the trainer refuses it too, but only after accelerate launched the workers
         key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
         cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from anima_train.config import TABLES, iter_fields
-from anima_train.config_aliases import ALIASES
-from anima_train.config_reference import reference_markdown
+from anima_train.config.aliases import ALIASES
+from anima_train.config.reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import anima_train.config as anima_config
 from anima_train.config import AdapterConfig, ConfigError, TrainConfig, load_config
 
 FAKE_TRAINER = textwrap.dedent(r'''
@@ -350,6 +351,42 @@ def test_a_changed_run_gets_a_free_name_and_never_replaces_the_earlier_one(comfy
     assert (env.folders["loras"] / "anima_train" / "cat-2.safetensors").is_file()  # ...and in the loras copy
     # unchanged inputs again: the finished run is found under its new name and re-used
     assert _train(env, config).values[0] == second.values[0] and len(env.spawned) == 2
+
+
+def test_one_queue_parses_its_config_once_and_walks_the_dataset_once(comfy_env, tiny_anima, dataset, monkeypatch):
+    # ComfyUI calls, for one queued prompt: the Training config's validate_inputs (when it is queued),
+    # fingerprint_inputs and execute, then Train's execute (which here also renames the run: its name is taken)
+    env, nt = comfy_env, comfy_env.nt
+    calls = {"load_config": 0, "confine_toml": 0, "dataset_digest": 0}
+
+    def counted(name, fn):
+        def count(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return count
+
+    monkeypatch.setattr(anima_config, "load_config", counted("load_config", anima_config.load_config))
+    monkeypatch.setattr(nt.paths, "confine_toml", counted("confine_toml", nt.paths.confine_toml))
+    monkeypatch.setattr(nt.worker, "dataset_digest", counted("dataset_digest", nt.worker.dataset_digest))
+
+    def queue(prompt, **over):
+        monkeypatch.setattr(env.comfy, "queued_prompt_id", lambda: prompt)
+        values = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="once", **over)
+        assert nt.AnimaTrainConfig.validate_inputs(**values) is True
+        nt.AnimaTrainConfig.fingerprint_inputs(**values)
+        return _train(env, nt.AnimaTrainConfig.execute(**values).values[0])
+
+    queue("prompt-a")
+    assert calls == {"load_config": 1, "confine_toml": 0, "dataset_digest": 1}
+    second = queue("prompt-b", epochs=2)  # a new queue parses again (files may have changed in between)
+    assert calls == {"load_config": 2, "confine_toml": 0, "dataset_digest": 2}
+    assert Path(second.values[0]).parent.name == "once-2"
+    # outside a queued prompt (a script calling the node) nothing is kept
+    monkeypatch.setattr(env.comfy, "queued_prompt_id", lambda: None)
+    values = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="once")
+    nt.AnimaTrainConfig.validate_inputs(**values)
+    nt.AnimaTrainConfig.validate_inputs(**values)
+    assert calls["load_config"] == 4
 
 
 def test_each_job_has_its_own_stop_file(comfy_env, tiny_anima, dataset):

@@ -45,7 +45,7 @@ import numpy as np
 from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError, BucketPlan, below_min_source_area,
     crop_ltrb, make_bucketers, plan_tiers, tier_counts, tier_report)
 from anima_train.data.captions import CaptionError, build_caption, read_caption_files
-from anima_train.config import MAX_REPEATS, check_table
+from anima_train.config import MAX_REPEATS
 from anima_train.errors import UserError
 from anima_train.data.images import decoded_size, header_size, open_image
 from anima_train.data.batches import BucketBatchSampler, EpochKey
@@ -814,7 +814,6 @@ class AnimaDataset:
         self.texture_options = texture_options
         self.uncaptioned = frozenset(uncaptioned)  # stems allowed to have no <stem>.txt: an empty caption
         self.mode = mode
-        check_table(caption_options, "dataset.caption")  # load_config's rules, for a config built in code
         self.caption_options = caption_options
         self.seed = int(seed)
         self.epoch = 0

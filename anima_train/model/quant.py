@@ -235,10 +235,6 @@ def quantize_models(models: Mapping[str, torch.nn.Module | None], cfg: Config, *
     report = QuantReport(mode=q.mode)
     if q.mode == "none":
         return report
-    if q.mode not in ("frozen", "training"):
-        raise ValueError(f'[quant] mode = {q.mode!r}: use "none", "frozen" or "training"')
-    if q.skip_policy not in SKIP_POLICIES:
-        raise ValueError(f"[quant] skip_policy = {q.skip_policy!r}: use one of {', '.join(SKIP_POLICIES)}")
     sdnq = import_sdnq()
     if q.weights_dtype not in sdnq.common.accepted_weight_dtypes:
         raise ValueError(f"[quant] weights_dtype = {q.weights_dtype!r} is not an SDNQ weight dtype; use e.g. "

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from anima_train.config import CurriculumPhase, FlowConfig, shift_problem
+from anima_train.config import CurriculumPhase, FlowConfig
 
 PATCH = 2  # the DiT's spatial patch (patch_size = (1, 2, 2)): one token = 2x2 latent pixels
 HF_EPS = 1e-6  # keeps a flat target's weights finite (0/0 otherwise)
@@ -56,11 +56,8 @@ def _draw(n: int, cfg: FlowConfig, generator: torch.Generator, latent_hw: tuple[
     device = generator.device
     if cfg.timestep_sample_method == "uniform":
         t = torch.rand(n, generator=generator, device=device)
-    elif cfg.timestep_sample_method == "logit_normal":
+    else:  # "logit_normal" (the FlowConfig checked its choice when it was built)
         t = torch.sigmoid(cfg.sigmoid_scale * torch.randn(n, generator=generator, device=device))
-    else:
-        raise ValueError(f"flow.timestep_sample_method = {cfg.timestep_sample_method!r} is unknown; "
-                         "use \"logit_normal\" or \"uniform\"")
     if cfg.flux_shift:
         if latent_hw is None:
             raise ValueError("flow.flux_shift needs the batch's latent size: pass latent_hw=(h, w)")
@@ -86,19 +83,15 @@ def sample_timesteps(batch: int, cfg: FlowConfig, generator: torch.Generator,
     """[batch] float32 timesteps on the generator's device.
 
     Draw (uniform, or σ(sigmoid_scale·N(0,1))), then shift or flux_shift (latent_hw = latent (h, w)), THEN the
-    phase's t_range (docs/training.md#curriculum: the order matters, shift is nonlinear). `rescale` maps
-    t·(hi−lo)+lo, keeping every quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of
-    4·batch draws and raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly
-    as without a curriculum."""
-    if shift_problem(cfg):  # a config built in code never went through load_config
-        raise ValueError(shift_problem(cfg))
+    phase's t_range (§B.7: the order matters, shift is nonlinear). `rescale` maps t·(hi−lo)+lo, keeping every
+    quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of 4·batch draws and
+    raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly as without a
+    curriculum."""
     lo, hi = _phase_range(phase)
     if (lo, hi) == (0.0, 1.0):
         return _draw(batch, cfg, generator, latent_hw)
     if cfg.phase_mapping == "rescale":
         return _draw(batch, cfg, generator, latent_hw) * (hi - lo) + lo
-    if cfg.phase_mapping != "truncate":
-        raise ValueError(f"flow.phase_mapping = {cfg.phase_mapping!r} is unknown; use \"rescale\" or \"truncate\"")
     kept, count = [], 0
     for _ in range(TRUNCATE_ROUNDS):
         t = _draw(4 * batch, cfg, generator, latent_hw)
@@ -214,8 +207,6 @@ def hf_token_weights(x0: torch.Tensor, patch: int = PATCH, exponent: float = 1.0
     d = token mean of the squared Laplacian; w = ((d+ε)/(mean d+ε))^exponent, renormalised to per-sample mean 1.
     With a mask (broadcastable to x0, 1 = supervised) it is pooled per token (m) and the weights are scaled so
     that Σ w·m = Σ m per sample, i.e. the mean weight over the supervised area is 1."""
-    if exponent <= 0:
-        raise ValueError(f"flow.hf_exponent = {exponent} must be > 0")
     with torch.no_grad():
         x = x0.detach().float()
         d = _token_mean(_laplacian_energy(x), patch)
@@ -248,8 +239,6 @@ def flow_loss(pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, x_t: to
     parts = {"mse": mse.detach()}
     if hf_scale == 0:
         return mse, parts
-    if hf_scale < 0:
-        raise ValueError(f"flow.hf_scale = {hf_scale} must be >= 0")
     x0_hat = x_t.float() - _per_sample(t, pred) * pred.float()
     err = _token_mean((x0_hat - x0.float()).square(), patch)
     w = hf_token_weights(x0, patch, hf_exponent, mask)

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from anima_train.config import ScheduleConfig, check_table
+from anima_train.config import ScheduleConfig
 
 
 def _rex(p: float, d: float) -> float:
@@ -26,7 +26,6 @@ def _rex(p: float, d: float) -> float:
 
 
 def _check(cfg: ScheduleConfig, total_steps: int) -> None:
-    check_table(cfg, "schedule")  # load_config's rules, for a [schedule] built in code
     if total_steps < 1:
         raise ValueError(f"total_steps = {total_steps}: a schedule needs at least one optimizer step")
 

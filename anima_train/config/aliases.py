@@ -1,6 +1,6 @@
 """What a user coming from sd-scripts (or another trainer) types, and what it is called here.
 
-An unknown config key is answered with the closest real key (config._unknown_key). Spelling is not enough: the
+An unknown config key is answered with the closest real key (validate.unknown_key). Spelling is not enough: the
 names users actually type are other trainers' names (`learning_rate`, `network_dim`, `max_train_steps`), which share
 few letters with ours (`lr`, `rank`, `max_steps`). So the suggestion looks, in order, at
 
@@ -10,8 +10,8 @@ few letters with ours (`lr`, `rank`, `max_steps`). So the suggestion looks, in o
   4. spelling: the closest key of the same table, unless an alias (a typo of `learning_rate`) or a key of another
      table (a key written in the wrong table, maybe with a typo) is clearly closer.
 
-The tables are listed in docs/config.md (config_reference.py) so a user can look a name up before typing it.
-No torch here: config.py imports this module.
+The tables are listed in docs/config.md (reference.py) so a user can look a name up before typing it.
+No imports of the config's own modules: validate.py imports this one.
 """
 
 from __future__ import annotations

@@ -5,26 +5,30 @@ of one config file without training.
     anima-train config --reference --out FILE       # write it (docs/config.md is this output, kept in sync by a test)
     anima-train config cfg.toml                     # load + check a config and the paths it names; no model loads
 
-The reference is built from `anima_train.config` (TABLES, iter_fields and each key's metadata) and the sd-scripts
-name table in `anima_train.config_aliases`, so it cannot disagree with the loader. No torch here.
+The reference is built from the config's tables (schema.py: TABLES, iter_fields and each key's metadata) and the
+sd-scripts name table (aliases.py), so it cannot disagree with the loader. No torch here.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
 
-from anima_train import config as C
-from anima_train.config_aliases import ALIASES, NO_EQUIVALENT
+from anima_train.config import schema as C
+from anima_train.config.aliases import ALIASES, NO_EQUIVALENT
+from anima_train.config.constants import MODEL_PATH_ENV
+from anima_train.config.keys import REQUIRED, as_toml, describe
+from anima_train.config.load import load_config
 from anima_train.errors import UserError
 
 INTRO = """\
 # Config reference
 
-<!-- Generated from anima_train/config.py by `anima-train config --reference`; do not edit by hand
+<!-- Generated from anima_train/config/ by `anima-train config --reference`; do not edit by hand
      (tests/test_config_reference.py fails when this file is out of date). -->
 
 One TOML file configures a run, for `anima-train train CFG.toml` and for the ComfyUI nodes alike; it is read by
@@ -60,19 +64,19 @@ def _without_env(names: list[str]):
 
 
 def _bounds(meta: dict) -> str:
-    parts = [f"{word} {C.as_toml(meta[b])}" for b, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+    parts = [f"{word} {as_toml(meta[b])}" for b, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
              if meta.get(b) is not None]
     if meta.get("choices"):
-        parts.append("one of " + ", ".join(f"`{C.as_toml(c)}`" for c in meta["choices"]))
+        parts.append("one of " + ", ".join(f"`{as_toml(c)}`" for c in meta["choices"]))
     if meta.get("nonempty"):
         parts.append("not empty")
     return "; ".join(parts)
 
 
 def _default(info: C.FieldInfo) -> str:
-    if info.default is C.REQUIRED:
+    if info.default is REQUIRED:
         return "*required*"
-    text = f"`{C.as_toml(info.default)}`" if info.default is not None else "unset"
+    text = f"`{as_toml(info.default)}`" if info.default is not None else "unset"
     if info.metadata.get("env"):
         text += f" (or `${info.metadata['env']}`)"
     return text
@@ -80,8 +84,6 @@ def _default(info: C.FieldInfo) -> str:
 
 def _table_help() -> dict[str, str]:
     """Each table's one-line help, from the field that holds it (Config.train, DatasetConfig.caption, ...)."""
-    import dataclasses
-
     out = {}
     for name, cls in C.TABLES.items():
         parent_name, _, own = name.rpartition(".")
@@ -106,14 +108,14 @@ def reference_markdown() -> str:
     helps = _table_help()
     gated = "".join(f"- {_gated_name(k)} ({feature})\n" for k, feature in C.NOT_IMPLEMENTED.items())
     lines = [INTRO + (GATED_INTRO + gated if gated else "")]
-    with _without_env([C.MODEL_PATH_ENV]):
+    with _without_env([MODEL_PATH_ENV]):
         for name in C.TABLES:
             header = f"[[{name}]]" if name in C.ARRAY_TABLES else f"[{name}]"
             gated = f" *Not implemented yet ({C.NOT_IMPLEMENTED[name]}).*" if name in C.NOT_IMPLEMENTED else ""
             lines += [f"## `{header}`", "", _cell(helps.get(name, "")).capitalize() + "." + gated, "",
                       "| key | type | default | allowed | description |", "|---|---|---|---|---|"]
             for info in C.iter_fields(name):
-                what = info.metadata.get("type_desc") or C._describe(info.type)
+                what = info.metadata.get("type_desc") or describe(info.type)
                 help_text = info.help + (f" ({info.metadata['hint']})" if info.metadata.get("hint") else "")
                 if f"{name}.{info.name}" in C.NOT_IMPLEMENTED:
                     help_text += " *(not implemented yet)*"
@@ -180,7 +182,7 @@ def run(args) -> int:
     from anima_train.training.preflight import check_run_paths
     from anima_train.data.batches import settings_not_followed, steps_per_epoch
 
-    cfg = C.load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
+    cfg = load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)
     # what `train` checks before it loads the model: images (decoded when they will be), captions, caches, buckets
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=args.skip_unreadable,

@@ -1,8 +1,16 @@
-"""The cross-key rules of the config: what `load_config` checks after every key has its type and bounds.
+"""The rules across keys: what `validate` checks after every key has its type, choices and bounds.
 
-One function per table or feature; each adds its problems to the `Problems` collector, naming the key and the fix,
-so a config with several problems is refused once with all of them. `check_rules` runs them in order (the texture
-source rule first: nothing else about texture matters without per-step encoding).
+`RULES` lists them in the order their messages appear (the texture source rule first: nothing else about texture
+matters without per-step encoding), each with its scope: the table it reads ("dataset", "dataset.caption", one
+"curriculum" phase, ...), or "" for a rule across tables. A table built in code runs the rules of its own scope and of
+the tables inside it; a whole Config (and load_config) runs them all. A rule adds its problems to the `Problems`
+collector, naming the key and the fix, and skips keys that already failed (`p.ok`), so a config with several problems
+is refused once with all of them and no follow-on noise.
+
+A rule is `rule(table, p, ctx, where)`: `ctx` says which keys the config wrote (`ctx.given(name, table)`), where
+files named by keys are read from (`ctx.base_dir`, None for a table built in code: load_config reads them) and
+whether the config must name its training data (`ctx.require_data`, a file must, a table built in code need not
+yet). No import of the tables: this module only reads their attributes.
 """
 
 from __future__ import annotations
@@ -14,29 +22,16 @@ import re
 from pathlib import Path
 
 from anima_train.data.captions import CAPTION_VARIANTS, parse_protected_tags
-from anima_train.config import (COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, ComponentLRConfig, Config,
-                                Problems, as_toml, betas_problem, shift_problem, table_label)
+from anima_train.config.constants import CAME_BETAS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT
+from anima_train.config.keys import Problems, as_toml, table_label
+
+# ------------------------------------------------------------------------------------------------ [train], tiers
 
 
-
-def check_rules(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
-    """Every load-time and cross-field rule of the config (docs/config.md); appends to `p`, never raises."""
-    _check_texture_source(cfg, p)
-    _check_train_and_tiers(cfg, raw, p)
-    _check_dataset(cfg, raw, base_dir, p)
-    _check_adapter_and_lrs(cfg, raw, p)
-    _check_quant(cfg, p)
-    _check_flow(cfg, p)
-    _check_curriculum(cfg, p)
-    _check_optimizer(cfg, p)
-    _check_sample(cfg, base_dir, p)
-
-
-def _check_train_and_tiers(cfg: Config, raw: dict, p: Problems) -> None:
-    d = cfg.dataset
-    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
+def _tiers(d, p: Problems, ctx, w) -> None:
+    given = ctx.given("dataset", d)
     tiers_ok = p.ok("dataset.resolution", "dataset.resolutions", "dataset.max_bucket_reso")
-    if "resolution" in draw and "resolutions" in draw:
+    if "resolution" in given and "resolutions" in given:
         p.error("[dataset] sets both resolution and resolutions; keep one: resolution = N for one tier, or "
                 "resolutions = [..] for several", "dataset.resolutions")
         tiers_ok = False
@@ -65,40 +60,54 @@ def _check_train_and_tiers(cfg: Config, raw: dict, p: Problems) -> None:
             p.error(f"[dataset] {key}: tier(s) {as_toml(too_small)} are below bucket_reso_steps = "
                     f"{d.bucket_reso_steps} (the bucket side step), so no image can be bucketed; raise the tier "
                     f"(e.g. 1024) or lower bucket_reso_steps", f"dataset.{key}")
-            tiers_ok = False
 
-    blocks = cfg.train.checkpoint_blocks
+
+def _tiers_ok(p: Problems) -> bool:
+    """The declared tiers can be trusted: _tiers marks one of these keys whenever it refuses them."""
+    return p.ok("dataset.resolution", "dataset.resolutions", "dataset.max_bucket_reso")
+
+
+def _checkpoint_blocks(t, p: Problems, ctx, w) -> None:
+    blocks = t.checkpoint_blocks
     if isinstance(blocks, str) and blocks not in ("auto", "all") and p.ok("train.checkpoint_blocks"):
         p.error(f"[train] checkpoint_blocks = {as_toml(blocks)}: choose \"auto\", \"all\" or a number of blocks",
                 "train.checkpoint_blocks")
-    bs = cfg.train.batch_size
+
+
+def _batch_size(t, p: Problems, ctx, w) -> None:
+    bs = t.batch_size
     if isinstance(bs, dict) and p.ok("train.batch_size"):
         small = {k: v for k, v in bs.items() if v < 1}
         if small:
             p.error(f"[train] batch_size = {as_toml(bs)}: every batch size must be >= 1 (got {as_toml(small)})",
                     "train.batch_size")
-        if tiers_ok and set(bs) != set(d.tiers):
-            missing = sorted(set(d.tiers) - set(bs))
-            extra = sorted(set(bs) - set(d.tiers))
-            p.error(f"[train] batch_size keys {sorted(bs)} must equal the declared tiers {d.tiers} exactly "
-                    f"(tiers without a key: {missing or 'none'}; keys that are not tiers: {extra or 'none'}); "
-                    f"write one entry per tier, e.g. batch_size = "
-                    f"{as_toml({t: bs.get(t, 1) for t in d.tiers})} (not a threshold ladder)", "train.batch_size")
     elif isinstance(bs, int) and bs < 1:
         p.error(f"[train] batch_size = {bs}: must be >= 1", "train.batch_size")
 
 
-def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
-    d = cfg.dataset
+def _batch_size_tiers(cfg, p: Problems, ctx, w) -> None:
+    bs, d = cfg.train.batch_size, cfg.dataset
+    if isinstance(bs, dict) and p.ok("train.batch_size") and _tiers_ok(p) and set(bs) != set(d.tiers):
+        missing = sorted(set(d.tiers) - set(bs))
+        extra = sorted(set(bs) - set(d.tiers))
+        p.error(f"[train] batch_size keys {sorted(bs)} must equal the declared tiers {d.tiers} exactly "
+                f"(tiers without a key: {missing or 'none'}; keys that are not tiers: {extra or 'none'}); "
+                f"write one entry per tier, e.g. batch_size = "
+                f"{as_toml({t: bs.get(t, 1) for t in d.tiers})} (not a threshold ladder)", "train.batch_size")
+
+
+# ------------------------------------------------------------------------------------------------ [dataset]
+
+
+def _sources(d, p: Problems, ctx, w) -> None:
     if p.ok("dataset.path", "dataset.subsets"):
         if d.path is not None and d.subsets:
             p.error("[dataset] sets both path and [[dataset.subsets]]; use one: move path into a "
                     "[[dataset.subsets]] entry to train on several folders")
-        elif d.path is None and not d.subsets:
+        elif d.path is None and not d.subsets and ctx.require_data:
             p.error('[dataset] no training data: set [dataset] path = "/your/images", or add '
                     "[[dataset.subsets]] tables with a path each")
-    draw = raw.get("dataset", {}) if isinstance(raw.get("dataset"), dict) else {}
-    if d.subsets and "num_repeats" in draw:
+    if d.subsets and "num_repeats" in ctx.given("dataset", d):
         p.warnings.append("[dataset] num_repeats only applies to the single-path form and is ignored with "
                           "[[dataset.subsets]]; set num_repeats in each subset instead")
     seen: dict[str, int] = {}
@@ -109,6 +118,9 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
                     f"{table_label('dataset.subsets', seen[norm])}; list each folder once and use num_repeats "
                     "to weight it")
         seen.setdefault(norm, i)
+
+
+def _buckets(d, p: Problems, ctx, w) -> None:
     if p.ok("dataset.bucket_reso_steps") and d.bucket_reso_steps % 16:
         p.error(f"[dataset] bucket_reso_steps = {d.bucket_reso_steps}: must be a multiple of 16 (VAE factor 8 "
                 "x patch 2), e.g. 64", "dataset.bucket_reso_steps")
@@ -116,7 +128,8 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
             and d.min_bucket_reso > d.max_bucket_reso):
         p.error(f"[dataset] min_bucket_reso = {d.min_bucket_reso} exceeds max_bucket_reso = {d.max_bucket_reso}")
 
-    c = d.caption
+
+def _caption(c, p: Problems, ctx, w) -> None:
     if p.ok("dataset.caption.mixed_weights"):
         unknown = [k for k in c.mixed_weights if k not in CAPTION_VARIANTS]
         if unknown:
@@ -124,7 +137,7 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
             sugg = "".join(f" (did you mean '{v[0]}' for '{k}'?)" for k, v in close.items() if v)
             p.error(f"[dataset.caption] mixed_weights: unknown key(s) {', '.join(unknown)}{sugg}; valid keys: "
                     f"{', '.join(CAPTION_VARIANTS)}", "dataset.caption.mixed_weights")
-        elif any(w < 0 for w in c.mixed_weights.values()):
+        elif any(weight < 0 for weight in c.mixed_weights.values()):
             p.error(f"[dataset.caption] mixed_weights = {as_toml(c.mixed_weights)}: weights must be >= 0",
                     "dataset.caption.mixed_weights")
         else:
@@ -133,12 +146,13 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
     if p.ok("dataset.caption.tag_delimiter") and not c.tag_delimiter.strip():
         p.error(f"[dataset.caption] tag_delimiter = {as_toml(c.tag_delimiter)}: tags are split on the trimmed "
                 'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
-    if c.protected_tags_file is not None and p.ok("dataset.caption.protected_tags_file"):
-        _, lines = _read_text_lines(p, "dataset.caption", "protected_tags_file", c.protected_tags_file, base_dir)
+    if c.protected_tags_file is not None and ctx.base_dir is not None and p.ok("dataset.caption.protected_tags_file"):
+        _, lines = _read_text_lines(p, "dataset.caption", "protected_tags_file", c.protected_tags_file, ctx.base_dir)
         if lines is not None:
             c.file_protected_tags = parse_protected_tags(lines)
 
-    t = d.texture
+
+def _texture(t, p: Problems, ctx, w) -> None:
     if p.ok("dataset.texture.canvases"):
         if not t.canvases:
             p.error("[dataset.texture] canvases = []: give at least one [w, h] canvas")
@@ -162,8 +176,10 @@ def _check_dataset(cfg: Config, raw: dict, base_dir: Path, p: Problems) -> None:
             p.error(f"[dataset.texture] mask_ratio = {as_toml(mr)}: need a pair [lo, hi] with 0 < lo <= hi <= 1")
 
 
-def _check_adapter_and_lrs(cfg: Config, raw: dict, p: Problems) -> None:
-    a, lrs = cfg.adapter, cfg.component_lr
+# ------------------------------------------------------------------------------------------------ [adapter], LRs
+
+
+def _adapter(a, p: Problems, ctx, w) -> None:
     if p.ok("adapter.components"):
         dup = sorted({c for c in a.components if a.components.count(c) > 1})
         if dup:
@@ -181,12 +197,16 @@ def _check_adapter_and_lrs(cfg: Config, raw: dict, p: Problems) -> None:
     if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
         p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
                 'a LoRA); use kind = "lora" or set train_text_encoder = false')
+
+
+def _component_lrs(cfg, p: Problems, ctx, w) -> None:
+    a, lrs = cfg.adapter, cfg.component_lr
     if not p.ok("adapter.kind", "adapter.components", "adapter.train_llm_adapter", "adapter.train_text_encoder",
                 "optimizer.lr", *(f"component_lr.{k}" for k in COMPONENT_LR_KEYS)):
         return
     injected = cfg.injected_components()
     if a.kind != "none":
-        defaults = ComponentLRConfig()
+        defaults = type(lrs)()
         for comp in COMPONENT_LR_KEYS:
             value = getattr(lrs, comp)
             if comp not in injected and value not in (None, 0.0) and value != getattr(defaults, comp):
@@ -202,10 +222,10 @@ def _check_adapter_and_lrs(cfg: Config, raw: dict, p: Problems) -> None:
                 f"{as_toml(a.kind)}, components = {as_toml(a.components)}); give one a non-zero [component_lr] "
                 "or add components")
         return
-    clr_raw = raw.get("component_lr", {}) if isinstance(raw.get("component_lr"), dict) else {}
+    written = ctx.given("component_lr", lrs)
     if a.kind != "none":
         for comp in injected:
-            if effective[comp] == 0.0 and comp not in clr_raw:
+            if effective[comp] == 0.0 and comp not in written:
                 p.warnings.append(f"[adapter] injects an adapter into {comp}, but [component_lr] {comp} defaults "
                                   f"to 0.0 (frozen); set [component_lr] {comp} to train it")
     if a.train_text_encoder and lrs.text_encoder is None:
@@ -213,11 +233,13 @@ def _check_adapter_and_lrs(cfg: Config, raw: dict, p: Problems) -> None:
                           f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
 
 
+# ------------------------------------------------------------------------------------------------ [quant]
+
 _WEIGHTS_DTYPE = re.compile(r"u?int([1-9]|1[0-6])|float8_e4m3fn|float8_e5m2|float16|bfloat16|float32"
                             r"|float\d+_e\d+m\d+(fn)?u?")
 
 
-def _check_quant(cfg: Config, p: Problems) -> None:
+def _quant_mode(cfg, p: Problems, ctx, w) -> None:
     q, kind = cfg.quant, cfg.adapter.kind
     if p.ok("quant.mode", "adapter.kind"):
         if q.mode == "frozen" and kind == "none":
@@ -226,15 +248,21 @@ def _check_quant(cfg: Config, p: Problems) -> None:
         if q.mode == "training" and kind != "none":
             p.error(f'[quant] mode = "training" quantizes the trained weights (full finetune), but [adapter] '
                     f'kind = {as_toml(kind)}; use mode = "frozen" under an adapter, or kind = "none"')
+
+
+def _quant_dtype(q, p: Problems, ctx, w) -> None:
     if p.ok("quant.weights_dtype") and not _WEIGHTS_DTYPE.fullmatch(q.weights_dtype):
         p.error(f"[quant] weights_dtype = {as_toml(q.weights_dtype)}: not an SDNQ weight dtype; use e.g. "
                 '"int8", "uint8", "int4" or "float8_e4m3fn"')
 
 
-def _check_flow(cfg: Config, p: Problems) -> None:
-    f = cfg.flow
-    if p.ok("flow.shift", "flow.flux_shift") and shift_problem(f):
-        p.error(shift_problem(f))
+# ------------------------------------------------------------------------------------------------ [flow]
+
+
+def _flow(f, p: Problems, ctx, w) -> None:
+    if p.ok("flow.shift", "flow.flux_shift") and f.shift is not None and f.flux_shift:
+        p.error("[flow] shift and flux_shift = true are both set, but they are exclusive; use one (flux_shift picks "
+                "the shift from the resolution, shift is static)")
     if (p.ok("flow.sigmoid_scale", "flow.timestep_sample_method", "flow.shift") and f.sigmoid_scale != 1.0
             and not (f.timestep_sample_method == "logit_normal" and f.shift in (None, 1.0))):
         why = ("it only shapes logit_normal" if f.timestep_sample_method != "logit_normal"
@@ -246,7 +274,10 @@ def _check_flow(cfg: Config, p: Problems) -> None:
                 "scipy or set use_ot = false")
 
 
-def _check_texture_source(cfg: Config, p: Problems) -> None:
+# ------------------------------------------------------------------------------------------------ [[curriculum]]
+
+
+def _texture_source(cfg, p: Problems, ctx, w) -> None:
     # First of all texture rules: a texture phase is impossible without per-step encoding, whatever else is set.
     for i, ph in enumerate(cfg.curriculum):
         if (p.ok(f"curriculum[{i}].mode", "dataset.source") and ph.mode == "texture"
@@ -256,20 +287,22 @@ def _check_texture_source(cfg: Config, p: Problems) -> None:
                     f'{as_toml(cfg.dataset.source)}')
 
 
-def _check_curriculum(cfg: Config, p: Problems) -> None:
+def _phase(ph, p: Problems, ctx, w) -> None:
+    key = f"{w.dotted}.t_range"
+    if p.ok(key):
+        tr = ph.t_range
+        if len(tr) != 2:
+            p.error(f"{w.toml_label} t_range = {as_toml(tr)}: must be a pair [lo, hi]", key)
+        elif any(v > 1 for v in tr):
+            fixed = [v / 1000 for v in tr]
+            p.error(f"{w.toml_label} t_range = {as_toml(tr)} looks like discrete timesteps, divide by 1000: "
+                    f"t_range = {as_toml(fixed)} (timesteps are continuous in [0, 1])", key)
+        elif not (0 <= tr[0] < tr[1] <= 1):
+            p.error(f"{w.toml_label} t_range = {as_toml(tr)}: need 0 <= lo < hi <= 1", key)
+
+
+def _phase_order(cfg, p: Problems, ctx, w) -> None:
     phases = cfg.curriculum
-    for i, ph in enumerate(phases):
-        where = table_label("curriculum", i)
-        if p.ok(f"curriculum[{i}].t_range"):
-            tr = ph.t_range
-            if len(tr) != 2:
-                p.error(f"{where} t_range = {as_toml(tr)}: must be a pair [lo, hi]", f"curriculum[{i}].t_range")
-            elif any(v > 1 for v in tr):
-                fixed = [v / 1000 for v in tr]
-                p.error(f"{where} t_range = {as_toml(tr)} looks like discrete timesteps, divide by 1000: "
-                        f"t_range = {as_toml(fixed)} (timesteps are continuous in [0, 1])", f"curriculum[{i}].t_range")
-            elif not (0 <= tr[0] < tr[1] <= 1):
-                p.error(f"{where} t_range = {as_toml(tr)}: need 0 <= lo < hi <= 1", f"curriculum[{i}].t_range")
     if not all(p.ok(f"curriculum[{i}].at") for i in range(len(phases))) or not phases:
         return
     ats = [ph.at for ph in phases]
@@ -283,17 +316,28 @@ def _check_curriculum(cfg: Config, p: Problems) -> None:
                 "(training must start inside a phase)")
 
 
-def _check_optimizer(cfg: Config, p: Problems) -> None:
-    o = cfg.optimizer
+# ------------------------------------------------------------------------------------------------ [optimizer]
+
+
+def _optimizer(o, p: Problems, ctx, w) -> None:
     if p.ok("optimizer.kind", "optimizer.betas"):
-        problem = betas_problem(o.kind, o.betas)
-        if problem:
-            p.error(problem)
+        betas = o.betas
+        if o.kind == "came" and len(betas) != 3:
+            p.error(f'[optimizer] betas = {as_toml(list(betas))}: kind = "came" needs 3 betas (first moment, second '
+                    f"moment, instability), e.g. betas = {as_toml(CAME_BETAS)} (CAME's defaults)")
+        elif o.kind != "came" and len(betas) != 2:
+            p.error(f"[optimizer] betas = {as_toml(list(betas))}: kind = {as_toml(o.kind)} needs 2 betas, e.g. "
+                    "betas = [0.9, 0.95]")
+        elif any(not 0.0 <= b < 1.0 for b in betas):
+            p.error(f"[optimizer] betas = {as_toml(list(betas))}: every beta must be in [0, 1)")
     if p.ok("optimizer.kind") and o.kind == "adamw":
         sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
         if sdnq_only:
             p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
                     f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
+
+
+# ------------------------------------------------------------------------------------------------ [sample], [logging]
 
 
 def _read_text_lines(p: Problems, table: str, key: str, value: str, base_dir: Path) -> tuple[Path, list[str] | None]:
@@ -312,27 +356,62 @@ def _read_text_lines(p: Problems, table: str, key: str, value: str, base_dir: Pa
     return path, None
 
 
-def _check_sample(cfg: Config, base_dir: Path, p: Problems) -> None:
-    s = cfg.sample
+def _sample_size(s, p: Problems, ctx, w) -> None:
     for name in ("width", "height"):
         if p.ok(f"sample.{name}") and getattr(s, name) % 16:
             value = getattr(s, name)
             p.error(f"[sample] {name} = {value}: must be a multiple of 16 (VAE factor 8 x patch 2), e.g. "
                     f"{max(16, 16 * round(value / 16))}", f"sample.{name}")
-    if s.prompts_file is not None and p.ok("sample.prompts_file"):
-        path, lines = _read_text_lines(p, "sample", "prompts_file", s.prompts_file, base_dir)
+
+
+def _sample_prompts_file(s, p: Problems, ctx, w) -> None:
+    if s.prompts_file is not None and ctx.base_dir is not None and p.ok("sample.prompts_file"):
+        path, lines = _read_text_lines(p, "sample", "prompts_file", s.prompts_file, ctx.base_dir)
         if lines is not None:
             s.file_prompts = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
             if not s.file_prompts:
                 p.error(f"[sample] prompts_file = {as_toml(s.prompts_file)}: {path} has no prompt (one per line; "
                         f"lines starting with # are comments)", "sample.prompts_file")
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+
+
+def _tensorboard(lg, p: Problems, ctx, w) -> None:
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         p.error("[logging] tensorboard = true needs the tensorboard package, which is not installed: pip install "
                 "tensorboard (or the extra: pip install 'comfyui-anima-train[tensorboard]'), or set "
                 "tensorboard = false", "logging.tensorboard")
-    if p.ok("sample.prompts", "sample.prompts_file") and not s.all_prompts():
+
+
+def _sample_when(s, p: Problems, ctx, w) -> None:
+    unread = s.prompts_file is not None and ctx.base_dir is None  # built in code: its file's prompts are not known
+    if p.ok("sample.prompts", "sample.prompts_file") and not s.all_prompts() and not unread:
         when = [k for k in ("every_n_steps", "every_n_epochs") if getattr(s, k) is not None]
         when += [k for k in ("before_first_step",) if getattr(s, k)]
         if when:
             p.error(f"[sample] {', '.join(when)} set, but there is no prompt to render: add prompts = [\"...\"] "
                     f"or prompts_file = \"prompts.txt\"")
+
+
+# (scope, rule), in the order their messages are listed; "" = across tables (run for a whole Config only)
+RULES = [
+    ("", _texture_source),
+    ("dataset", _tiers),
+    ("train", _checkpoint_blocks),
+    ("train", _batch_size),
+    ("", _batch_size_tiers),
+    ("dataset", _sources),
+    ("dataset", _buckets),
+    ("dataset.caption", _caption),
+    ("dataset.texture", _texture),
+    ("adapter", _adapter),
+    ("", _component_lrs),
+    ("", _quant_mode),
+    ("quant", _quant_dtype),
+    ("flow", _flow),
+    ("curriculum", _phase),
+    ("", _phase_order),
+    ("optimizer", _optimizer),
+    ("sample", _sample_size),
+    ("sample", _sample_prompts_file),
+    ("logging", _tensorboard),
+    ("sample", _sample_when),
+]

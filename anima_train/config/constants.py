@@ -1,0 +1,18 @@
+"""Names and limits the config's keys are checked against, shared by the tables (schema.py), the rules (rules.py) and
+the modules that act on a key's value. No imports: every other config module may import this one."""
+
+DEFAULT_MODEL_PATH = "../anima-diffusers"
+MODEL_PATH_ENV = "ANIMA_MODEL"
+
+DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
+COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES maps them to torch dtypes
+LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
+SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
+CAME_BETAS = [0.9, 0.999, 0.9999]
+ROPE_SIDE_LIMIT = 2048  # RoPE table: 128 patch units x 16 px; 2112 crashes (docs/training.md#rope-side-limits)
+ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
+TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
+MAX_RANK = 4096  # above every layer width of Anima and Qwen3: a larger rank adds nothing (and 10**20 crashes torch)
+MAX_REPEATS = 10_000  # per subset/folder; an epoch holds every repeat, so 10**20 would never end (or overflow)
+SAMPLE_SHIFT = 3.0  # ComfyUI's Anima model_sampling (supported_models.Anima: shift 3.0, multiplier 1.0)

@@ -1,0 +1,288 @@
+"""A config file in and out: `load_config` (TOML -> a validated Config), `dump_toml`, `copy_config_verbatim`.
+
+    cfg = load_config("configs/lora.toml")      # or load_config(toml_text)
+    dump_toml(cfg)                              # only non-default values (+ adapter.kind)
+    copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")   # comments kept
+
+load_config reads the file's structure here (which tables, which keys: an unknown one is answered with the key
+meant), builds the Config from the values as written, and hands it to the one gate, validate.validate, which checks
+every value and rule and collects every problem; they are raised together in one ConfigError, so a config is fixed
+in one pass. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys to a
+non-default value is refused after all other validation passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tomllib
+import warnings
+from pathlib import Path
+from typing import Any
+
+from anima_train.config import aliases
+from anima_train.config.keys import ConfigError, ConfigWarning, Problems, Where, as_toml, is_key, toml_type
+from anima_train.config.schema import ARRAY_TABLES, NOT_IMPLEMENTED, TABLES, Config
+from anima_train.config.validate import Context, header, keys_by_table, unchecked, unknown_key, validate
+
+TEXT_SOURCE = "<config text>"  # how messages name a config given as text rather than a file
+
+
+def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
+    # A string is a path if it names a file, or if it is one line that cannot be a useful TOML document
+    # (no '=' and no '[': "configs/lora.toml" that does not exist must say "not found", not "invalid TOML").
+    if isinstance(source, os.PathLike) or (
+            isinstance(source, str) and "\n" not in source and source.strip() and (os.path.isfile(source) or (
+                "=" not in source and "[" not in source and not source.lstrip().startswith("#")))):
+        path = Path(source).expanduser()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text ({exc}); save the config as UTF-8") from None
+        return path, text
+    if not isinstance(source, str):
+        raise TypeError(f"load_config takes a path or TOML text, not {type(source).__name__}")
+    return None, source
+
+
+def load_config(source: str | os.PathLike) -> Config:
+    """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem."""
+    path, text = _read_source(source)
+    name = str(path) if path is not None else TEXT_SOURCE
+    try:
+        raw = tomllib.loads(text.removeprefix("\ufeff"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{name}: not valid TOML: {exc}") from None
+    p = Problems()
+    cfg = _build_config(raw, p)
+    validate(cfg, p, Context(toml=True, base_dir=path.parent if path is not None else Path.cwd(), require_data=True,
+                             written=_written(raw)))
+    if p.errors:
+        n = len(p.errors)
+        if n == 1:  # one problem, one line
+            raise ConfigError(f"{name}: {p.errors[0]}", p.errors)
+        raise ConfigError(f"{name}: {n} problems in the config:\n" + "\n".join(f"  - {e}" for e in p.errors),
+                          p.errors)
+    for w in p.warnings:
+        warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=2)
+    gated = _gate(cfg)
+    if gated:
+        n = len(gated)
+        raise ConfigError(f"{name}: {n} setting{'s' if n > 1 else ''} not implemented yet:\n"
+                          + "\n".join(f"  - {g}" for g in gated), gated)
+    cfg.source_path, cfg.source_text = path, text
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------- structure
+
+
+def _written(raw: dict) -> dict[str, frozenset[str]]:
+    """The keys the file sets in each (non-array) table."""
+    out = {}
+    for name in TABLES:
+        node: Any = raw
+        for part in name.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            out[name] = frozenset(node)
+    return out
+
+
+@functools.cache
+def _names(cls: type) -> tuple[list[str], frozenset[str]]:
+    """(the names a table of this class may hold, nested tables included; its keys)."""
+    fields = dataclasses.fields(cls)
+    return [f.name for f in fields if f.metadata.get("key", True)], frozenset(f.name for f in fields if is_key(f))
+
+
+def _unknown_keys(cls: type, raw: dict, where: Where, p: Problems) -> None:
+    valid = _names(cls)[0]
+    for key in raw:
+        if key not in valid:
+            p.error(unknown_key(where, key, valid))
+
+
+def _read_table(cls: type, raw: dict, where: Where, p: Problems, **tables: Any) -> Any:
+    """One TOML table as its dataclass (with the tables inside it), holding the values as written: validate checks
+    them. Unknown keys are reported here (unless the caller did, before reading the tables inside)."""
+    if not tables:
+        _unknown_keys(cls, raw, where, p)
+    keys = _names(cls)[1]
+    return unchecked(cls, **{k: v for k, v in raw.items() if k in keys}, **tables)
+
+
+def _build_config(raw: dict, p: Problems) -> Config:
+    top = {f.name: f for f in dataclasses.fields(Config) if f.metadata.get("key", True)}
+    for key, value in raw.items():
+        if key not in top:
+            if isinstance(value, dict):
+                p.error(unknown_key(Where("", toml=True), key, list(top)))
+            else:
+                found = aliases.suggestion(key, "", keys_by_table())
+                fix = (f"; {found}" if isinstance(found, str) else
+                       f"; keys go inside a table, e.g. {header(found[0], True)} {found[1]}" if found else
+                       "; it is not a key of any table either (docs/config.md lists every key)")
+                p.error(f"config: key '{key}' is outside any table{fix} (tables: {', '.join(top)})")
+        elif key == "curriculum":
+            if isinstance(value, dict):
+                p.error("[curriculum] is a single table, but curriculum phases are an array of tables: write "
+                        "[[curriculum]] (double brackets) for each phase", "curriculum")
+            elif not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+                p.error(f"curriculum = {as_toml(value)}: expected [[curriculum]] tables", "curriculum")
+        elif not isinstance(value, dict):
+            p.error(f"config: '{key}' must be a table ([{key}]), got {toml_type(value)}", key)
+
+    def sub(name: str) -> dict:
+        v = raw.get(name, {})
+        return v if isinstance(v, dict) else {}
+
+    def at(name: str, index: int | None = None) -> Where:
+        return Where(name, index, array=name in ARRAY_TABLES, toml=True)
+
+    tables: dict[str, Any] = {"train": _read_table(TABLES["train"], sub("train"), at("train"), p)}
+    draw = sub("dataset")
+    _unknown_keys(TABLES["dataset"], draw, at("dataset"), p)
+    inside: dict[str, Any] = {}
+    for nested in ("caption", "texture"):
+        value = draw.get(nested, {})
+        if not isinstance(value, dict):
+            p.error(f"[dataset] {nested} must be a table ([dataset.{nested}]), got {toml_type(value)}",
+                    f"dataset.{nested}")
+            value = {}
+        inside[nested] = _read_table(TABLES[f"dataset.{nested}"], value, at(f"dataset.{nested}"), p)
+    subsets = draw.get("subsets", [])
+    if isinstance(subsets, dict) or not (isinstance(subsets, list) and all(isinstance(s, dict) for s in subsets)):
+        p.error("[dataset] subsets must be an array of tables: write [[dataset.subsets]] (double brackets) "
+                "for each subset", "dataset.subsets")
+        subsets = []
+    inside["subsets"] = [_read_table(TABLES["dataset.subsets"], s, at("dataset.subsets", i), p)
+                         for i, s in enumerate(subsets)]
+    tables["dataset"] = _read_table(TABLES["dataset"], draw, at("dataset"), p, **inside)
+
+    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant", "sample", "logging"):
+        tables[name] = _read_table(TABLES[name], sub(name), at(name), p)
+
+    phases = raw.get("curriculum", [])
+    if not (isinstance(phases, list) and all(isinstance(v, dict) for v in phases)):
+        phases = []  # reported above
+    tables["curriculum"] = [_read_table(TABLES["curriculum"], ph, at("curriculum", i), p)
+                            for i, ph in enumerate(phases)]
+    return unchecked(Config, **tables)
+
+
+# --------------------------------------------------------------------------------------------------- not yet
+
+
+def _get_dotted(cfg: Config, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _gate(cfg: Config) -> list[str]:
+    if not NOT_IMPLEMENTED:
+        return []
+    defaults = Config()
+    out = []
+    for dotted, feature in NOT_IMPLEMENTED.items():
+        if dotted == "curriculum.texture":
+            if any(phase.mode == "texture" for phase in cfg.curriculum):
+                out.append(f"`[[curriculum]] mode = \"texture\"` is not implemented yet ({feature}); use "
+                           f"mode = \"fullres\" or remove the phase")
+            continue
+        if _get_dotted(cfg, dotted) == _get_dotted(defaults, dotted):
+            continue
+        if dotted in ARRAY_TABLES:
+            out.append(f"`[[{dotted}]]` is not implemented yet ({feature}); remove the [[{dotted}]] tables")
+        elif dotted in TABLES:
+            out.append(f"`[{dotted}]` is not implemented yet ({feature}); remove the table or set its keys back "
+                       "to their defaults")
+        else:
+            table, key = dotted.rsplit(".", 1)
+            default = _get_dotted(defaults, dotted)
+            back = "remove it (it is unset by default)" if default is None else \
+                f"remove it or set it back to its default {as_toml(default)}"
+            out.append(f"`[{table}] {key}` is not implemented yet ({feature}); {back}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- writing
+
+
+def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
+    """Write the config exactly as it was read (comments kept) to dest_path, atomically.
+
+    A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
+    """
+    from anima_train.files import write_text  # ~15 ms (anchor.atomic): only a run's start writes the copy
+
+    dest = Path(dest_path)
+    if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
+        raise ValueError(f"refusing to copy the config onto its own source file {dest}")
+    write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
+    return dest
+
+
+# tomlkit is imported where it writes: ~50 ms, which every `import anima_train.config` (ComfyUI's start-up, the
+# node's validation) would otherwise pay for a function few callers use.
+
+
+def _toml_value(value: Any) -> Any:
+    import tomlkit
+    if isinstance(value, dict):
+        tbl = tomlkit.inline_table()
+        tbl.update({str(k): _toml_value(v) for k, v in value.items()})
+        return tbl
+    if isinstance(value, list):
+        return [_toml_value(v) for v in value]
+    return value
+
+
+def _dump_table(obj: Any, default: Any, always: tuple[str, ...] = ()) -> Any:
+    import tomlkit
+    tbl = tomlkit.table()
+    for f in dataclasses.fields(obj):
+        if not f.metadata.get("key", True):
+            continue
+        value = getattr(obj, f.name)
+        if "table" in f.metadata:
+            sub = _dump_table(value, getattr(default, f.name))
+            if len(sub):
+                tbl[f.name] = sub
+        elif "array" in f.metadata:
+            if value:
+                aot = tomlkit.aot()
+                for item in value:  # every key of a subset: an entry reads best complete
+                    aot.append(_dump_table(item, None))
+                tbl[f.name] = aot
+        elif value is not None and (f.name in always or default is None
+                                    or value != getattr(default, f.name)):
+            tbl[f.name] = _toml_value(value)
+    return tbl
+
+
+def dump_toml(config: Config) -> str:
+    """TOML text of the non-default values (adapter.kind always). Loads back with load_config to an equal Config."""
+    import tomlkit
+    doc = tomlkit.document()
+    defaults = Config()
+    for f in dataclasses.fields(Config):
+        if "table" not in f.metadata:
+            continue
+        always = ("kind",) if f.name == "adapter" else ()
+        tbl = _dump_table(getattr(config, f.name), getattr(defaults, f.name), always)
+        if len(tbl):
+            doc[f.name] = tbl
+    if config.curriculum:
+        aot = tomlkit.aot()
+        for ph in config.curriculum:  # every key of a phase: a phase reads best complete
+            aot.append(_dump_table(ph, None))
+        doc["curriculum"] = aot
+    return tomlkit.dumps(doc)
