@@ -83,10 +83,10 @@ def sample_timesteps(batch: int, cfg: FlowConfig, generator: torch.Generator,
     """[batch] float32 timesteps on the generator's device.
 
     Draw (uniform, or σ(sigmoid_scale·N(0,1))), then shift or flux_shift (latent_hw = latent (h, w)), THEN the
-    phase's t_range (§B.7: the order matters, shift is nonlinear). `rescale` maps t·(hi−lo)+lo, keeping every
-    quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of 4·batch draws and
-    raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly as without a
-    curriculum."""
+    phase's t_range (docs/training.md#curriculum: the order matters, shift is nonlinear). `rescale` maps
+    t·(hi−lo)+lo, keeping every quantile's shape; `truncate` keeps the pretraining density by rejection in rounds of
+    4·batch draws and raises after TRUNCATE_ROUNDS rather than hang. A full [0, 1] range (or no phase) draws exactly
+    as without a curriculum."""
     lo, hi = _phase_range(phase)
     if (lo, hi) == (0.0, 1.0):
         return _draw(batch, cfg, generator, latent_hw)
