@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from anima_train import adapters
 from anima_train.atomic import write_text
 from anima_train.errors import UserError
 
@@ -316,12 +317,9 @@ def describe_adapter(cfg) -> dict:
     a = cfg.adapter
     out = {"kind": a.kind, "components": sorted(a.components), "train_llm_adapter": a.train_llm_adapter,
            "train_text_encoder": a.train_text_encoder}
-    if a.kind != "none":
-        out["rank"] = a.rank
     if a.train_text_encoder:
         out["text_encoder_rank"] = a.text_encoder_rank or a.rank
-    if a.kind == "lokr":
-        out.update(lokr_factor=a.lokr_factor, lokr_decompose_both=a.lokr_decompose_both)
+    out.update(adapters.method(a.kind).describe(a))  # the method's own keys: rank, lokr_factor, ...
     return out
 
 

@@ -32,7 +32,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
-from anima_train import config_aliases
+from anima_train import adapters, config_aliases
 from anima_train.captions import CAPTION_MODES, CAPTION_VARIANTS
 from anima_train.errors import UserError
 
@@ -42,7 +42,7 @@ MODEL_PATH_ENV = "ANIMA_MODEL"
 DIT_COMPONENTS = ("self_attn", "cross_attn", "mlp", "adaln", "base")
 COMPONENT_LR_KEYS = DIT_COMPONENTS + ("llm_adapter", "text_encoder")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # [train] dtype; models.DTYPES maps them to torch dtypes
-LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (lora_export.save_lora's fmt)
+LORA_FORMATS = ("peft", "kohya")  # LoRA file layouts (adapters/lora/model.py state_dict's fmt)
 SDNQ_OPTIMIZERS = ("adamw8bit", "adafactor", "came", "lion", "muon")
 CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE position table length in px (128 patch units x 16); 2112 crashes (CONFIG.md B.1)
@@ -291,10 +291,10 @@ class ComponentLRConfig:
 
 @dataclass
 class AdapterConfig:
-    kind: str = _key("lora", choices=("lora", "lokr", "none"), help="lora, lokr, or none (= full finetune)")
+    kind: str = _key("lora", choices=adapters.kinds(), help=adapters.kind_help())
     rank: int = _key(32, ge=1, le=MAX_RANK, help="adapter rank")
     alpha: float = _key(32.0, gt=0.0, help="scale alpha/rank (alpha = rank keeps the LR rank-independent)")
-    dropout: float = _key(0.0, ge=0.0, lt=1.0, help="LoRA dropout (LoKr: rank dropout)")
+    dropout: float = _key(0.0, ge=0.0, lt=1.0, help=adapters.dropout_help())
     components: list[str] = _key(factory=lambda: ["self_attn", "cross_attn", "mlp"], choices=DIT_COMPONENTS,
                                  help="DiT parts that get an adapter")
     train_llm_adapter: bool = _key(False, help="also adapt the LLM adapter (text conditioner)")
@@ -375,7 +375,7 @@ class Config:
     optimizer: OptimizerConfig = _table(OptimizerConfig, "optimizer")
     schedule: ScheduleConfig = _table(ScheduleConfig, "learning-rate schedule")
     component_lr: ComponentLRConfig = _table(ComponentLRConfig, "per-component learning rates")
-    adapter: AdapterConfig = _table(AdapterConfig, "LoRA / LoKr / full finetune")
+    adapter: AdapterConfig = _table(AdapterConfig, adapters.table_help())
     quant: QuantConfig = _table(QuantConfig, "SDNQ quantization")
     curriculum: list[CurriculumPhase] = _array(CurriculumPhase, "curriculum phases, sorted by at")
     sample: SampleConfig = _table(SampleConfig, "preview images rendered while training")
@@ -392,8 +392,9 @@ class Config:
     def injected_components(self) -> list[str]:
         """component_lr keys that own trainable weights under the current [adapter] settings."""
         a = self.adapter
-        comps = list(DIT_COMPONENTS) + ["llm_adapter"] if a.kind == "none" else list(a.components)
-        if a.kind != "none" and a.train_llm_adapter:
+        full = adapters.method(a.kind).trains_base
+        comps = list(DIT_COMPONENTS) + ["llm_adapter"] if full else list(a.components)
+        if not full and a.train_llm_adapter:
             comps.append("llm_adapter")
         if a.train_text_encoder:
             comps.append("text_encoder")

@@ -133,12 +133,12 @@ def test_publish_dir_replaces_a_folder(tmp_path):
 def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch):
     """save_full_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
     open handle on Windows): the earlier folder is still there, whole. The old code deleted it first, then renamed."""
-    from anima_train import lora_export
+    from anima_train.adapters.full import model as full
     from anima_train.models import load_components
     from anima_train.tiny import build_tiny_anima
 
     parts = load_components(build_tiny_anima(tmp_path / "repo").diffusers_dir, dtype="float32")
-    folder = lora_export.save_full_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)
+    folder = full.save_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)
     before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
     real = os.replace
 
@@ -149,7 +149,7 @@ def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch)
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="No space left"):
-        lora_export.save_full_diffusers(folder, parts.transformer, parts.text_conditioner, overwrite=True)
+        full.save_diffusers(folder, parts.transformer, parts.text_conditioner, overwrite=True)
     monkeypatch.setattr(os, "replace", real)
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ft", "repo"]  # no temp or set-aside folder left

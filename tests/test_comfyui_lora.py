@@ -23,7 +23,9 @@ import torch
 from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
-from anima_train import keymaps, lora_export
+from anima_train import keymaps
+from anima_train.adapters import export as lora_export
+from anima_train.adapters.full import model as full
 from anima_train.tiny import CONFIGS, build_models
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
@@ -122,9 +124,8 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     dit_state = {k: v.clone() for k, v in transformer.state_dict().items()}
 
     # the base DiT is our own full-finetune export (bf16, like the released file)
-    dit_file = lora_export.save_full_native(tmp_path / "anima_comfy.safetensors", transformer, conditioner,
-                                            lora_export.training_metadata(kind="full", title="base"),
-                                            dtype=torch.bfloat16)
+    dit_file = full.save_native(tmp_path / "anima_comfy.safetensors", transformer, conditioner,
+                                lora_export.training_metadata(kind="full", title="base"), dtype=torch.bfloat16)
     base = {"diffusion_model." + k.removeprefix("net."): v.float() for k, v in load_file(dit_file).items()}
     dit_native = keymaps.dit_module_to_native
     torch.manual_seed(0)
@@ -133,9 +134,9 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     lora_deltas = {**deltas(transformer, dit_native, "lora"),
                    **deltas(conditioner, lambda n: "llm_adapter." + n, "lora")}
     meta = lora_export.training_metadata(kind="lora", title="t", rank=4, alpha=8.0)
-    files = {"peft": lora_export.save_lora(tmp_path / "peft.safetensors", transformer, conditioner, meta),
-             "kohya": lora_export.save_lora(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
-                                            fmt="kohya")}
+    files = {"peft": lora_export.save_adapter(tmp_path / "peft.safetensors", transformer, conditioner, meta),
+             "kohya": lora_export.save_adapter(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
+                                               fmt="kohya")}
     strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75}
     expected = {name: lora_deltas for name in ("peft", "kohya")}
     del conditioner, models
@@ -150,8 +151,9 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
                                                                      "norm1.linear_1"],
                                     rank_pattern={"norm1.linear_1": 16}, alpha_pattern={"norm1.linear_1": 6.0},
                                     init_weights=False))
-    files["lokr"] = lora_export.save_lokr(tmp_path / "lokr.safetensors", lokr_dit, None,
-                                          lora_export.training_metadata(kind="lokr", title="k", rank=4, alpha=6.0))
+    files["lokr"] = lora_export.save_adapter(tmp_path / "lokr.safetensors", lokr_dit, None,
+                                             lora_export.training_metadata(kind="lokr", title="k", rank=4, alpha=6.0),
+                                             kind="lokr")
     expected["lokr"] = deltas(lokr_dit, dit_native, "lokr", alpha=6.0)
     lokr_keys = load_file(files["lokr"])
     assert any(k.endswith(".lokr_w2_b") for k in lokr_keys) and any(k.endswith(".lokr_w2") for k in lokr_keys)
