@@ -147,8 +147,9 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
 
     An adapter method (LoRA, LoKr, ...): every base weight is frozen and the method's adapter goes onto exactly
     the Linears of `cfg.adapter.components` (+ the conditioner's Linears if train_llm_adapter). Full finetune
-    (trains_base): the DiT and conditioner weights are made trainable (build_param_groups then freezes the components whose LR is 0). In both modes Qwen3 is frozen and
-    gets a LoRA on its q/k/v/o/gate/up/down projections if train_text_encoder.
+    (trains_base): the DiT and conditioner weights are made trainable (build_param_groups then freezes the
+    components whose LR is 0). In both modes Qwen3 is frozen and gets a LoRA on its q/k/v/o/gate/up/down
+    projections if train_text_encoder.
 
     adapter_dtype: "auto" = the model's (training) dtype; None = the model's dtype;
     or an explicit torch dtype.
