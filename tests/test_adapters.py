@@ -263,6 +263,35 @@ def test_lokr_injects_and_trains():
         assert not torch.allclose(tiny_forward(m, b), before)
 
 
+def test_loha_injects_and_trains():
+    m = tiny_models()
+    b = tiny_batch()
+    with torch.no_grad():
+        before = tiny_forward(m, b)
+    cfg = make_cfg(kind="loha", rank=4, alpha=2.0, components=["cross_attn", "mlp"], train_llm_adapter=True)
+    cfg.component_lr.llm_adapter = 1e-3
+    cfg.optimizer.lr = 1e-3
+    injected = inject(m, cfg)
+    assert set(injected) == {"transformer", "text_conditioner"}
+    assert set(injected["transformer"]) == set(adapters.target_modules(tiny_models()["transformer"],
+                                                                       ["cross_attn", "mlp"]))
+    names = [n for _, n, _ in adapters.adapter_parameters(m["transformer"])]
+    assert names and all(re.search(r"\.hada_w[12]_[ab]\.default$", n) for n in names)
+    to_k = m["transformer"].transformer_blocks[0].attn2.to_k
+    assert to_k.hada_w1_a["default"].shape == (64, 4) and to_k.hada_w1_b["default"].shape == (4, 32)
+    assert to_k.scaling["default"] == pytest.approx(2.0 / 4)
+    assert torch.count_nonzero(to_k.hada_w2_b["default"]) == 0  # peft's init: w2_b = 0
+    with torch.no_grad():
+        assert torch.equal(tiny_forward(m, b), before)  # a fresh LoHa is a no-op, bit for bit
+    groups, _ = adapters.build_param_groups(m, cfg)
+    assert [g["name"] for g in groups] == ["cross_attn", "mlp", "llm_adapter"]
+    losses = _train(m, groups, b, steps=4)
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        assert not torch.allclose(tiny_forward(m, b), before)
+        assert torch.count_nonzero(to_k.hada_w2_b["default"]) > 0
+
+
 def test_text_encoder_lora_rank_scale_and_gradients():
     m = tiny_models()
     cfg = make_cfg(rank=4, alpha=8.0, components=["cross_attn"], train_text_encoder=True, text_encoder_rank=2)

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
 from anima_train import keymaps
@@ -105,6 +105,7 @@ def lokr_delta(m, alpha, adapter="default"):
 
 
 def deltas(model, native_of, kind, alpha=None):
+    from peft.tuners.loha.layer import LoHaLayer
     from peft.tuners.lokr.layer import LoKrLayer
     from peft.tuners.lora import LoraLayer
 
@@ -114,6 +115,8 @@ def deltas(model, native_of, kind, alpha=None):
             out[native_of(name)] = lora_delta(m)
         elif kind == "lokr" and isinstance(m, LoKrLayer):
             out[native_of(name)] = lokr_delta(m, alpha)
+        elif kind == "loha" and isinstance(m, LoHaLayer):
+            out[native_of(name)] = m.get_delta_weight("default").detach()  # the peft model's own fp32 ΔW
     return out
 
 
@@ -137,7 +140,7 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     files = {"peft": lora_export.save_adapter(tmp_path / "peft.safetensors", transformer, conditioner, meta),
              "kohya": lora_export.save_adapter(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
                                                fmt="kohya")}
-    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75}
+    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75, "loha": 0.6}
     expected = {name: lora_deltas for name in ("peft", "kohya")}
     del conditioner, models
 
@@ -157,6 +160,22 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     expected["lokr"] = deltas(lokr_dit, dit_native, "lokr", alpha=6.0)
     lokr_keys = load_file(files["lokr"])
     assert any(k.endswith(".lokr_w2_b") for k in lokr_keys) and any(k.endswith(".lokr_w2") for k in lokr_keys)
+
+    # LoHa on a fresh DiT: alpha != rank, and its own rank and alpha on norm1.linear_1 (ComfyUI takes the rank from
+    # hada_w1_b's shape, so each module's `.alpha` must carry its own scale)
+    loha_dit = CosmosTransformer3DModel(**CONFIGS["comfy"]["transformer"])
+    loha_dit.load_state_dict(dit_state)
+    loha_dit.add_adapter(LoHaConfig(r=4, alpha=6.0, target_modules=["attn1.to_q", "attn2.to_k", "ff.net.2",
+                                                                     "norm1.linear_1"],
+                                    rank_pattern={"norm1.linear_1": 2}, alpha_pattern={"norm1.linear_1": 5.0},
+                                    init_weights=False))
+    files["loha"] = lora_export.save_adapter(tmp_path / "loha.safetensors", loha_dit, None,
+                                             lora_export.training_metadata(kind="loha", title="h", rank=4, alpha=6.0),
+                                             kind="loha")
+    expected["loha"] = deltas(loha_dit, dit_native, "loha")
+    loha_keys = load_file(files["loha"])
+    assert {k.rsplit(".", 1)[1] for k in loha_keys} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    assert {v.shape[0] for k, v in loha_keys.items() if k.endswith(".hada_w1_b")} == {2, 4}
 
     # Qwen3 LoRA on the tiny text encoder, base weights handed over under ComfyUI's TE key names
     te = build_models("tiny", seed=0)["text_encoder"]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -163,6 +163,58 @@ def test_lokr_in_kohya_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match="kohya"):
         lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner, kind="lokr", fmt="kohya")
     assert not list(tmp_path.iterdir())
+
+
+def test_loha_keys_and_alpha_give_peft_update_under_comfyuis_rule(tmp_path):
+    """ComfyUI's LoHa rule (comfy/weight_adapter/loha.py): W + alpha / hada_w1_b.shape[0] · (w1_a·w1_b) ⊙
+    (w2_a·w2_b), compared with peft's own ΔW of the layer; a per-module rank and alpha (rank_pattern) keep
+    alpha != rank."""
+    transformer, conditioner, _ = tiny_parts()
+    torch.manual_seed(4)
+    transformer.add_adapter(LoHaConfig(r=4, alpha=6.0, target_modules=["attn1.to_q", "attn2.to_v", "ff.net.0.proj"],
+                                       rank_pattern={"ff.net.0.proj": 2}, alpha_pattern={"ff.net.0.proj": 5.0},
+                                       init_weights=False), adapter_name="default")
+    conditioner.add_adapter(LoHaConfig(r=2, alpha=3.0, target_modules=ADAPTER_TARGETS, init_weights=False),
+                            adapter_name="default")
+    meta = lora_export.training_metadata(kind="loha", title="h", rank=4, alpha=6.0)
+    path = lora_export.save_adapter(tmp_path / "h.safetensors", transformer, conditioner, meta, kind="loha")
+    sd = load_file(path)
+    assert all(k.startswith("diffusion_model.") and "default" not in k for k in sd)
+    assert {k.rsplit(".", 1)[1] for k in sd} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    assert "diffusion_model.blocks.0.mlp.layer1.hada_w1_b" in sd  # native names (ff.net.0.proj -> mlp.layer1)
+    assert any(k.startswith("diffusion_model.llm_adapter.blocks.0.self_attn.q_proj.") for k in sd)
+    assert sd["diffusion_model.blocks.0.mlp.layer1.hada_w1_b"].shape[0] == 2
+    base = {**keymaps.dit_diffusers_to_native(tiny_parts()[0].state_dict()),
+            **keymaps.adapter_diffusers_to_native(tiny_parts()[1].state_dict())}
+    from peft.tuners.loha.layer import LoHaLayer
+
+    expected = {}
+    for part, model, native_of in (("t", transformer, keymaps.dit_module_to_native),
+                                   ("c", conditioner, lambda n: "llm_adapter." + n)):
+        for name, m in model.named_modules():
+            if isinstance(m, LoHaLayer):
+                expected[native_of(name)] = (m.base_layer.weight + m.get_delta_weight("default")).detach()
+    # 3 DiT Linears x 2 blocks, 5 conditioner Linears x 2 blocks; 4 factors + alpha each
+    assert len(expected) == 6 + 10 and len(sd) == 5 * len(expected)
+    for native, want in expected.items():
+        f = {n: sd[f"diffusion_model.{native}.{n}"] for n in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+        alpha = sd[f"diffusion_model.{native}.alpha"]
+        assert alpha.ndim == 0 and alpha.dtype == torch.float32
+        got = base[native + ".weight"] + (alpha.item() / f["hada_w1_b"].shape[0]) * (
+            (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]))
+        assert torch.allclose(got, want, atol=1e-6), native
+    with safe_open(str(path), "pt") as handle:
+        md = handle.metadata()
+    assert md["ss_network_module"] == "lycoris.kohya" and json.loads(md["ss_network_args"]) == {"algo": "loha"}
+    assert md["modelspec.architecture"] == "anima-base-v1.0/lycoris" and md["ss_network_dim"] == "4"
+    half = lora_export.adapter_state_dict(transformer, conditioner, kind="loha", dtype=torch.bfloat16)
+    assert {v.dtype for k, v in half.items() if not k.endswith(".alpha")} == {torch.bfloat16}
+    assert {v.dtype for k, v in half.items() if k.endswith(".alpha")} == {torch.float32}
+    with pytest.raises(ValueError, match="kohya lora_unet_\\* layout only defines LoRA"):
+        lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner, kind="loha", fmt="kohya")
+    with pytest.raises(ValueError, match="no peft LoHa adapter named 'other'"):
+        lora_export.adapter_state_dict(transformer, kind="loha", adapter_name="other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.safetensors"]
 
 
 def test_text_encoder_lora_uses_comfyui_single_te_keys(tmp_path):
