@@ -132,7 +132,7 @@ def test_publish_dir_replaces_a_folder(tmp_path):
 
 
 def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch):
-    """save_full_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
+    """full.save_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
     open handle on Windows): the earlier folder is still there, whole. The old code deleted it first, then renamed."""
     from anima_train.adapters.full import model as full
     from anima_train.models import load_components
