@@ -8,7 +8,7 @@
         __init__.py  METHOD = AdapterMethod(...): kind, help, config rules, metadata, resume keys (no torch)
         model.py     peft_config, state_dict (ComfyUI's keys), save_checkpoint (torch, peft)
 
-    m = adapters.method(cfg.adapter.kind)        # KeyError-free: a UserError naming [adapter] kind and the choices
+    m = adapters.method(cfg.adapter.kind)        # unknown kind: a UserError naming [adapter] kind and the choices
     m.kind, m.title, m.trains_base, m.describe(cfg.adapter)
     m.runtime().state_dict(transformer, conditioner)
 
