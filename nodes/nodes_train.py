@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from anchor.atomic import write_text
+from anima_train import adapters
 
 from . import comfy
 from . import paths
@@ -438,13 +439,13 @@ def loss_image(losses: list[float], run_dir: Path):
 
 
 def publish(final: Path, kind: str, run_stem: str) -> Path | None:
-    """Copy the trained file where the stock loaders list it: loras/anima_train/ (LoRA/LoKr) or
-    diffusion_models/anima_train/ (full finetune, native single file). Never replaces a user's file."""
-    from anima_train.lora_export import text_encoder_lora_path
+    """Copy the trained file where the stock loaders list it: <the method's comfy_folder>/anima_train/ (loras for
+    an adapter, diffusion_models for a full finetune's native single file). Never replaces a user's file."""
+    from anima_train.adapters.export import text_encoder_lora_path
 
     if not final.is_file():
         return None  # a full finetune saved as diffusers folders: nothing a stock loader reads
-    folder = "diffusion_models" if kind == "none" else "loras"
+    folder = adapters.method(kind).comfy_folder
     dest = worker.publish_copy(final, Path(comfy.model_folder(folder)) / PUBLISH_SUBDIR, f"{run_stem}.safetensors")
     te = text_encoder_lora_path(final)
     if te.is_file():  # the Qwen3 LoRA sibling, named after the copy

@@ -1,14 +1,25 @@
-"""LoRA / LoKr injection, full-finetune selection and per-component param groups on tiny random Anima models."""
+"""Adapter injection (every method), full-finetune selection and per-component param groups on tiny random Anima
+models; the method registry and its one-folder seam."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from anima_train import adapters
-from anima_train.config import Config
+from anima_train.config import AdapterConfig, Config, iter_fields
+from anima_train.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # the tiny configs of docs/model.md#tiny-models
 TRANSFORMER_TINY = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=32, num_layers=2,
@@ -252,6 +263,35 @@ def test_lokr_injects_and_trains():
         assert not torch.allclose(tiny_forward(m, b), before)
 
 
+def test_loha_injects_and_trains():
+    m = tiny_models()
+    b = tiny_batch()
+    with torch.no_grad():
+        before = tiny_forward(m, b)
+    cfg = make_cfg(kind="loha", rank=4, alpha=2.0, components=["cross_attn", "mlp"], train_llm_adapter=True)
+    cfg.component_lr.llm_adapter = 1e-3
+    cfg.optimizer.lr = 1e-3
+    injected = inject(m, cfg)
+    assert set(injected) == {"transformer", "text_conditioner"}
+    assert set(injected["transformer"]) == set(adapters.target_modules(tiny_models()["transformer"],
+                                                                       ["cross_attn", "mlp"]))
+    names = [n for _, n, _ in adapters.adapter_parameters(m["transformer"])]
+    assert names and all(re.search(r"\.hada_w[12]_[ab]\.default$", n) for n in names)
+    to_k = m["transformer"].transformer_blocks[0].attn2.to_k
+    assert to_k.hada_w1_a["default"].shape == (64, 4) and to_k.hada_w1_b["default"].shape == (4, 32)
+    assert to_k.scaling["default"] == pytest.approx(2.0 / 4)
+    assert torch.count_nonzero(to_k.hada_w2_b["default"]) == 0  # peft's init: w2_b = 0
+    with torch.no_grad():
+        assert torch.equal(tiny_forward(m, b), before)  # a fresh LoHa is a no-op, bit for bit
+    groups, _ = adapters.build_param_groups(m, cfg)
+    assert [g["name"] for g in groups] == ["cross_attn", "mlp", "llm_adapter"]
+    losses = _train(m, groups, b, steps=4)
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        assert not torch.allclose(tiny_forward(m, b), before)
+        assert torch.count_nonzero(to_k.hada_w2_b["default"]) > 0
+
+
 def test_text_encoder_lora_rank_scale_and_gradients():
     m = tiny_models()
     cfg = make_cfg(rank=4, alpha=8.0, components=["cross_attn"], train_text_encoder=True, text_encoder_rank=2)
@@ -285,3 +325,83 @@ def test_adapters_use_the_training_dtype():
     adapters.inject_adapters(m["transformer"], m["text_conditioner"], m["text_encoder"],
                              make_cfg(rank=2, alpha=2.0, components=["mlp"]), adapter_dtype=torch.float32)
     assert {p.dtype for _, _, p in adapters.adapter_parameters(m["transformer"])} == {torch.float32}
+
+# ------------------------------------------------------------------------------------------------- the registry
+
+
+def test_every_method_in_the_registry_is_complete_and_drives_the_config():
+    kind = next(f for f in iter_fields("adapter") if f.name == "kind")
+    assert kind.choices == adapters.kinds() and kind.choices[:2] == ("lora", "lokr") and kind.choices[-1] == "none"
+    assert all(k in kind.help for k in adapters.kinds())
+    keys = {f.name for f in dataclasses.fields(AdapterConfig)}
+    for m in adapters.METHODS.values():
+        assert adapters.method(m.kind) is m and adapters.by_name(m.name) is m
+        assert set(m.shape_keys) <= keys and set(m.exclusive) <= keys, m.name
+        runtime = m.runtime()  # the torch side loads and implements the Runtime protocol
+        assert callable(runtime.state_dict) and callable(runtime.save_checkpoint)
+        assert m.trains_base or callable(runtime.peft_config), m.name
+    assert adapters.method("none").trains_base and adapters.method("none").comfy_folder == "diffusion_models"
+    with pytest.raises(UserError, match=r"\[adapter\] kind = 'dora' is not an adapter method; use one of 'lora'"):
+        adapters.method("dora")
+
+
+DEMO_METHOD = '''
+from anima_train.adapters.base import AdapterMethod
+
+
+def check(adapter, rules):
+    if adapter.kind == "demo" and rules.ok("rank") and adapter.rank > 8:
+        rules.error(f"[adapter] rank = {adapter.rank}: kind = \\"demo\\" takes rank <= 8", "rank")
+
+
+METHOD = AdapterMethod(name="demo", kind="demo", title="Demo", order=5, summary="a test method",
+                       layout="Demo files use demo_* keys", dropout="rank dropout", shape_keys=("rank", "alpha"),
+                       text_encoder=False, check=check, network_module="demo.net", architecture="/demo")
+'''
+
+DEMO_RUNTIME = "from anima_train.adapters.lora.model import peft_config, save_checkpoint, state_dict  # noqa: F401\n"
+
+DEMO_CHECK = textwrap.dedent('''
+    from anima_train import adapters, checkpoints
+    from anima_train.adapters import export
+    from anima_train.config import ConfigError, iter_fields, load_config
+    from anima_train.config_reference import reference_markdown
+
+    kind = next(f for f in iter_fields("adapter") if f.name == "kind")
+    assert kind.choices[-2:] == ("demo", "none"), kind.choices
+    assert "demo (= a test method)" in kind.help and "Demo: rank dropout" in reference_markdown()
+    base = '[dataset]\\npath = "data"\\n[adapter]\\nkind = "demo"\\n'
+    cfg = load_config(base + "rank = 4\\n")
+    assert cfg.injected_components() == ["self_attn", "cross_attn", "mlp"]
+    assert checkpoints.describe_adapter(cfg)["alpha"] == 32.0
+    for extra, wanted in (("rank = 16\\n", 'kind = "demo" takes rank <= 8'),
+                          ('output_format = "kohya"\\n', "but kind = \\"demo\\": the kohya lora_unet_* layout defines "
+                                                       "LoRA only (lora_down/lora_up/alpha); Demo files use demo_*"),
+                          ("train_text_encoder = true\\n", 'not supported with kind = "demo"')):
+        try:
+            load_config(base + extra)
+        except ConfigError as e:
+            assert wanted in str(e), str(e)
+        else:
+            raise AssertionError(extra)
+    md = export.training_metadata(kind="demo", title="t", rank=4, alpha=4.0)
+    assert md["ss_network_module"] == "demo.net" and md["modelspec.architecture"].endswith("/demo")
+    assert adapters.method("demo").runtime().peft_config(cfg.adapter, ["to_q"], 4, 4.0).r == 4
+    print("demo ok")
+''')
+
+
+def test_a_new_adapter_method_is_one_folder(tmp_path):
+    """A copy of the package plus one folder, anima_train/adapters/demo/, is a new [adapter] kind everywhere: the
+    config's choices and help, docs/config.md, the rules (its own check, another method's exclusive key, the Qwen3
+    LoRA refusal), the resume-state keys, the file metadata and the injection's peft config."""
+    for package in ("anima_train", "anchor"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    demo = tmp_path / "anima_train" / "adapters" / "demo"
+    demo.mkdir()
+    (demo / "__init__.py").write_text(DEMO_METHOD)
+    (demo / "model.py").write_text(DEMO_RUNTIME)
+    (tmp_path / "data").mkdir()
+    out = subprocess.run([sys.executable, "-c", DEMO_CHECK], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert out.returncode == 0 and "demo ok" in out.stdout, out.stderr[-3000:]

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_train.outputs import checkpoint_files as C
+from anima_train.config import load_config
 from anima_train.outputs import layout, resume_state
 
 
@@ -132,14 +133,14 @@ def test_publish_dir_replaces_a_folder(tmp_path):
 
 
 def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch):
-    """save_full_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
+    """full.save_diffusers(overwrite=True) over an earlier folder, with the final rename failing (a full disk, an
     open handle on Windows): the earlier folder is still there, whole. The old code deleted it first, then renamed."""
-    from anima_train import lora_export
+    from anima_train.adapters.full import model as full
     from anima_train.model.components import load_components
     from anima_train.model.tiny import build_tiny_anima
 
     parts = load_components(build_tiny_anima(tmp_path / "repo").diffusers_dir, dtype="float32")
-    folder = lora_export.save_full_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)
+    folder = full.save_diffusers(tmp_path / "ft", parts.transformer, parts.text_conditioner)
     before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
     real = os.replace
 
@@ -150,7 +151,7 @@ def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch)
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OSError, match="No space left"):
-        lora_export.save_full_diffusers(folder, parts.transformer, parts.text_conditioner, overwrite=True)
+        full.save_diffusers(folder, parts.transformer, parts.text_conditioner, overwrite=True)
     monkeypatch.setattr(os, "replace", real)
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ft", "repo"]  # no temp or set-aside folder left
@@ -178,3 +179,18 @@ def test_prune_never_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch):
 
 def test_epoch_of_step_is_the_one_based_epoch_the_step_falls_in():
     assert [C.epoch_of_step(s, 3) for s in range(8)] == [0, 1, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_loha_state_records_its_rank_and_a_resume_with_another_kind_is_refused(tmp_path):
+    base = '[dataset]\npath = "/data/train"\n[adapter]\nrank = 4\n'
+    loha = load_config(base + 'kind = "loha"\n')
+    assert C.describe_adapter(loha) == {"kind": "loha", "rank": 4, "components": ["cross_attn", "mlp", "self_attn"],
+                                        "train_llm_adapter": False, "train_text_encoder": False}
+    lokr = load_config(base + 'kind = "lokr"\n')  # the other methods record what they always did
+    assert C.describe_adapter(lokr) == {**C.describe_adapter(loha), "kind": "lokr", "lokr_factor": -1,
+                                        "lokr_decompose_both": False}
+    assert "rank" not in C.describe_adapter(load_config(base + 'kind = "none"\n'))
+    state = tmp_path / "run-state"
+    with pytest.raises(C.ResumeError, match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
+        C.refuse_adapter_change(state, {"adapter": C.describe_adapter(loha)}, load_config(base))
+    C.refuse_adapter_change(state, {"adapter": C.describe_adapter(loha)}, loha)  # the same adapter resumes

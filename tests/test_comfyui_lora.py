@@ -20,11 +20,12 @@ import textwrap
 
 import pytest
 import torch
-from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
-from anima_train import lora_export
 from anima_train.model import keymaps
+from anima_train.adapters import export as lora_export
+from anima_train.adapters.full import model as full
 from anima_train.model.tiny import CONFIGS, build_models
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
@@ -104,6 +105,7 @@ def lokr_delta(m, alpha, adapter="default"):
 
 
 def deltas(model, native_of, kind, alpha=None):
+    from peft.tuners.loha.layer import LoHaLayer
     from peft.tuners.lokr.layer import LoKrLayer
     from peft.tuners.lora import LoraLayer
 
@@ -113,6 +115,8 @@ def deltas(model, native_of, kind, alpha=None):
             out[native_of(name)] = lora_delta(m)
         elif kind == "lokr" and isinstance(m, LoKrLayer):
             out[native_of(name)] = lokr_delta(m, alpha)
+        elif kind == "loha" and isinstance(m, LoHaLayer):
+            out[native_of(name)] = m.get_delta_weight("default").detach()  # the peft model's own fp32 ΔW
     return out
 
 
@@ -123,9 +127,8 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     dit_state = {k: v.clone() for k, v in transformer.state_dict().items()}
 
     # the base DiT is our own full-finetune export (bf16, like the released file)
-    dit_file = lora_export.save_full_native(tmp_path / "anima_comfy.safetensors", transformer, conditioner,
-                                            lora_export.training_metadata(kind="full", title="base"),
-                                            dtype=torch.bfloat16)
+    dit_file = full.save_native(tmp_path / "anima_comfy.safetensors", transformer, conditioner,
+                                lora_export.training_metadata(kind="full", title="base"), dtype=torch.bfloat16)
     base = {"diffusion_model." + k.removeprefix("net."): v.float() for k, v in load_file(dit_file).items()}
     dit_native = keymaps.dit_module_to_native
     torch.manual_seed(0)
@@ -134,10 +137,10 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     lora_deltas = {**deltas(transformer, dit_native, "lora"),
                    **deltas(conditioner, lambda n: "llm_adapter." + n, "lora")}
     meta = lora_export.training_metadata(kind="lora", title="t", rank=4, alpha=8.0)
-    files = {"peft": lora_export.save_lora(tmp_path / "peft.safetensors", transformer, conditioner, meta),
-             "kohya": lora_export.save_lora(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
-                                            fmt="kohya")}
-    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75}
+    files = {"peft": lora_export.save_adapter(tmp_path / "peft.safetensors", transformer, conditioner, meta),
+             "kohya": lora_export.save_adapter(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
+                                               fmt="kohya")}
+    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75, "loha": 0.6}
     expected = {name: lora_deltas for name in ("peft", "kohya")}
     del conditioner, models
 
@@ -151,11 +154,28 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
                                                                      "norm1.linear_1"],
                                     rank_pattern={"norm1.linear_1": 16}, alpha_pattern={"norm1.linear_1": 6.0},
                                     init_weights=False))
-    files["lokr"] = lora_export.save_lokr(tmp_path / "lokr.safetensors", lokr_dit, None,
-                                          lora_export.training_metadata(kind="lokr", title="k", rank=4, alpha=6.0))
+    files["lokr"] = lora_export.save_adapter(tmp_path / "lokr.safetensors", lokr_dit, None,
+                                             lora_export.training_metadata(kind="lokr", title="k", rank=4, alpha=6.0),
+                                             kind="lokr")
     expected["lokr"] = deltas(lokr_dit, dit_native, "lokr", alpha=6.0)
     lokr_keys = load_file(files["lokr"])
     assert any(k.endswith(".lokr_w2_b") for k in lokr_keys) and any(k.endswith(".lokr_w2") for k in lokr_keys)
+
+    # LoHa on a fresh DiT: alpha != rank, and its own rank and alpha on norm1.linear_1 (ComfyUI takes the rank from
+    # hada_w1_b's shape, so each module's `.alpha` must carry its own scale)
+    loha_dit = CosmosTransformer3DModel(**CONFIGS["comfy"]["transformer"])
+    loha_dit.load_state_dict(dit_state)
+    loha_dit.add_adapter(LoHaConfig(r=4, alpha=6.0, target_modules=["attn1.to_q", "attn2.to_k", "ff.net.2",
+                                                                     "norm1.linear_1"],
+                                    rank_pattern={"norm1.linear_1": 2}, alpha_pattern={"norm1.linear_1": 5.0},
+                                    init_weights=False))
+    files["loha"] = lora_export.save_adapter(tmp_path / "loha.safetensors", loha_dit, None,
+                                             lora_export.training_metadata(kind="loha", title="h", rank=4, alpha=6.0),
+                                             kind="loha")
+    expected["loha"] = deltas(loha_dit, dit_native, "loha")
+    loha_keys = load_file(files["loha"])
+    assert {k.rsplit(".", 1)[1] for k in loha_keys} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    assert {v.shape[0] for k, v in loha_keys.items() if k.endswith(".hada_w1_b")} == {2, 4}
 
     # Qwen3 LoRA on the tiny text encoder, base weights handed over under ComfyUI's TE key names
     te = build_models("tiny", seed=0)["text_encoder"]

@@ -55,8 +55,8 @@ SCRIPT = textwrap.dedent(r'''
 def test_preview_equals_comfyui_ksampler(tmp_path):
     from peft import LoraConfig
 
-    from anima_train import lora_export
     from anima_train.training import previews
+    from anima_train.adapters import export as lora_export
     from anima_train.model.components import load_components
     from anima_train.model.tiny import build_tiny_anima
     from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
@@ -70,9 +70,9 @@ def test_preview_equals_comfyui_ksampler(tmp_path):
     for name, p in parts.transformer.named_parameters():
         if "lora_B" in name:
             p.data.mul_(0.3)
-    lora_file = lora_export.save_lora(tmp_path / "preview_lora.safetensors", parts.transformer, None,
-                                      lora_export.training_metadata(kind="lora", title="t", rank=4, alpha=4.0),
-                                      dtype=torch.float32)
+    lora_file = lora_export.save_adapter(tmp_path / "preview_lora.safetensors", parts.transformer, None,
+                                         lora_export.training_metadata(kind="lora", title="t", rank=4, alpha=4.0),
+                                         dtype=torch.float32)
     prompt, negative = "red circle, white background", "blue square"
     job = dict(width=64, height=48, steps=4, cfg=3.5, seed=123)
 

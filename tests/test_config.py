@@ -291,8 +291,8 @@ def test_many_errors_are_reported_together():
 
 def test_bad_value_does_not_cause_follow_on_errors():
     # adapter.kind is unknown; the quant rule that depends on it must stay quiet instead of guessing.
-    msg = _errors(D + '[adapter]\nkind = "loha"\n[quant]\nmode = "training"\n')
-    assert "unknown value \"loha\"" in msg and "\n" not in msg  # one problem: one line
+    msg = _errors(D + '[adapter]\nkind = "dora"\n[quant]\nmode = "training"\n')
+    assert "unknown value \"dora\"" in msg and "\n" not in msg  # one problem: one line
 
 
 # --------------------------------------------------------------------------------------------- rules
@@ -362,12 +362,16 @@ RULES = [
     ("energy_power", D + "[dataset.texture]\nenergy_power = -1\n", ["energy_power = -1.0: must be >= 0.0"]),
     ("energy_downscale", D + "[dataset.texture]\nenergy_downscale = 0\n", ["energy_downscale = 0: must be >= 1"]),
     # [adapter]
-    ("adapter kind", D + '[adapter]\nkind = "loha"\n', ['kind = "loha"', '"lokr"', '"none"']),
+    ("adapter kind", D + '[adapter]\nkind = "dora"\n', ['kind = "dora"', '"lokr"', '"none"']),
     ("adapter component", D + '[adapter]\ncomponents = ["self_attn", "ffn"]\n',
      ['unknown value "ffn"', '"adaln"']),
     ("adapter rank", D + "[adapter]\nrank = 0\n", ["rank = 0: must be >= 1"]),
     ("te with lokr", D + '[adapter]\nkind = "lokr"\ntrain_text_encoder = true\n',
      ['train_text_encoder = true is not supported with kind = "lokr"']),
+    ("te with loha", D + '[adapter]\nkind = "loha"\ntrain_text_encoder = true\n',
+     ['[adapter] train_text_encoder = true is not supported with kind = "loha"', 'use kind = "lora"']),
+    ("kohya with loha", D + '[adapter]\nkind = "loha"\noutput_format = "kohya"\n',
+     ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "loha"', "hada_*", '"peft"']),
     ("output format", D + '[adapter]\noutput_format = "diffusers"\n', ['output_format = "diffusers"', '"kohya"']),
     ("kohya with lokr", D + '[adapter]\nkind = "lokr"\noutput_format = "kohya"\n',
      ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "lokr"', "lokr_*", '"peft"']),
@@ -477,6 +481,10 @@ def test_valid_variants_load(no_gate):
     load_config(D + 'source = "encode"\n[[curriculum]]\nat = 0.0\n[[curriculum]]\nat = 0.5\nmode = "texture"\n')
     load_config(D + "[dataset.texture]\ncanvases = [[1920, 512]]\nmask_ratio = [1.0, 1.0]\n")
     assert load_config(D + '[adapter]\noutput_format = "kohya"\n').adapter.output_format == "kohya"
+    loha = load_config(D + '[adapter]\nkind = "loha"\nrank = 8\nalpha = 4\ndropout = 0.1\ntrain_llm_adapter = true\n'
+                          '[component_lr]\nllm_adapter = 1e-6\n[quant]\nmode = "frozen"\n')
+    assert loha.adapter.kind == "loha" and loha.injected_components() == ["self_attn", "cross_attn", "mlp",
+                                                                          "llm_adapter"]
 
 
 def test_tiers_are_deduplicated_and_sorted():

@@ -9,12 +9,13 @@ import json
 
 import pytest
 import torch
-from peft import LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from anima_train import lora_export
 from anima_train.model import keymaps
+from anima_train.adapters import export as lora_export
+from anima_train.adapters.full import model as full
 from anima_train.model.tiny import build_models
 
 DIT_TARGETS = ["to_q", "to_k", "to_out.0", "ff.net.0.proj", "norm1.linear_1", "proj_out"]
@@ -66,7 +67,7 @@ def test_peft_lora_round_trips_through_diffusers_anima_loader(tmp_path):
 
     transformer, conditioner = with_lora()
     meta = lora_export.training_metadata(kind="lora", title="t", rank=4, alpha=8.0)
-    path = lora_export.save_lora(tmp_path / "l.safetensors", transformer, conditioner, meta, fmt="peft")
+    path = lora_export.save_adapter(tmp_path / "l.safetensors", transformer, conditioner, meta, fmt="peft")
     keys = list(load_file(path))
     assert all(k.startswith("diffusion_model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
     assert any(k.startswith("diffusion_model.llm_adapter.blocks.0.self_attn.q_proj.") for k in keys)
@@ -82,7 +83,7 @@ def test_peft_lora_round_trips_through_diffusers_anima_loader(tmp_path):
 
 def test_kohya_lora_keys_and_alpha_give_the_same_update():
     transformer, conditioner = with_lora()
-    sd = lora_export.lora_state_dict(transformer, conditioner, fmt="kohya")
+    sd = lora_export.adapter_state_dict(transformer, conditioner, fmt="kohya")
     assert all(k.startswith("lora_unet_") for k in sd)
     expected = {**{keymaps.dit_module_to_native(k): v for k, v in expected_lora(transformer, 4, 8.0).items()},
                 **{"llm_adapter." + k: v for k, v in expected_lora(conditioner, 2, 3.0).items()}}
@@ -142,9 +143,9 @@ def lokr_for_diffusers(sd: dict) -> dict:
 ])
 def test_lokr_keys_are_what_comfyui_reads_and_diffusers_applies_the_same_update(tmp_path, config, factors):
     transformer, conditioner = with_lokr(**config)
-    path = lora_export.save_lokr(tmp_path / "k.safetensors", transformer, conditioner,
-                                 lora_export.training_metadata(kind="lokr", title="k", rank=config["r"],
-                                                               alpha=config["alpha"]))
+    path = lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner,
+                                    lora_export.training_metadata(kind="lokr", title="k", rank=config["r"],
+                                                                  alpha=config["alpha"]), kind="lokr")
     sd = load_file(path)
     assert not any("default" in k for k in sd)
     assert {k.rsplit(".", 1)[1] for k in sd} == factors
@@ -160,8 +161,60 @@ def test_lokr_keys_are_what_comfyui_reads_and_diffusers_applies_the_same_update(
 def test_lokr_in_kohya_format_is_refused(tmp_path):
     transformer, conditioner = with_lokr(r=4, alpha=4.0)
     with pytest.raises(ValueError, match="kohya"):
-        lora_export.save_lokr(tmp_path / "k.safetensors", transformer, conditioner, fmt="kohya")
+        lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner, kind="lokr", fmt="kohya")
     assert not list(tmp_path.iterdir())
+
+
+def test_loha_keys_and_alpha_give_peft_update_under_comfyuis_rule(tmp_path):
+    """ComfyUI's LoHa rule (comfy/weight_adapter/loha.py): W + alpha / hada_w1_b.shape[0] · (w1_a·w1_b) ⊙
+    (w2_a·w2_b), compared with peft's own ΔW of the layer; a per-module rank and alpha (rank_pattern) keep
+    alpha != rank."""
+    transformer, conditioner, _ = tiny_parts()
+    torch.manual_seed(4)
+    transformer.add_adapter(LoHaConfig(r=4, alpha=6.0, target_modules=["attn1.to_q", "attn2.to_v", "ff.net.0.proj"],
+                                       rank_pattern={"ff.net.0.proj": 2}, alpha_pattern={"ff.net.0.proj": 5.0},
+                                       init_weights=False), adapter_name="default")
+    conditioner.add_adapter(LoHaConfig(r=2, alpha=3.0, target_modules=ADAPTER_TARGETS, init_weights=False),
+                            adapter_name="default")
+    meta = lora_export.training_metadata(kind="loha", title="h", rank=4, alpha=6.0)
+    path = lora_export.save_adapter(tmp_path / "h.safetensors", transformer, conditioner, meta, kind="loha")
+    sd = load_file(path)
+    assert all(k.startswith("diffusion_model.") and "default" not in k for k in sd)
+    assert {k.rsplit(".", 1)[1] for k in sd} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    assert "diffusion_model.blocks.0.mlp.layer1.hada_w1_b" in sd  # native names (ff.net.0.proj -> mlp.layer1)
+    assert any(k.startswith("diffusion_model.llm_adapter.blocks.0.self_attn.q_proj.") for k in sd)
+    assert sd["diffusion_model.blocks.0.mlp.layer1.hada_w1_b"].shape[0] == 2
+    base = {**keymaps.dit_diffusers_to_native(tiny_parts()[0].state_dict()),
+            **keymaps.adapter_diffusers_to_native(tiny_parts()[1].state_dict())}
+    from peft.tuners.loha.layer import LoHaLayer
+
+    expected = {}
+    for part, model, native_of in (("t", transformer, keymaps.dit_module_to_native),
+                                   ("c", conditioner, lambda n: "llm_adapter." + n)):
+        for name, m in model.named_modules():
+            if isinstance(m, LoHaLayer):
+                expected[native_of(name)] = (m.base_layer.weight + m.get_delta_weight("default")).detach()
+    # 3 DiT Linears x 2 blocks, 5 conditioner Linears x 2 blocks; 4 factors + alpha each
+    assert len(expected) == 6 + 10 and len(sd) == 5 * len(expected)
+    for native, want in expected.items():
+        f = {n: sd[f"diffusion_model.{native}.{n}"] for n in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+        alpha = sd[f"diffusion_model.{native}.alpha"]
+        assert alpha.ndim == 0 and alpha.dtype == torch.float32
+        got = base[native + ".weight"] + (alpha.item() / f["hada_w1_b"].shape[0]) * (
+            (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]))
+        assert torch.allclose(got, want, atol=1e-6), native
+    with safe_open(str(path), "pt") as handle:
+        md = handle.metadata()
+    assert md["ss_network_module"] == "lycoris.kohya" and json.loads(md["ss_network_args"]) == {"algo": "loha"}
+    assert md["modelspec.architecture"] == "anima-base-v1.0/lycoris" and md["ss_network_dim"] == "4"
+    half = lora_export.adapter_state_dict(transformer, conditioner, kind="loha", dtype=torch.bfloat16)
+    assert {v.dtype for k, v in half.items() if not k.endswith(".alpha")} == {torch.bfloat16}
+    assert {v.dtype for k, v in half.items() if k.endswith(".alpha")} == {torch.float32}
+    with pytest.raises(ValueError, match="kohya lora_unet_\\* layout only defines LoRA"):
+        lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner, kind="loha", fmt="kohya")
+    with pytest.raises(ValueError, match="no peft LoHa adapter named 'other'"):
+        lora_export.adapter_state_dict(transformer, kind="loha", adapter_name="other")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.safetensors"]
 
 
 def test_text_encoder_lora_uses_comfyui_single_te_keys(tmp_path):
@@ -196,7 +249,7 @@ def test_full_native_has_the_input_checkpoints_names_and_tensors(tmp_path, tiny_
     transformer = CosmosTransformer3DModel.from_pretrained(repo, subfolder="transformer")
     conditioner = AnimaTextConditioner.from_pretrained(repo, subfolder="text_conditioner")
     meta = lora_export.training_metadata(kind="full", title="ft", steps=7, resolution=[512, 768])
-    path = lora_export.save_full_native(tmp_path / "ft.safetensors", transformer, conditioner, meta)
+    path = full.save_native(tmp_path / "ft.safetensors", transformer, conditioner, meta)
     original, written = load_file(tiny_anima.anima_file), load_file(path)
     assert set(written) == set(original) and len(written) == len(original)
     assert any(k.startswith("net.llm_adapter.") for k in written)
@@ -207,7 +260,7 @@ def test_full_native_has_the_input_checkpoints_names_and_tensors(tmp_path, tiny_
     assert md["ss_steps"] == "7" and md["modelspec.resolution"] == "768x768" and "ss_network_dim" not in md
 
     # diffusers folders: each loads back with from_pretrained, same weights, metadata in the file
-    folder = lora_export.save_full_diffusers(tmp_path / "ft", transformer, conditioner, meta)
+    folder = full.save_diffusers(tmp_path / "ft", transformer, conditioner, meta)
     again = CosmosTransformer3DModel.from_pretrained(folder, subfolder="transformer")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), transformer.state_dict().values()))
     with safe_open(str(folder / "text_conditioner" / "diffusion_pytorch_model.safetensors"), "pt") as f:
@@ -215,7 +268,7 @@ def test_full_native_has_the_input_checkpoints_names_and_tensors(tmp_path, tiny_
 
     transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
     with pytest.raises(ValueError, match="peft adapter"):
-        lora_export.save_full_native(tmp_path / "ft2.safetensors", transformer, conditioner)
+        full.save_native(tmp_path / "ft2.safetensors", transformer, conditioner)
 
 
 def test_metadata_keys_and_atomic_no_overwrite(tmp_path):
@@ -224,7 +277,7 @@ def test_metadata_keys_and_atomic_no_overwrite(tmp_path):
     tags = {"data/1_cat": {"cat": 10, "solo": 4}}
     meta = lora_export.training_metadata(kind="lora", title="my-run", rank=4, alpha=8.0, resolution=1024, steps=120,
                                          epoch=2, num_epochs=3, tag_frequency=tags, training_config=config)
-    path = lora_export.save_lora(tmp_path / "my-run.safetensors", transformer, conditioner, meta, fmt="kohya")
+    path = lora_export.save_adapter(tmp_path / "my-run.safetensors", transformer, conditioner, meta, fmt="kohya")
     with safe_open(str(path), "pt") as f:
         md = f.metadata()
     assert md["ss_network_dim"] == "4" and md["ss_network_alpha"] == "8.0"
@@ -238,9 +291,9 @@ def test_metadata_keys_and_atomic_no_overwrite(tmp_path):
 
     before = path.read_bytes()
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        lora_export.save_lora(path, transformer, conditioner, meta)
+        lora_export.save_adapter(path, transformer, conditioner, meta)
     assert path.read_bytes() == before
-    lora_export.save_lora(path, transformer, conditioner, meta, fmt="peft", overwrite=True)
+    lora_export.save_adapter(path, transformer, conditioner, meta, fmt="peft", overwrite=True)
     assert path.read_bytes() != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my-run.safetensors"]  # no temp files left
 
@@ -253,19 +306,19 @@ def test_metadata_keys_and_atomic_no_overwrite(tmp_path):
 def test_no_adapter_and_bad_format_are_refused():
     transformer, conditioner, _ = tiny_parts()
     with pytest.raises(ValueError, match="no peft LoRA adapter named 'default'"):
-        lora_export.lora_state_dict(transformer, conditioner)
+        lora_export.adapter_state_dict(transformer, conditioner)
     transformer.add_adapter(LoraConfig(r=2, target_modules=["to_q"]), adapter_name="default")
     with pytest.raises(ValueError, match="fmt must be one of"):
-        lora_export.lora_state_dict(transformer, fmt="diffusers")
+        lora_export.adapter_state_dict(transformer, fmt="diffusers")
     with pytest.raises(ValueError, match="named 'other'"):
-        lora_export.lora_state_dict(transformer, adapter_name="other")
+        lora_export.adapter_state_dict(transformer, adapter_name="other")
 
 
 def test_compiled_blocks_export_the_same_keys():
     """Regional torch.compile wraps blocks in `_orig_mod`; the exported names must not change."""
     transformer, conditioner = with_lora()
-    plain = lora_export.lora_state_dict(transformer, conditioner)
+    plain = lora_export.adapter_state_dict(transformer, conditioner)
     transformer.transformer_blocks[0] = torch.compile(transformer.transformer_blocks[0])  # wraps, compiles lazily
     assert any("_orig_mod" in n for n, _ in transformer.named_modules())
-    compiled = lora_export.lora_state_dict(transformer, conditioner)
+    compiled = lora_export.adapter_state_dict(transformer, conditioner)
     assert compiled.keys() == plain.keys() and all(torch.equal(compiled[k], plain[k]) for k in plain)

@@ -133,7 +133,7 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     assert ports["epochs"].kind == "INT" and ports["epochs"].options["default"] == TrainConfig().epochs
     assert ports["epochs"].options["min"] == 1  # ge=1 in TrainConfig
     assert "passes over the dataset" in ports["epochs"].options["tooltip"]
-    assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == ["lora", "lokr", "none"]
+    assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == ["lora", "lokr", "loha", "none"]
     assert ports["dtype"].options["advanced"] is True and ports["epochs"].options["advanced"] is None
     assert ports["gradient_checkpointing"].kind == "BOOLEAN"
     assert ports["tag_dropout"].options["max"] == 1.0  # le=1.0

@@ -185,6 +185,17 @@ def test_install_script_second_run_changes_nothing():
     assert (stamp.stat().st_mtime_ns, _pip_freeze(venv_python)) == before
 
 
+def test_the_install_takes_every_library_sub_package_and_never_nodes():
+    # a wheel holds what setuptools finds: the sub-packages too (anima_train.adapters.<method>), never `nodes`
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    found = set(find_packages(str(ROOT), include=find["include"], exclude=find.get("exclude", ())))
+    assert {"anima_train", "anima_train.adapters", "anima_train.adapters.lora", "anima_train.adapters.full",
+            "anchor"} <= found
+    assert {p.split(".")[0] for p in found} == {"anima_train", "anchor"}
+
+
 def _pip_freeze(python: Path) -> str:
     return subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
 
@@ -194,7 +205,7 @@ def test_atomic_writes_get_normal_file_modes(tmp_path):
     import torch
 
     from anima_train.files import write_text
-    from anima_train.lora_export import write_safetensors
+    from anima_train.adapters.export import write_safetensors
 
     old = os.umask(0o022)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from anima_train.training.evaluate import cached_eval_set, evaluate
 from anima_train.model.components import load_components
 from anima_train.model.tiny import make_synthetic_latents
 from anima_train.training.train import train
+from tests.fixtures_tiny import anima_train_cli
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,31 @@ rank = 8
 alpha = 8.0
 {extra}"""
     return load_config(text)
+
+
+def test_a_loha_run_through_the_cli_writes_the_hada_file_comfyui_loads(tiny_anima, latents_dir, tmp_path):
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "out", 'kind = "loha"\n[optimizer]\nlr = 1e-3\n',
+                   max_steps=3, save_optimizer_state="true")
+    config = tmp_path / "loha.toml"
+    config.write_text(cfg.source_text)
+    out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "out" / "tiny"
+    sd = load_file(str(run / "tiny.safetensors"))
+    modules = {k.rsplit(".", 1)[0] for k in sd}
+    assert {k.rsplit(".", 1)[1] for k in sd} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    assert all(re.fullmatch(r"diffusion_model\.blocks\.\d+\.(self_attn\.(q|k|v|output)_proj|"
+                            r"cross_attn\.(q|k|v|output)_proj|mlp\.layer[12])", m) for m in modules), modules
+    assert len(modules) == 10 * len({m.split(".")[2] for m in modules})  # 4 + 4 + 2 Linears in every block
+    assert all(sd[f"{m}.alpha"].item() == 8.0 and sd[f"{m}.hada_w1_b"].shape[0] == 8 for m in modules)
+    assert all(torch.count_nonzero(sd[f"{m}.hada_w2_b"]) > 0 for m in modules)  # trained away from its zero init
+    with safe_open(str(run / "tiny.safetensors"), "pt") as f:
+        md = f.metadata()
+    assert json.loads(md["ss_network_args"])["algo"] == "loha" and md["ss_steps"] == "3"
+    assert md["ss_network_module"] == "lycoris.kohya" and md["modelspec.architecture"].endswith("/lycoris")
+    state = json.loads((run / "tiny-state" / "state.json").read_text())
+    assert state["adapter"] == {"kind": "loha", "rank": 8, "components": ["cross_attn", "mlp", "self_attn"],
+                                "train_llm_adapter": False, "train_text_encoder": False}
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+from anima_train import adapters
 from anima_train.data.captions import CAPTION_VARIANTS, parse_protected_tags
 from anima_train.config.constants import CAME_BETAS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT
 from anima_train.config.keys import Problems, as_toml, table_label
@@ -185,18 +186,7 @@ def _adapter(a, p: Problems, ctx, w) -> None:
         if dup:
             p.error(f"[adapter] components = {as_toml(a.components)}: {', '.join(dup)} listed twice",
                     "adapter.components")
-    if p.ok("adapter.lokr_factor") and a.lokr_factor != -1 and a.lokr_factor < 1:
-        p.error(f"[adapter] lokr_factor = {a.lokr_factor}: use -1 (most balanced) or a factor >= 1",
-                "adapter.lokr_factor")
-    if p.ok("adapter.kind", "adapter.output_format") and a.output_format != "peft" and a.kind != "lora":
-        what = ("the kohya lora_unet_* layout defines LoRA only (lora_down/lora_up/alpha); LoKr files use "
-                "diffusion_model.<module>.lokr_* keys, which ComfyUI loads" if a.kind == "lokr" else
-                "a full finetune is written as a model file (train.save_native), not a LoRA")
-        p.error(f'[adapter] output_format = {as_toml(a.output_format)} applies to kind = "lora", but kind = '
-                f'{as_toml(a.kind)}: {what}; remove output_format or set it to "peft"', "adapter.output_format")
-    if p.ok("adapter.kind", "adapter.train_text_encoder") and a.train_text_encoder and a.kind == "lokr":
-        p.error('[adapter] train_text_encoder = true is not supported with kind = "lokr" (the Qwen3 adapter is '
-                'a LoRA); use kind = "lora" or set train_text_encoder = false')
+    adapters.check_config(a, _AdapterRules(p, type(a)()))
 
 
 def _component_lrs(cfg, p: Problems, ctx, w) -> None:
@@ -205,7 +195,8 @@ def _component_lrs(cfg, p: Problems, ctx, w) -> None:
                 "optimizer.lr", *(f"component_lr.{k}" for k in COMPONENT_LR_KEYS)):
         return
     injected = cfg.injected_components()
-    if a.kind != "none":
+    full = adapters.method(a.kind).trains_base
+    if not full:
         defaults = type(lrs)()
         for comp in COMPONENT_LR_KEYS:
             value = getattr(lrs, comp)
@@ -223,7 +214,7 @@ def _component_lrs(cfg, p: Problems, ctx, w) -> None:
                 "or add components")
         return
     written = ctx.given("component_lr", lrs)
-    if a.kind != "none":
+    if not full:
         for comp in injected:
             if effective[comp] == 0.0 and comp not in written:
                 p.warnings.append(f"[adapter] injects an adapter into {comp}, but [component_lr] {comp} defaults "
@@ -231,6 +222,24 @@ def _component_lrs(cfg, p: Problems, ctx, w) -> None:
     if a.train_text_encoder and lrs.text_encoder is None:
         p.warnings.append(f"[adapter] train_text_encoder = true with [component_lr] text_encoder unset: the "
                           f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
+
+
+class _AdapterRules:
+    """The adapters' view of the problem collector (adapters.Rules): [adapter] key names, our TOML spelling."""
+
+    def __init__(self, p: Problems, defaults) -> None:
+        self.p, self.defaults = p, defaults
+
+    def ok(self, *keys: str) -> bool:
+        return self.p.ok(*(f"adapter.{k}" for k in keys))
+
+    def error(self, message: str, key: str | None = None) -> None:
+        self.p.error(message, *([f"adapter.{key}"] if key else []))
+
+    toml = staticmethod(as_toml)
+
+    def default(self, key: str):
+        return getattr(self.defaults, key)
 
 
 # ------------------------------------------------------------------------------------------------ [quant]
@@ -242,10 +251,11 @@ _WEIGHTS_DTYPE = re.compile(r"u?int([1-9]|1[0-6])|float8_e4m3fn|float8_e5m2|floa
 def _quant_mode(cfg, p: Problems, ctx, w) -> None:
     q, kind = cfg.quant, cfg.adapter.kind
     if p.ok("quant.mode", "adapter.kind"):
-        if q.mode == "frozen" and kind == "none":
+        full = adapters.method(kind).trains_base
+        if q.mode == "frozen" and full:
             p.error('[quant] mode = "frozen" quantizes a base that an adapter trains on, but [adapter] kind = '
                     '"none" (full finetune); use mode = "training" for a quantized full finetune, or an adapter')
-        if q.mode == "training" and kind != "none":
+        if q.mode == "training" and not full:
             p.error(f'[quant] mode = "training" quantizes the trained weights (full finetune), but [adapter] '
                     f'kind = {as_toml(kind)}; use mode = "frozen" under an adapter, or kind = "none"')
 

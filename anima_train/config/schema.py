@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
+from anima_train import adapters
 from anima_train.data.captions import CAPTION_MODES, CAPTION_VARIANTS
 from anima_train.config.constants import (DEFAULT_MODEL_PATH, DIT_COMPONENTS, DTYPE_NAMES, LORA_FORMATS, MAX_RANK,
                                           MAX_REPEATS, MODEL_PATH_ENV, SAMPLE_SHIFT, SDNQ_OPTIMIZERS,
@@ -260,10 +261,10 @@ class ComponentLRConfig:
 @section
 @dataclass
 class AdapterConfig:
-    kind: str = _key("lora", choices=("lora", "lokr", "none"), help="lora, lokr, or none (= full finetune)")
+    kind: str = _key("lora", choices=adapters.kinds(), help=adapters.kind_help())
     rank: int = _key(32, ge=1, le=MAX_RANK, help="adapter rank")
     alpha: float = _key(32.0, gt=0.0, help="scale alpha/rank (alpha = rank keeps the LR rank-independent)")
-    dropout: float = _key(0.0, ge=0.0, lt=1.0, help="LoRA dropout (LoKr: rank dropout)")
+    dropout: float = _key(0.0, ge=0.0, lt=1.0, help=adapters.dropout_help())
     components: list[str] = _key(factory=lambda: ["self_attn", "cross_attn", "mlp"], choices=DIT_COMPONENTS,
                                  help="DiT parts that get an adapter")
     train_llm_adapter: bool = _key(False, help="also adapt the LLM adapter (text conditioner)")
@@ -349,7 +350,7 @@ class Config:
     optimizer: OptimizerConfig = _table(OptimizerConfig, "optimizer")
     schedule: ScheduleConfig = _table(ScheduleConfig, "learning-rate schedule")
     component_lr: ComponentLRConfig = _table(ComponentLRConfig, "per-component learning rates")
-    adapter: AdapterConfig = _table(AdapterConfig, "LoRA / LoKr / full finetune")
+    adapter: AdapterConfig = _table(AdapterConfig, adapters.table_help())
     quant: QuantConfig = _table(QuantConfig, "SDNQ quantization")
     curriculum: list[CurriculumPhase] = _array(CurriculumPhase, "curriculum phases, sorted by at")
     sample: SampleConfig = _table(SampleConfig, "preview images rendered while training")
@@ -366,8 +367,9 @@ class Config:
     def injected_components(self) -> list[str]:
         """component_lr keys that own trainable weights under the current [adapter] settings."""
         a = self.adapter
-        comps = list(DIT_COMPONENTS) + ["llm_adapter"] if a.kind == "none" else list(a.components)
-        if a.kind != "none" and a.train_llm_adapter:
+        full = adapters.method(a.kind).trains_base
+        comps = list(DIT_COMPONENTS) + ["llm_adapter"] if full else list(a.components)
+        if not full and a.train_llm_adapter:
             comps.append("llm_adapter")
         if a.train_text_encoder:
             comps.append("text_encoder")

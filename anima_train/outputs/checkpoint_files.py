@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from anima_train import lora_export as ex
+from anima_train import adapters
+from anima_train.adapters import export as ex
 from anima_train.adapters import text_encoder_rank_alpha
 from anima_train.config import Config
 from anima_train.data.captions import read_caption_file, split_tags
@@ -152,14 +153,14 @@ def writing(path: Path, run_dir: Path, lost: str = "") -> Iterator[None]:
 
 def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, step: int, epoch: int, num_epochs: int,
                      max_steps: int, tag_frequency: dict | None = None) -> Path:
-    """One checkpoint in the layout ComfyUI loads directly: LoRA/LoKr file (+ `_te` sibling for a Qwen3 LoRA), or
-    a full finetune as a native single file (or diffusers folders with save_native = false). Replaces a file of the
-    same name (a re-run of the same step).
+    """One checkpoint in the layout ComfyUI loads directly: the [adapter] kind's file (adapters.<method>.model:
+    save_checkpoint; a full finetune's is a native single file, or diffusers folders with save_native = false), plus
+    the `_te` sibling for a Qwen3 LoRA. Replaces a file of the same name (a re-run of the same step).
 
     The numbers describe the run that writes the file (sd-scripts' meaning): step = optimizer steps done (ss_steps),
     epoch = the 1-based epoch that step falls in (ss_epoch), num_epochs / max_steps = the epochs and steps the run
     really does (ss_num_epochs, ss_max_train_steps), i.e. after a max_steps cap, not the configured epochs."""
-    kind = cfg.adapter.kind
+    method = adapters.method(cfg.adapter.kind)
     dtype = DTYPES[cfg.train.dtype]
 
     def metadata(file_kind: str, rank: int | None, alpha: float | None) -> dict[str, str]:
@@ -171,20 +172,10 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
             network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
             extra={"step": step, "run": cfg.run_stem})
 
-    meta = metadata("full", None, None) if kind == "none" else metadata(kind, cfg.adapter.rank, cfg.adapter.alpha)
-    transformer, conditioner = models["transformer"], models["text_conditioner"]
-    adapted_conditioner = conditioner if cfg.adapter.train_llm_adapter else None
-    path = run_dir / f"{stem}.safetensors" if kind != "none" or cfg.train.save_native else run_dir / stem
+    meta = metadata(method.name, *((None, None) if method.trains_base else (cfg.adapter.rank, cfg.adapter.alpha)))
+    path = run_dir / method.output_name(stem, cfg)
     with writing(path, run_dir):
-        if kind == "lora":
-            ex.save_lora(path, transformer, adapted_conditioner, meta, fmt=cfg.adapter.output_format, dtype=dtype,
-                         overwrite=True)
-        elif kind == "lokr":
-            ex.save_lokr(path, transformer, adapted_conditioner, meta, dtype=dtype, overwrite=True)
-        elif cfg.train.save_native:
-            ex.save_full_native(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
-        else:
-            path = ex.save_full_diffusers(path, transformer, conditioner, meta, dtype=dtype, overwrite=True)
+        path = method.runtime().save_checkpoint(path, models, cfg, meta, dtype)
     if cfg.adapter.train_text_encoder:  # the Qwen3 LoRA's own rank and alpha, even beside a full finetune
         te_meta = metadata("te_lora", *text_encoder_rank_alpha(cfg))
         te_path = ex.text_encoder_lora_path(run_dir / f"{stem}.safetensors")

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from anima_train import adapters
 from anima_train.errors import UserError
 from anima_train.files import publish_dir, write_json, write_text
 from anima_train.outputs.checkpoint_files import writing
@@ -35,10 +36,9 @@ from anima_train.outputs.layout import (ACCELERATOR_DIR, LOSSES_FILE, OPTIMIZER_
                                         STATE_SUFFIX, TORCH_FILES, TRAINABLE_FILE, checkpoint_step, latest_state,
                                         rng_file, state_dir_for)
 
+
 class ResumeError(UserError, ValueError):
     """A resume_from that cannot be resumed; the message names the path and the fix."""
-
-
 
 
 def resolve_resume(path: str | os.PathLike) -> Path:
@@ -196,12 +196,9 @@ def describe_adapter(cfg) -> dict:
     a = cfg.adapter
     out = {"kind": a.kind, "components": sorted(a.components), "train_llm_adapter": a.train_llm_adapter,
            "train_text_encoder": a.train_text_encoder}
-    if a.kind != "none":
-        out["rank"] = a.rank
     if a.train_text_encoder:
         out["text_encoder_rank"] = a.text_encoder_rank or a.rank
-    if a.kind == "lokr":
-        out.update(lokr_factor=a.lokr_factor, lokr_decompose_both=a.lokr_decompose_both)
+    out.update(adapters.method(a.kind).describe(a))  # the method's own keys: rank, lokr_factor, ...
     return out
 
 

@@ -1,4 +1,5 @@
-"""Which weights train: LoRA / LoKr injection (peft), full-finetune selection, and one param group per component.
+"""Which weights train: adapter injection (peft, the method's config), full-finetune selection, and one param group
+per component.
 
     inject_adapters(transformer, conditioner, text_encoder, cfg)      # in place; freezes everything else
     groups, table = build_param_groups({"transformer": t, "text_conditioner": c, "text_encoder": q}, cfg)
@@ -16,18 +17,18 @@ Components (docs/model.md#linear-groups, diffusers module names):
                 out_proj)
     text_encoder  the Qwen3 projections layers.N.self_attn.{q,k,v,o}_proj, layers.N.mlp.{gate,up,down}_proj
 
-Adapters are injected with peft under the adapter name "default" (ADAPTER_NAME): through the diffusers PEFT mixin
-(`add_adapter`) for the DiT and the conditioner, and `peft.inject_adapter_in_model` for Qwen3 (transformers 5.24's
-own `add_adapter` refuses peft < 0.22). Module names stay the diffusers ones with peft's usual inner names
-(`<module>.lora_A.default.weight`, `<module>.lokr_w1.default`, base weight at `<module>.base_layer.weight`);
-`peft.get_peft_model_state_dict(model)` gives `<module>.lora_A.weight` keys (the ".default" dropped) for export.
+Adapters are injected with peft under the adapter name "default" (ADAPTER_NAME), with the peft config of the
+[adapter] kind's method (`<method>/model.py: peft_config`): through the diffusers PEFT mixin (`add_adapter`) for the
+DiT and the conditioner, and `peft.inject_adapter_in_model` for Qwen3 (transformers 5.24's own `add_adapter` refuses
+peft < 0.22). Module names stay the diffusers ones with peft's usual inner names (`<module>.lora_A.default.weight`,
+`<module>.lokr_w1.default`, base weight at `<module>.base_layer.weight`).
 The Qwen3 adapter is always a LoRA (rank = text_encoder_rank or rank, same alpha/rank scale as the DiT adapter).
 
-Full finetune (adapter.kind = "none"): nothing is injected; every parameter of the DiT and the conditioner is a
-candidate, grouped by the component of the sub-tree that owns it: the q/k RMSNorms of attn1/attn2 go with
-self_attn/cross_attn, everything under ff with mlp, norm1/2/3 and norm_out with adaln, and the rest of the DiT
-(patch_embed, time_embed incl. its RMSNorm, proj_out) with base. Every conditioner parameter (embedding and norms
-too) is llm_adapter. Qwen3 and the VAE never full-finetune.
+Full finetune (a method with trains_base, kind = "none"): nothing is injected; every parameter of the DiT and the
+conditioner is a candidate, grouped by the component of the sub-tree that owns it: the q/k RMSNorms of attn1/attn2
+go with self_attn/cross_attn, everything under ff with mlp, norm1/2/3 and norm_out with adaln, and the rest of the
+DiT (patch_embed, time_embed incl. its RMSNorm, proj_out) with base. Every conditioner parameter (embedding and
+norms too) is llm_adapter. Qwen3 and the VAE never full-finetune.
 
 A component whose [component_lr] is 0.0 is frozen: requires_grad False, in no param group, no optimizer state.
 Adapters are still injected into a frozen component listed in [adapter] components (a fresh adapter is an exact
@@ -44,11 +45,12 @@ import re
 from collections.abc import Mapping
 
 import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 
+from anima_train import adapters
+from anima_train.adapters.base import ADAPTER_NAME, MODEL_ROLES
 from anima_train.config import COMPONENT_LR_KEYS, Config
-
-ADAPTER_NAME = "default"
-MODEL_ROLES = ("transformer", "text_conditioner", "text_encoder")
 
 # Linear targets per component; full matches on diffusers module names.
 _DIT_TARGETS = {
@@ -113,7 +115,6 @@ def target_modules(model: torch.nn.Module, components, role: str = "transformer"
 
 
 def tuner_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
     return {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
 
 
@@ -130,18 +131,6 @@ def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.
     return out
 
 
-def _peft_config(cfg: Config, targets: list[str], rank: int, alpha: float):
-    from peft import LoKrConfig, LoraConfig
-    a = cfg.adapter
-    if a.kind == "lokr":
-        # init_weights=True: peft zeroes one Kronecker factor, so a fresh LoKr is an exact no-op like LoRA.
-        return LoKrConfig(r=rank, alpha=alpha, rank_dropout=a.dropout, decompose_factor=a.lokr_factor,
-                          decompose_both=a.lokr_decompose_both, target_modules=targets, init_weights=True)
-    # init_lora_weights=True: A Kaiming-uniform, B = 0 (fresh LoRA = exact no-op).
-    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=a.dropout, target_modules=targets,
-                      init_lora_weights=True)
-
-
 def _set_adapter_dtype(model: torch.nn.Module, dtype: torch.dtype | None) -> None:
     if dtype is None:  # the model's own dtype (peft may have made fp32 adapters on a bf16 model)
         dtype = next(p.dtype for n, p in model.named_parameters()
@@ -156,15 +145,17 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
                     adapter_dtype: torch.dtype | None | str = "auto") -> dict[str, list[str]]:
     """Prepare the models for training in place; returns the injected module names per model role.
 
-    LoRA/LoKr: every base weight is frozen and an adapter goes onto exactly the Linears of `cfg.adapter.components`
-    (+ the conditioner's Linears if train_llm_adapter). Full finetune: the DiT and conditioner weights are made
-    trainable (build_param_groups then freezes the components whose LR is 0). In both modes Qwen3 is frozen and
-    gets a LoRA on its q/k/v/o/gate/up/down projections if train_text_encoder.
+    An adapter method (LoRA, LoKr, ...): every base weight is frozen and the method's adapter goes onto exactly
+    the Linears of `cfg.adapter.components` (+ the conditioner's Linears if train_llm_adapter). Full finetune
+    (trains_base): the DiT and conditioner weights are made trainable (build_param_groups then freezes the
+    components whose LR is 0). In both modes Qwen3 is frozen and gets a LoRA on its q/k/v/o/gate/up/down
+    projections if train_text_encoder.
 
     adapter_dtype: "auto" = the model's (training) dtype; None = the model's dtype;
     or an explicit torch dtype.
     """
     a = cfg.adapter
+    method = adapters.method(a.kind)
     if adapter_dtype == "auto":
         # The training dtype, as peft's own injection does: fp32 adapters on a bf16 trunk make peft cast every
         # adapted layer's input to fp32 (measured on an H200, LoRA r32 b8 1024²: +42% step time, +3.7 GiB peak).
@@ -176,27 +167,27 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
                 raise ValueError(f"{type(m).__name__} already holds peft adapters; inject_adapters expects "
                                  "freshly loaded models (inject once, before building the optimizer)")
     injected: dict[str, list[str]] = {}
-    if a.kind == "none":
+    if method.trains_base:
         transformer.requires_grad_(True)
         if conditioner is not None:
             conditioner.requires_grad_(True)
     else:
+        peft_config = method.runtime().peft_config
         targets = target_modules(transformer, a.components, "transformer")
         if targets:
-            transformer.add_adapter(_peft_config(cfg, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
+            transformer.add_adapter(peft_config(a, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
             _set_adapter_dtype(transformer, adapter_dtype)
             injected["transformer"] = targets
         if a.train_llm_adapter:
             if conditioner is None:
                 raise ValueError("[adapter] train_llm_adapter = true but no text conditioner was passed")
             targets = target_modules(conditioner, ["llm_adapter"], "text_conditioner")
-            conditioner.add_adapter(_peft_config(cfg, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
+            conditioner.add_adapter(peft_config(a, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
             _set_adapter_dtype(conditioner, adapter_dtype)
             injected["text_conditioner"] = targets
     if a.train_text_encoder:
         if text_encoder is None:
             raise ValueError("[adapter] train_text_encoder = true but no text encoder (Qwen3) was passed")
-        from peft import LoraConfig, inject_adapter_in_model
         rank, alpha = text_encoder_rank_alpha(cfg)
         targets = target_modules(text_encoder, ["text_encoder"], "text_encoder")
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=a.dropout,
@@ -217,17 +208,17 @@ def text_encoder_rank_alpha(cfg: Config) -> tuple[int, float]:
 
 def _candidates(role: str, model: torch.nn.Module, cfg: Config) -> list[tuple[str, str, torch.nn.Parameter]]:
     """(component, parameter name, parameter) of every tensor that may train in this model."""
-    adapters = adapter_parameters(model)
-    if adapters:
+    tensors = adapter_parameters(model)
+    if tensors:
         out = []
-        for mod_name, pname, p in adapters:
+        for mod_name, pname, p in tensors:
             comp = component_of(mod_name, role)
             if comp is None:
                 raise ValueError(f"{role}: adapter on {mod_name!r}, which belongs to no component; inject with "
                                  "anima_train.adapters.inject_adapters")
             out.append((comp, pname, p))
         return out
-    if cfg.adapter.kind == "none" and role in ("transformer", "text_conditioner"):
+    if adapters.method(cfg.adapter.kind).trains_base and role in ("transformer", "text_conditioner"):
         return [(owner_component(n, role), n, p) for n, p in model.named_parameters()]
     return []
 

@@ -1,0 +1,104 @@
+"""The interface every adapter method implements: `AdapterMethod` (facts and config rules, no torch) plus the
+method's `model` module (peft injection and the exported tensors, torch). See the package docstring for the why.
+
+No torch here: `anima_train.config` reads the kinds, their help and their rules from these objects at import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+ADAPTER_NAME = "default"  # the peft adapter name the trainer injects and the exporters read
+MODEL_ROLES = ("transformer", "text_conditioner", "text_encoder")
+
+
+class Rules(Protocol):
+    """What a method's `check` may do with the [adapter] table being loaded (the config's problem collector, seen
+    through [adapter] key names: "lokr_factor", not "adapter.lokr_factor")."""
+
+    def ok(self, *keys: str) -> bool:
+        """True if none of these keys already failed its own type/bounds check (then its value can be trusted)."""
+
+    def error(self, message: str, key: str | None = None) -> None:
+        """Refuse the config with `message` (which names the key and the fix); `key` is marked untrustworthy."""
+
+    def toml(self, value: Any) -> str:
+        """A value as TOML writes it, for messages ('"kohya"', 'true', '[1, 2]')."""
+
+    def default(self, key: str) -> Any:
+        """The default value of an [adapter] key."""
+
+
+class Runtime(Protocol):
+    """The torch side of a method: `anima_train.adapters.<name>.model`. Every method provides `state_dict` and
+    `save_checkpoint`; a method that injects an adapter (trains_base False) also provides `peft_config`."""
+
+    def peft_config(self, adapter: Any, targets: list[str], rank: int, alpha: float) -> Any:
+        """The peft config that puts this adapter on exactly `targets` (a fresh adapter must be an exact no-op)."""
+
+    def state_dict(self, transformer: Any, text_conditioner: Any = None, *, fmt: str = "peft",
+                   adapter_name: str = ADAPTER_NAME, dtype: Any = None) -> dict:
+        """The tensors of the exported file, under the key names ComfyUI loads."""
+
+    def save_checkpoint(self, path: Path, models: dict, cfg: Any, metadata: dict[str, str], dtype: Any) -> Path:
+        """One checkpoint of a run at `path` (replacing a file of that name); returns what was written."""
+
+
+RUNTIME_FUNCTIONS = ("state_dict", "save_checkpoint")  # and peft_config unless trains_base
+
+
+def _no_rules(adapter: Any, rules: Rules) -> None:
+    return None
+
+
+def _safetensors_name(stem: str, cfg: Any) -> str:
+    return f"{stem}.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterMethod:
+    """One value of `[adapter] kind`: what it means for the config, the models, the files and the nodes.
+
+    A method lives in `anima_train/adapters/<name>/`: `__init__.py` defines `METHOD = AdapterMethod(...)` (this
+    object; no torch), and `model.py` is its Runtime (torch, peft), loaded on first use by `runtime()`.
+    """
+
+    name: str  # the folder under anima_train/adapters/, and the `kind` of training_metadata ("full" for "none")
+    kind: str  # the value of [adapter] kind
+    title: str  # how the docs and messages name it: "LoRA"
+    order: int  # its place in the choices (config docs, the Train node's menu); full finetune last
+    summary: str  # what the kind's help says about it, e.g. "full finetune" (empty: just the kind)
+    layout: str  # the file it writes, in words (used in messages): "LoKr files use ... lokr_* keys, ..."
+    trains_base: bool = False  # True: nothing is injected, the models' own weights train (full finetune)
+    dropout: str = ""  # what [adapter] dropout means for it ("" = not used)
+    # Resume state: the [adapter] keys the trainable tensors' names and shapes depend on (besides kind, components,
+    # train_llm_adapter, train_text_encoder and text_encoder_rank, which every method records).
+    shape_keys: tuple[str, ...] = ()
+    # [adapter] keys only this method reads, each with why another kind refuses a non-default value.
+    exclusive: dict[str, str] = field(default_factory=dict)
+    text_encoder: bool = True  # may the Qwen3 LoRA (train_text_encoder) train beside it
+    check: Callable[[Any, Rules], None] = _no_rules  # its value rules, run on every config whatever the kind
+    # safetensors metadata: sd-scripts' ss_network_module, the ModelSpec architecture suffix, default network args
+    network_module: str | None = None
+    architecture: str = ""
+    network_args: dict[str, Any] = field(default_factory=dict)
+    comfy_folder: str = "loras"  # the ComfyUI model folder whose stock loader reads its file
+    output_name: Callable[[str, Any], str] = _safetensors_name  # (stem, cfg) -> checkpoint file/folder name
+
+    def runtime(self) -> ModuleType:
+        """The method's torch side, `anima_train.adapters.<name>.model` (imports torch and peft)."""
+        module = importlib.import_module(f"{__package__}.{self.name}.model")
+        wanted = RUNTIME_FUNCTIONS + (() if self.trains_base else ("peft_config",))
+        missing = [f for f in wanted if not callable(getattr(module, f, None))]
+        if missing:
+            raise TypeError(f"{module.__name__} does not implement {', '.join(missing)} (adapters.base.Runtime)")
+        return module
+
+    def describe(self, adapter: Any) -> dict[str, Any]:
+        """What this method's trainable tensors depend on, as a resume state records it."""
+        return {key: getattr(adapter, key) for key in self.shape_keys}
