@@ -362,10 +362,11 @@ METHOD = AdapterMethod(name="demo", kind="demo", title="Demo", order=5, summary=
 DEMO_RUNTIME = "from anima_train.adapters.lora.model import peft_config, save_checkpoint, state_dict  # noqa: F401\n"
 
 DEMO_CHECK = textwrap.dedent('''
-    from anima_train import adapters, checkpoints
+    from anima_train import adapters
     from anima_train.adapters import export
     from anima_train.config import ConfigError, iter_fields, load_config
-    from anima_train.config_reference import reference_markdown
+    from anima_train.config.reference import reference_markdown
+    from anima_train.outputs import resume_state
 
     kind = next(f for f in iter_fields("adapter") if f.name == "kind")
     assert kind.choices[-2:] == ("demo", "none"), kind.choices
@@ -373,7 +374,7 @@ DEMO_CHECK = textwrap.dedent('''
     base = '[dataset]\\npath = "data"\\n[adapter]\\nkind = "demo"\\n'
     cfg = load_config(base + "rank = 4\\n")
     assert cfg.injected_components() == ["self_attn", "cross_attn", "mlp"]
-    assert checkpoints.describe_adapter(cfg)["alpha"] == 32.0
+    assert resume_state.describe_adapter(cfg)["alpha"] == 32.0
     for extra, wanted in (("rank = 16\\n", 'kind = "demo" takes rank <= 8'),
                           ('output_format = "kohya"\\n', "but kind = \\"demo\\": the kohya lora_unet_* layout defines "
                                                        "LoRA only (lora_down/lora_up/alpha); Demo files use demo_*"),

@@ -184,13 +184,13 @@ def test_epoch_of_step_is_the_one_based_epoch_the_step_falls_in():
 def test_a_loha_state_records_its_rank_and_a_resume_with_another_kind_is_refused(tmp_path):
     base = '[dataset]\npath = "/data/train"\n[adapter]\nrank = 4\n'
     loha = load_config(base + 'kind = "loha"\n')
-    assert C.describe_adapter(loha) == {"kind": "loha", "rank": 4, "components": ["cross_attn", "mlp", "self_attn"],
+    assert resume_state.describe_adapter(loha) == {"kind": "loha", "rank": 4, "components": ["cross_attn", "mlp", "self_attn"],
                                         "train_llm_adapter": False, "train_text_encoder": False}
     lokr = load_config(base + 'kind = "lokr"\n')  # the other methods record what they always did
-    assert C.describe_adapter(lokr) == {**C.describe_adapter(loha), "kind": "lokr", "lokr_factor": -1,
+    assert resume_state.describe_adapter(lokr) == {**resume_state.describe_adapter(loha), "kind": "lokr", "lokr_factor": -1,
                                         "lokr_decompose_both": False}
-    assert "rank" not in C.describe_adapter(load_config(base + 'kind = "none"\n'))
+    assert "rank" not in resume_state.describe_adapter(load_config(base + 'kind = "none"\n'))
     state = tmp_path / "run-state"
-    with pytest.raises(C.ResumeError, match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
-        C.refuse_adapter_change(state, {"adapter": C.describe_adapter(loha)}, load_config(base))
-    C.refuse_adapter_change(state, {"adapter": C.describe_adapter(loha)}, loha)  # the same adapter resumes
+    with pytest.raises(resume_state.ResumeError, match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
+        resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, load_config(base))
+    resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, loha)  # the same adapter resumes

@@ -87,7 +87,7 @@ def training_metadata(*, kind: str, title: str, rank: int | None = None, alpha: 
         "modelspec.implementation_version": f"anima-train/{__version__}",
         "modelspec.title": title,
         "modelspec.date": now.isoformat(),
-        "modelspec.prediction_type": "flow",  # rectified flow, velocity target (MODEL.md §6)
+        "modelspec.prediction_type": "flow",  # rectified flow, velocity target (docs/model.md#flow-matching)
         "ss_base_model_version": BASE_MODEL_VERSION,
         RUN_KEY: title,
         "ss_training_finished_at": str(now.timestamp()),
