@@ -26,8 +26,9 @@ RUNS = {  # name -> (extra TOML, extra CLI args, resume from (run, state))
     "lora_resumed": ('[adapter]\nkind = "lora"\nrank = 4\n', [], ("lora", "lora-step000004-state")),
     "lokr": ('[adapter]\nkind = "lokr"\nrank = 4\n', [], None),
 }
-MASK_KEYS = {"seconds", "time", "t", "elapsed", "eta", "s_per_step", "it_s", "run_dir", "path", "final", "saved",
-             "state", "log", "versions"}
+MASK_KEYS = {"seconds", "time", "t", "elapsed", "eta", "eta_s", "s_per_step", "it_s", "run_dir", "path", "final",
+             "saved", "state", "log", "versions"}
+SUFFIXES = (".safetensors", ".json", ".pt")  # checkpoints, states (their JSON, optimizer, scheduler), events aside
 TIME_TEXT = re.compile(r"\d+(\.\d+)? ?s\b|/tmp/\S+|" + r"\d{4}-\d\d-\d\dT\S+")
 
 
@@ -57,7 +58,7 @@ def events(path: Path) -> list:
 def tensors(path: Path) -> tuple[dict, dict]:
     with safe_open(str(path), "pt") as f:
         meta = {k: v for k, v in (f.metadata() or {}).items()
-                if k not in ("ss_training_started_at", "ss_training_finished_at", "ss_output_name")}
+                if k not in ("ss_training_started_at", "ss_training_finished_at", "ss_output_name", "modelspec.date")}
         if "ss_training_config" in meta:
             meta["ss_training_config"] = re.sub(r'"(output_dir|resume_from|source_path|path|model_path)": "[^"]*"',
                                                 r'"\1": "<p>"', meta["ss_training_config"])
@@ -91,13 +92,24 @@ def main() -> int:
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--work", default="/tmp/compare-trees")
+    ap.add_argument("--compare-only", action="store_true", help="compare the runs already in --work")
     args = ap.parse_args()
     work = Path(args.work)
+    problems: list[str] = []
+    if not args.compare_only:
+        run_both(args, work)
+    compare(work, problems)
+    for p in problems:
+        print("DIFFERS:", p)
+    print("equal" if not problems else f"{len(problems)} difference(s)")
+    return 0 if not problems else 1
+
+
+def run_both(args, work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
     sh(args.before, "demo", "--out", str(work / "base"), "--steps", "1", "--images", "12", "--cpu", cwd=Path("/"))
     demo = (work / "base" / "demo.toml").read_text()
     demo = re.sub(r"(?m)^\[adapter\][^\[]*", "", demo)
-    problems: list[str] = []
     for side, python in (("before", args.before), ("after", args.after)):
         for name, (extra, cli, resume) in RUNS.items():
             out = work / side / name
@@ -111,6 +123,9 @@ def main() -> int:
                 toml = toml.replace("[train]\n", f'[train]\nresume_from = "{src.as_posix()}"\n', 1)
             (out / "cfg.toml").write_text(toml + extra)
             sh(python, "train", str(out / "cfg.toml"), "--cpu", "--events", str(out / "events.jsonl"), *cli, cwd=out)
+
+
+def compare(work: Path, problems: list[str]) -> None:
     for name in RUNS:
         a, b = work / "before" / name, work / "after" / name
         ea, eb = events(a / "events.jsonl"), events(b / "events.jsonl")
@@ -118,17 +133,13 @@ def main() -> int:
             first = next((i for i, (x, y) in enumerate(zip(ea, eb)) if x != y), min(len(ea), len(eb)))
             problems.append(f"{name}: events differ from #{first}: {ea[first:first + 1]} vs {eb[first:first + 1]}")
         losses = [e["loss"] for e in ea if e.get("event") == "step"]
-        files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".json", ".pt"))
-        files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".json", ".pt"))
+        files_a, files_b = (sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
+                            for d in (a, b))
         if files_a != files_b:
             problems.append(f"{name}: files differ: {sorted(set(files_a) ^ set(files_b))}")
         for rel in set(files_a) & set(files_b):
             compare_files(a / rel, b / rel, problems, f"{name}/{rel}")
         print(f"{name}: {len(ea)} events, {len(files_a)} files, losses {[round(x, 6) for x in losses]}")
-    for p in problems:
-        print("DIFFERS:", p)
-    print("equal" if not problems else f"{len(problems)} difference(s)")
-    return 0 if not problems else 1
 
 
 if __name__ == "__main__":
