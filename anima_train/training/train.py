@@ -44,14 +44,13 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
-from anima_train.training import preflight, readout, recompute, saving
+from anima_train.training import optimizers, preflight, readout, recompute, saving
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
 from anima_train.training.memory import (ParkedWeights, plan_checkpointing, relieve, to_device,
                                          use_expandable_segments)
-from anima_train.training.optimizers import build_optimizer
 from anima_train.training.previews import Previewer
 from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
@@ -163,7 +162,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         say("speed    CUDA allocator: expandable segments")
     model = _build_model(cfg, data, device, dtype, say)
 
-    optimizer = build_optimizer(model.groups, cfg.optimizer)
+    optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer)
     loader = _loader(cfg, data, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
