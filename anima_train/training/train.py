@@ -241,6 +241,8 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
     cfg, accelerator, result, say = run.cfg, run.accelerator, run.result, run.progress.message
     world, total = accelerator.num_processes, result.total_steps
     totals = readout.StepTotals()
+    # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters instead
+    params = [p for g in model.groups for p in g["params"]]
     epoch, batch_index = start_epoch, skip_batches
     if result.global_step < total:
         previews.before_training(result.global_step)
@@ -258,7 +260,7 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
             # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
             phase = active_phase(cfg.curriculum, result.global_step / total) if cfg.curriculum else None
             check_batch_phase(batch, phase)
-            step_readout, lrs = _step(run, model, batch, phase, totals, stops)
+            step_readout, lrs = _step(run, model, params, batch, phase, totals, stops)
             if step_readout is None:  # gradients accumulate: not an optimizer step yet
                 continue
 
@@ -296,7 +298,8 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
     return epoch, batch_index
 
 
-def _step(run: Run, model: Model, batch: dict, phase, totals: readout.StepTotals, stops: StopRequests):
+def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: readout.StepTotals,
+          stops: StopRequests):
     """One micro-batch: forward, backward and, when the gradients are complete, clip and the optimizer step.
     Returns the step's readout (on its way to the host) and the learning rates it used, or (None, None) while the
     gradients still accumulate."""
@@ -310,8 +313,6 @@ def _step(run: Run, model: Model, batch: dict, phase, totals: readout.StepTotals
             step_readout = readout.send(accelerator, totals.mean(), stop_vote=stops.vote())
         accelerator.backward(loss)
         if accelerator.sync_gradients:
-            # the model's own tensors (their gradients exist at clip time); the optimizer may hold fp32 masters
-            params = [p for g in model.groups for p in g["params"]]
             norm = (accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
                     if cfg.optimizer.max_grad_norm > 0 else grad_norm(params))
             run.grad_norms.add(run.result.global_step + 1, norm)  # pre-clip; checked to be finite one step late
