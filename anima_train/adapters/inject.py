@@ -173,18 +173,19 @@ def inject_adapters(transformer: torch.nn.Module, conditioner: torch.nn.Module |
             conditioner.requires_grad_(True)
     else:
         peft_config = method.runtime().peft_config
+
+        def add(module, targets: list[str], role: str) -> None:
+            module.add_adapter(peft_config(a, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
+            _set_adapter_dtype(module, adapter_dtype)
+            injected[role] = targets
+
         targets = target_modules(transformer, a.components, "transformer")
         if targets:
-            transformer.add_adapter(peft_config(a, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
-            _set_adapter_dtype(transformer, adapter_dtype)
-            injected["transformer"] = targets
+            add(transformer, targets, "transformer")
         if a.train_llm_adapter:
             if conditioner is None:
                 raise ValueError("[adapter] train_llm_adapter = true but no text conditioner was passed")
-            targets = target_modules(conditioner, ["llm_adapter"], "text_conditioner")
-            conditioner.add_adapter(peft_config(a, targets, a.rank, a.alpha), adapter_name=ADAPTER_NAME)
-            _set_adapter_dtype(conditioner, adapter_dtype)
-            injected["text_conditioner"] = targets
+            add(conditioner, target_modules(conditioner, ["llm_adapter"], "text_conditioner"), "text_conditioner")
     if a.train_text_encoder:
         if text_encoder is None:
             raise ValueError("[adapter] train_text_encoder = true but no text encoder (Qwen3) was passed")
