@@ -10,6 +10,12 @@ COMFYUI_SKIP = ("needs ComfyUI: set COMFYUI_PATH to a ComfyUI checkout with Anim
                 "(and COMFYUI_PYTHON to its venv's python) to run it")
 
 
+def _marked(item, name: str) -> bool:
+    # A marker, not a keyword: `item.keywords` also holds the names of the folders above the test, so a checkout in a
+    # folder called `gpu` or `comfyui` would skip the whole suite.
+    return item.get_closest_marker(name) is not None
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -27,7 +33,7 @@ def pytest_addoption(parser):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if (report.skipped and not hasattr(report, "wasxfail") and "comfyui" in item.keywords
+    if (report.skipped and not hasattr(report, "wasxfail") and _marked(item, "comfyui")
             and item.config.getoption("--require-comfyui")):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
@@ -35,12 +41,12 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(config, items):
-    need_gpu = [item for item in items if "gpu" in item.keywords]
+    need_gpu = [item for item in items if _marked(item, "gpu")]
     gpu_ok = _cuda_available() if need_gpu else False
     for item in items:
-        if "comfyui" in item.keywords and not os.environ.get("COMFYUI_PATH"):
+        if _marked(item, "comfyui") and not os.environ.get("COMFYUI_PATH"):
             item.add_marker(pytest.mark.skip(reason=COMFYUI_SKIP))
-        if "gpu" in item.keywords and not gpu_ok:
+        if _marked(item, "gpu") and not gpu_ok:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device (run it on the GPU machine)"))
 
 
