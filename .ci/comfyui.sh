@@ -2,6 +2,7 @@
 # The ComfyUI integration tests (`pytest -m comfyui`, browser included) against the ComfyUI snapshot in shared/comfyui/.
 #
 #   bash .ci/comfyui.sh [extra pytest args]     (after `bash install.sh`; .ci/run calls it)
+#   bash .ci/comfyui.sh --prepare                steps 2-3 only (.ci/run builds them while the suites run)
 #
 # 1. extracts the snapshot (ComfyUI 0.29.0 with Anima; shared/comfyui/README.md) into a temp folder, removed at exit;
 # 2. builds ComfyUI's venv by that README's recipe, cached between runs on this machine under
@@ -16,6 +17,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 say() { printf '.ci/comfyui.sh: %s\n' "$*"; }
 t_start=$SECONDS
+prepare_only=0
+if [ "${1:-}" = "--prepare" ]; then prepare_only=1; shift; fi
 
 SNAPSHOT=${ANIMA_COMFYUI_SNAPSHOT:-$ROOT/../shared/comfyui/ComfyUI-4f874c5e.tar.gz}
 if [ ! -f "$SNAPSHOT" ]; then
@@ -64,6 +67,7 @@ if ! (cd tests/browser && node -e "require.resolve('playwright-core')" >/dev/nul
   say "installing playwright-core (npm, tests/browser)"
   npm install --prefix tests/browser --no-audit --no-fund --loglevel=error
 fi
+if [ "$prepare_only" = 1 ]; then say "--prepare: environment ready in $((SECONDS - t_start)) s"; exit 0; fi
 say "environment ready in $((SECONDS - t_start)) s; running the comfyui tests (pytest's last line gives their time)"
 
 # pytest's summary stays the last line; its exit status is this script's (set -e; the trap removes the temp copy)
