@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from anima_train.outputs.progress import PLAN_PREFIX
 from anima_train.training import recompute
 
 
@@ -117,7 +118,7 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
     block_ckpt.retries = alloc_retries(device)  # from now on a step that makes the allocator retry relieves it
     gib = recompute.GIB
-    say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
+    say(f"{PLAN_PREFIX} {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB)"
         + ("; Qwen3 stays on the GPU" if resident else ""))
 
@@ -155,10 +156,10 @@ def relieve(block_ckpt, parked, device, say) -> None:
     n = len(block_ckpt.blocks)
     if parked is not None and parked.resident:
         parked.leave_device()
-        say("checkpointing auto: the allocator ran out of room; Qwen3 goes back to host memory between steps")
+        say(f"{PLAN_PREFIX} the allocator ran out of room; Qwen3 goes back to host memory between steps")
     elif block_ckpt.recomputed < n:
         block_ckpt.set_recomputed(block_ckpt.recomputed + 1)
-        say(f"checkpointing auto: the allocator ran out of room; now {block_ckpt.recomputed} of {n} blocks recompute")
+        say(f"{PLAN_PREFIX} the allocator ran out of room; now {block_ckpt.recomputed} of {n} blocks recompute")
 
 
 _EXPANDABLE = {"set": False}  # use_expandable_segments() turned them on in this process
