@@ -123,6 +123,7 @@ def predict_inputs(cfg: Config) -> Inputs:
     if full:
         trainable, trainable_bytes = frozen // 2 if dtype == 2 else frozen // 4, dtype
         frozen = 0
+        estimate.append("full finetune: measured with a LoRA only")
     else:
         trainable, trainable_bytes = lora_parameters(cfg.adapter.rank), 4
         if cfg.adapter.kind != "lora":
@@ -227,7 +228,8 @@ def render(plan: Plan, cfg_name: str) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the training config (TOML)")
     parser.add_argument("--vram", type=float, default=None, metavar="GiB",
-                        help="memory budget in GiB (default: the visible CUDA GPU's memory)")
+                        help="memory budget in GiB (default: the visible CUDA GPU's total memory; the run itself "
+                             "plans with what is free then, less if another program holds part of the card)")
 
 
 def visible_gpu_bytes() -> int | None:
