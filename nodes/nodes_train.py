@@ -26,6 +26,7 @@ from pathlib import Path
 
 from anchor.atomic import write_text
 from anima_train import adapters
+from anima_train.outputs.progress import PLAN_PREFIX
 
 from . import comfy
 from . import paths
@@ -374,6 +375,7 @@ class Relay:
         self.total = None
         self.losses: list[float] = []
         self.warnings: list[str] = []  # the trainer's `warning` events (dataset warnings), for the result text
+        self.memory_plan: list[str] = []  # the memory plan's messages (checkpointing auto), for the result text
         self.steps_seen = 0
         self.slowest_step_s = 0.0  # the Cancel grace follows the step time (cancel_grace)
         self.last_step: dict = {}
@@ -400,6 +402,8 @@ class Relay:
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
         elif kind == "warning":
             self.warnings.append(str(event.get("text", "")))
+        elif kind == "message" and str(event.get("text", "")).startswith(PLAN_PREFIX):
+            self.memory_plan.append(str(event["text"]))  # the plan, then any relief after an allocator retry
         elif kind == "samples":  # preview images: sent inline, as small thumbnails
             event = previews.with_thumbnails(event)
         self.send(event)
@@ -516,10 +520,11 @@ def pick_run(cfg, toml: str, key: str):
     return cfg, toml, run_dir, manifest, "\n".join(notes), job_lock
 
 
-def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None) -> str:
+def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None, memory_plan=None) -> str:
     lines = [f"{'re-used the finished run' if reused else 'trained'} {cfg.run_stem}: {steps} step(s)"
              + ("" if reused else f" in {seconds:.0f} s"),
              f"file     {final}"]
+    lines += [f"memory   {line}" for line in memory_plan or ()]  # the plan the run chose, as the trainer said it
     if note:
         lines.insert(0, note)
     if published:
@@ -591,7 +596,7 @@ class AnimaTrainTrain(io.ComfyNode):
                         "final": str(final), "reused": True, "losses": losses})  # the chart shows the run
             image = loss_image(losses, run_dir)
             text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
-                            note)
+                            note, manifest.get("memory_plan", []))
             return io.NodeOutput(str(final), image, ui={"text": [text]})
 
         comfy.free_vram()
@@ -619,9 +624,11 @@ class AnimaTrainTrain(io.ComfyNode):
         final = Path(done["final"])
         published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
         worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
-                              published=str(published) if published else None, warnings=relay.warnings)
+                              published=str(published) if published else None, warnings=relay.warnings,
+                              memory_plan=relay.memory_plan)
         image = loss_image(relay.losses, run_dir)
-        text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note)
+        text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note,
+                        relay.memory_plan)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
 

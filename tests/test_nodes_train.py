@@ -31,6 +31,9 @@ FAKE_TRAINER = textwrap.dedent(r'''
         ev("warning", text="tier 1024: 3/3 sources (100.0%) are smaller than this tier")
     ev("start", total=3, steps_per_epoch=3, epochs=1, processes=1, run_dir=run_dir, resumed_step=0)
     for step in (1, 2, 3):
+        if mode == "plan" and step == 2:  # the auto memory plan, said after the first optimizer step
+            ev("message", text="checkpointing auto: 26 of 28 blocks recompute (a block keeps 0.71 GiB at the largest "
+                               "batch; predicted peak 7.4 of 8.0 GiB)")
         if os.path.exists(stop_file):  # as the trainer stops: a step checkpoint, its resume state, `done`
             stem = os.path.join(run_dir, "%s-step%06d" % (cfg["train"]["run_name"], step - 1))
             open(stem + ".safetensors", "wb").write(b"lora weights")
@@ -312,6 +315,21 @@ def test_train_shows_the_trainers_warnings(comfy_env, tiny_anima, dataset):
     env.log.clear()
     again = _train(env, config)  # a re-used run still says what was wrong with its data
     assert again.ui["text"][0].startswith("re-used") and f"warning: {warning}" in again.ui["text"][0]
+
+
+def test_train_shows_the_memory_plan_it_chose(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    env.mode["value"] = "plan"
+    config = _config(env, tiny_anima, dataset, run_name="planned")
+    out = _train(env, config)
+    said = ("checkpointing auto: 26 of 28 blocks recompute (a block keeps 0.71 GiB at the largest batch; predicted "
+            "peak 7.4 of 8.0 GiB)")
+    ws = [e[1] for e in env.log if e[0] == "ws"]
+    assert {"node": "12:5", "prompt_id": "prompt-1", "event": "message", "text": said} in ws  # the chart's note
+    assert f"memory   {said}" in out.ui["text"][0].splitlines()  # and it stays in the node's result text
+    env.log.clear()
+    again = _train(env, config)  # a re-used run still says the plan it ran with
+    assert again.ui["text"][0].startswith("re-used") and f"memory   {said}" in again.ui["text"][0].splitlines()
 
 
 def test_an_unchanged_rerun_reuses_the_result_without_a_worker(comfy_env, tiny_anima, dataset):

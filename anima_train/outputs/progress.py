@@ -31,6 +31,10 @@ from typing import IO, Any
 
 from anima_train.errors import UserError
 
+# The memory plan's `message` events start with this (training/memory.py says them): the Train node keeps the
+# latest one and shows it in its result text, not only as the chart's passing note.
+PLAN_PREFIX = "checkpointing auto:"
+
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 
 

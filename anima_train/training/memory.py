@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from anima_train.outputs.progress import PLAN_PREFIX
 from anima_train.training import recompute
 
 
@@ -109,24 +110,33 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     steady, peak, budget = recompute.memory_now(device)
     scale = max(1.0, largest_tokens / max(measure.tokens, 1))
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
-    expandable = expandable_segments_on()
-    start = measure.start  # the growth of the first step is charged from here (recompute.step_base)
-    resident = parked is not None and recompute.fits(peak=peak + host, steady=steady + host, scale=scale,
-                                                         budget=budget, expandable=expandable,
-                                                         start=None if start is None else start + host)
-    if resident:
-        steady, peak = steady + host, peak + host
-        start = None if start is None else start + host
-    keep, predicted = recompute.plan_unchecked(n_blocks=n, act=measure.act, peak=peak, steady=steady,
-                                                   scale=scale, budget=budget, expandable=expandable, start=start)
+    resident, keep, predicted = decide_plan(n_blocks=n, act=measure.act, peak=peak, steady=steady, start=measure.start,
+                                            scale=scale, budget=budget, expandable=expandable_segments_on(),
+                                            parked_bytes=host)
     block_ckpt.set_recomputed(n - keep)
     if resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
     block_ckpt.retries = alloc_retries(device)  # from now on a step that makes the allocator retry relieves it
     gib = recompute.GIB
-    say(f"checkpointing auto: {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
+    say(f"{PLAN_PREFIX} {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
         f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB)"
         + ("; Qwen3 stays on the GPU" if resident else ""))
+
+
+def decide_plan(*, n_blocks: int, act: int, peak: int, steady: int, start: int | None, scale: float, budget: int,
+                expandable: bool, parked_bytes: int) -> tuple[bool, int, int]:
+    """(Qwen3 resident, blocks that keep their activations, predicted peak) from the first step's measurements (or
+    their static prediction: training/plan.py). `parked_bytes` = the parked Qwen3's weights (0: nothing parks).
+    Qwen3 goes on the GPU if the all-checkpointed step fits beside it; then the blocks share what is left."""
+    resident = parked_bytes > 0 and recompute.fits(
+        peak=peak + parked_bytes, steady=steady + parked_bytes, scale=scale, budget=budget, expandable=expandable,
+        start=None if start is None else start + parked_bytes)
+    if resident:
+        steady, peak = steady + parked_bytes, peak + parked_bytes
+        start = None if start is None else start + parked_bytes
+    keep, predicted = recompute.plan_unchecked(n_blocks=n_blocks, act=act, peak=peak, steady=steady, scale=scale,
+                                               budget=budget, expandable=expandable, start=start)
+    return resident, keep, predicted
 
 
 def alloc_retries(device) -> int:
@@ -146,10 +156,10 @@ def relieve(block_ckpt, parked, device, say) -> None:
     n = len(block_ckpt.blocks)
     if parked is not None and parked.resident:
         parked.leave_device()
-        say("checkpointing auto: the allocator ran out of room; Qwen3 goes back to host memory between steps")
+        say(f"{PLAN_PREFIX} the allocator ran out of room; Qwen3 goes back to host memory between steps")
     elif block_ckpt.recomputed < n:
         block_ckpt.set_recomputed(block_ckpt.recomputed + 1)
-        say(f"checkpointing auto: the allocator ran out of room; now {block_ckpt.recomputed} of {n} blocks recompute")
+        say(f"{PLAN_PREFIX} the allocator ran out of room; now {block_ckpt.recomputed} of {n} blocks recompute")
 
 
 _EXPANDABLE = {"set": False}  # use_expandable_segments() turned them on in this process

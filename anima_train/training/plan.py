@@ -1,0 +1,253 @@
+"""`anima-train plan CFG [--vram GiB]`: the memory plan a run would choose, predicted from the config alone (no GPU,
+no weights loaded), with the same decision functions the runtime's "auto" plan uses after its first step
+(`memory.decide_plan` over `recompute.plan_unchecked` / `fits` / `margin`).
+
+The runtime measures four things on its first step (memory before it, its peak, the steady memory after it, one
+block's activations); here each is a small model of the config, calibrated on the full-size H200 runs committed in
+bench/results/caps_2026-12-02b (LoRA r32 on attention + MLP, 45,875,200 trainable parameters, AdamW, bf16, cached
+1024x1024 latents = 4096 tokens per image, batch 2 / 4 / 8 under 8 / 12 / 24 GiB caps; logs A1, B1, B3, D1):
+
+- before the first step: 4.15-4.16 GiB allocated ({"diag": "micro", "n": 0} alloc_gib) = the frozen DiT + LLM adapter
+  in bf16 (3.98 GiB) + the LoRA's fp32 parameters (0.17 GiB). Qwen3 is parked in host memory then.
+- the first step's growth (peak of micro 1 minus that): 2.12 GiB at 8192 tokens, 4.04 at 16384, 8.03-8.09 at 32768:
+  the trainable parameters' gradients plus 2.405e-4 GiB (258,240 bytes) per token x batch (slope of b2..b8).
+- after the first step: 0.40-0.41 GiB more than before it: AdamW's two fp32 states (0.34 GiB) and 0.07 GiB measured
+  but not attributed (kept as a constant).
+- one block's activations ({"diag": "plan"} act_gib): 0.706 GiB at 8192 tokens, 1.412 at 16384, 2.824 at 32768 =
+  92,540 bytes per token x batch (45.2 bytes per token per unit of the 2048 model width).
+- Qwen3-0.6B in bf16: 1.11 GiB (Qwen3 resident against parked: 5.67 vs 4.56 GiB steady, B1 against A1).
+
+Off this configuration (other ranks, adapter kinds, optimizers, dtypes, resolutions) the terms scale with what they
+count (parameters, bytes per parameter, tokens); the constants were measured only here, so the result is an estimate
+there. tests/test_plan.py checks the prediction against the committed logs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from anima_train.config import load_config
+from anima_train.config.schema import Config
+from anima_train.errors import UserError
+from anima_train.training import memory, recompute
+
+GIB = recompute.GIB
+
+# Anima's DiT (Cosmos-Predict2 2B): 28 blocks of width 2048, MLP 8192, cross-attention context 1024 (the LLM adapter).
+N_BLOCKS = 28
+MODEL_WIDTH = 2048
+MLP_WIDTH = 8192
+CONTEXT_WIDTH = 1024
+TOKEN_PIXELS = 16  # the VAE's 8x and the DiT's 2x2 patches: one token per 16x16 pixels
+
+# Calibration (the numbers above, from bench/results/caps_2026-12-02b A1/B1/B3/D1).
+FROZEN_BYTES_BF16 = int(3.98 * GIB)  # DiT + LLM adapter weights in bf16, before the first step, less the LoRA
+QWEN3_BYTES_BF16 = int(1.11 * GIB)  # Qwen3-0.6B
+VAE_BYTES_BF16 = int(0.24 * GIB)  # Wan2.1 VAE (127M parameters), on the GPU only under source = "encode"
+GROWTH_BYTES_PER_TOKEN = 258_240  # the first step's growth per token x batch, beyond the gradients
+BLOCK_ACT_BYTES_PER_TOKEN = 92_540  # activations one DiT block keeps for its backward, per token x batch
+STEADY_EXTRA_BYTES = int(0.07 * GIB)  # after the first step, beyond the optimizer state: measured, not attributed
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Optimizer state bytes per trainable parameter: AdamW two fp32 moments; the SDNQ optimizers keep quantised state
+# (an estimate: 8-bit moments, or one for lion / muon).
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "adafactor": 2, "came": 2, "lion": 1, "muon": 1}
+
+NOT_AVAILABLE = "not available in this version"
+
+# Measured s/image of our trainer on one H200 (compiled, 1024x1024, LoRA r32, cached latents), the "auto" plan under
+# a cap: (batch, blocks recomputed, s/image, where). tests/test_plan.py reads the same figures from the logs.
+H200_SPEED = (
+    (2, 26, 0.1808, "8 GiB cap, bench/results/caps_2026-12-02b/A1"),
+    (4, 26, 0.1411, "12 GiB cap, bench/results/caps_2026-12-02b/B1"),
+    (8, 24, 0.1340, "24 GiB cap, bench/results/caps_2026-12-02b/B3"),
+)
+
+
+@dataclass
+class Inputs:
+    """What the runtime would measure on its first step, predicted (bytes; tokens x batch of the largest batch)."""
+    tokens: int
+    batch: int
+    trainable: int
+    start: int
+    peak: int
+    steady: int
+    act: int
+    qwen3: int  # Qwen3's weights when parked (0 when it cannot park: trained or quantised)
+    estimate: list
+
+
+@dataclass
+class Plan:
+    inputs: Inputs
+    budget: int
+    n_blocks: int
+    recomputed: int
+    resident: bool  # Qwen3 on the GPU
+    predicted: int
+    fits: bool
+    auto: bool  # checkpoint_blocks = "auto" (else the config fixed the count)
+    expandable: bool
+
+
+def lora_parameters(rank: int) -> int:
+    """Trainable parameters of a LoRA on every block's attention and MLP linears: rank x (in + out) each."""
+    w, m, c = MODEL_WIDTH, MLP_WIDTH, CONTEXT_WIDTH
+    self_attention = 4 * (w + w)
+    cross_attention = 2 * (w + w) + 2 * (c + w)
+    mlp = (w + m) + (m + w)
+    return N_BLOCKS * rank * (self_attention + cross_attention + mlp)
+
+
+def largest_batch(cfg: Config) -> tuple[int, int]:
+    """(tokens x batch, batch) of the largest batch the tiers allow (a bucket's area is at most its tier's)."""
+    sizes = cfg.train.batch_size
+    best = (0, 0)
+    for tier in cfg.dataset.tiers:
+        batch = int(sizes if isinstance(sizes, int) else sizes.get(tier, max(sizes.values())))
+        tokens = (tier // TOKEN_PIXELS) ** 2 * batch
+        best = max(best, (tokens, batch))
+    return best
+
+
+def predict_inputs(cfg: Config) -> Inputs:
+    estimate = []
+    dtype = DTYPE_BYTES[cfg.train.dtype]
+    weight_scale = dtype / 2
+    frozen = int(FROZEN_BYTES_BF16 * weight_scale)
+    full = cfg.adapter.kind == "none"
+    if full:
+        trainable, trainable_bytes = frozen // 2 if dtype == 2 else frozen // 4, dtype
+        frozen = 0
+        estimate.append("full finetune: measured with a LoRA only")
+    else:
+        trainable, trainable_bytes = lora_parameters(cfg.adapter.rank), 4
+        if cfg.adapter.kind != "lora":
+            estimate.append(f"{cfg.adapter.kind}: trainable parameters taken as a LoRA's of rank {cfg.adapter.rank}")
+    if cfg.quant.mode != "none":
+        estimate.append("quantised DiT: weights counted unquantised (the prediction is high)")
+    if cfg.optimizer.kind != "adamw":
+        estimate.append(f"{cfg.optimizer.kind}: optimizer state estimated")
+    if cfg.train.dtype != "bfloat16":
+        estimate.append(f"{cfg.train.dtype}: measured in bfloat16 only")
+    tokens, batch = largest_batch(cfg)
+    start = frozen + trainable * trainable_bytes
+    if cfg.dataset.source == "encode":
+        start += int(VAE_BYTES_BF16 * weight_scale)
+    growth = trainable * trainable_bytes + int(tokens * GROWTH_BYTES_PER_TOKEN * weight_scale)
+    steady = start + trainable * OPTIMIZER_STATE_BYTES[cfg.optimizer.kind] + STEADY_EXTRA_BYTES
+    act = int(tokens * BLOCK_ACT_BYTES_PER_TOKEN * weight_scale)
+    parks = not cfg.quant.quantize_text_encoder and not cfg.adapter.train_text_encoder
+    qwen3 = int(QWEN3_BYTES_BF16 * weight_scale)
+    if not parks:
+        start, steady = start + qwen3, steady + qwen3
+        qwen3 = 0
+    return Inputs(tokens=tokens, batch=batch, trainable=trainable, start=start, peak=start + growth, steady=steady,
+                  act=act, qwen3=qwen3, estimate=estimate)
+
+
+def expandable_segments_default() -> bool:
+    """What the runtime's CUDA allocator will use (memory.use_expandable_segments): on Linux unless the user set it."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if conf is not None:
+        return "expandable_segments:true" in conf.replace(" ", "").lower() and sys.platform.startswith("linux")
+    return sys.platform.startswith("linux")
+
+
+def make_plan(cfg: Config, budget: int, expandable: bool | None = None) -> Plan:
+    """The plan the runtime would choose under `budget` bytes, from the predicted first-step measurements."""
+    inputs = predict_inputs(cfg)
+    expandable = expandable_segments_default() if expandable is None else expandable
+    setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, N_BLOCKS,
+                                      torch.device("cuda"))
+    usable = budget - recompute.margin(budget, expandable)
+    if setting is None:
+        resident, keep, predicted = memory.decide_plan(
+            n_blocks=N_BLOCKS, act=inputs.act, peak=inputs.peak, steady=inputs.steady, start=inputs.start,
+            scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3)
+    else:  # a fixed count: the runtime makes no plan and Qwen3 stays parked
+        resident, keep = False, N_BLOCKS - setting
+        base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
+        predicted = recompute.predicted_peak(base, inputs.act, keep)
+    return Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
+                predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable)
+
+
+def step_time_class(plan: Plan) -> str:
+    if plan.recomputed == 0:
+        kind = "no recompute (fastest)"
+    elif plan.recomputed == plan.n_blocks:
+        kind = "all blocks recompute (slowest: about a third more compute per step)"
+    else:
+        kind = f"partial: {plan.recomputed} of {plan.n_blocks} blocks recompute"
+    batch, recomputed, s_per_image, where = min(
+        H200_SPEED, key=lambda row: (abs(row[0] - plan.inputs.batch), abs(row[1] - plan.recomputed)))
+    return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of 28 recomputed, {s_per_image:.4f} "
+            f"s/image ({where}; an H200, not your card)")
+
+
+def render(plan: Plan, cfg_name: str) -> str:
+    gib = GIB
+    i = plan.inputs
+    keep = plan.n_blocks - plan.recomputed
+    lines = [
+        f"plan for {cfg_name} under {plan.budget / gib:.1f} GiB "
+        f"({'auto: the runtime decides the same way after its first step' if plan.auto else 'count fixed by the config'})",
+        f"  largest batch      {i.batch} image(s), {i.tokens} tokens; {i.trainable:,} trainable parameters",
+        f"  steady memory      {i.steady / gib:.2f} GiB (weights, trainable parameters, optimizer state)"
+        + (f" + Qwen3 {i.qwen3 / gib:.2f} GiB" if plan.resident else ""),
+        f"  a block keeps      {i.act / gib:.2f} GiB of activations when it does not recompute",
+        "",
+        "  block   activations                  offloaded   saved selectively   weights",
+    ]
+    for index in range(plan.n_blocks):
+        kept = index >= plan.recomputed  # the first blocks recompute, the last ones keep (recompute.set_recomputed)
+        lines.append(f"  {index:>5}   {'kept' if kept else 'recomputed in backward':<28} {'-':<11} {'-':<19} resident")
+    lines += [
+        f"  summary: {plan.recomputed} of {plan.n_blocks} blocks recompute, {keep} keep their activations",
+        f"  offload / selective saving / weight swapping: {NOT_AVAILABLE} (weights always resident)",
+        "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
+                                    "in host memory, copied to the GPU for each step's encode (parked)"
+                                    if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"),
+        f"  predicted peak: {plan.predicted / gib:.1f} of {plan.budget / gib:.1f} GiB "
+        f"(margin {recompute.margin(plan.budget, plan.expandable) / gib:.1f} GiB left free)",
+        f"  step time: {step_time_class(plan) if plan.fits else 'none: the step does not fit'}",
+    ]
+    lines += [f"  estimate: {e}" for e in i.estimate]
+    if not plan.fits:
+        lines.append(f"  DOES NOT FIT: even with every block recomputing and Qwen3 parked the step needs about "
+                     f"{plan.predicted / gib:.1f} GiB; lower [train] batch_size or [dataset] resolution "
+                     f"(activations grow with images x pixels), or use a card with more memory")
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="the training config (TOML)")
+    parser.add_argument("--vram", type=float, default=None, metavar="GiB",
+                        help="memory budget in GiB (default: the visible CUDA GPU's total memory; the run itself "
+                             "plans with what is free then, less if another program holds part of the card)")
+
+
+def visible_gpu_bytes() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(0)[1]
+
+
+def run(args) -> int:
+    cfg = load_config(args.config)
+    if args.vram is not None:
+        if args.vram <= 0:
+            raise UserError("--vram must be a positive number of GiB")
+        budget = int(args.vram * GIB)
+    else:
+        budget = visible_gpu_bytes()
+        if budget is None:
+            raise UserError("no CUDA GPU is visible here: give the card's memory with --vram GiB (e.g. --vram 12)")
+    plan = make_plan(cfg, budget)
+    print(render(plan, str(args.config)))
+    return 0

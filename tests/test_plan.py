@@ -1,0 +1,159 @@
+"""`anima-train plan`: the static memory plan against the committed full-size H200 measurements, and the command as a
+user sees it. The measurements are read from the logs themselves (bench/results/caps_2026-12-02b), so the test
+follows the data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anima_train.config import load_config
+from anima_train.training import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPS = ROOT / "bench" / "results" / "caps_2026-12-02b"
+GIB = plan.GIB
+# The static prediction may be high (safe: the run keeps more free) by up to this much, low by at most PEAK_LOW.
+PEAK_HIGH = 0.25 * GIB
+PEAK_LOW = 0.05 * GIB
+PLAN_LINE = re.compile(r"checkpointing auto: (\d+) of (\d+) blocks recompute .*predicted peak ([\d.]+) of ([\d.]+) GiB")
+
+
+def planner_runs() -> list[dict]:
+    """Every committed planner run (checkpoint_blocks auto): cap, batch, what the runtime chose and what it reached."""
+    runs = []
+    for log in sorted(CAPS.glob("*_planner.log")):
+        run = {"log": log.name}
+        for line in log.read_text().splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("who") == "ours":
+                    run.update(cap=record["cap_gib"], batch=record["batch"], recomputed=record["recomputed_blocks"],
+                               peak=record["peak_gib"], s_per_image=record["s_per_image"])
+                elif record.get("diag") == "plan":
+                    match = PLAN_LINE.search(record["message"])
+                    run.update(act=record["act_gib"], tokens=record["tokens"],
+                               runtime_predicted=float(match.group(3)),
+                               resident="Qwen3 stays on the GPU" in record["message"])
+        runs.append(run)
+    return runs
+
+
+def config_for(batch: int):
+    # the bench configuration: LoRA r32 (the default), AdamW, bf16, 1024x1024 (the defaults), the run's batch
+    return load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = {batch}\n')
+
+
+def mismatches(runs) -> list[str]:
+    """Where the static plan disagrees with what the runtime chose and reached."""
+    wrong = []
+    for run in runs:
+        p = plan.make_plan(config_for(run["batch"]), int(run["cap"] * GIB), expandable=True)
+        if p.recomputed != run["recomputed"]:
+            wrong.append(f"{run['log']}: {p.recomputed} recomputed, the runtime chose {run['recomputed']}")
+        if p.resident != run["resident"]:
+            wrong.append(f"{run['log']}: Qwen3 resident {p.resident}, the runtime {run['resident']}")
+        error = p.predicted - run["peak"] * GIB
+        if not -PEAK_LOW <= error <= PEAK_HIGH:
+            wrong.append(f"{run['log']}: predicted peak {p.predicted / GIB:.2f}, measured {run['peak']:.2f} GiB")
+        if abs(p.predicted / GIB - run["runtime_predicted"]) > 0.1:
+            wrong.append(f"{run['log']}: predicted {p.predicted / GIB:.2f}, the runtime {run['runtime_predicted']}")
+        if abs(p.inputs.act / GIB - run["act"]) > 0.01 or p.inputs.tokens != run["tokens"]:
+            wrong.append(f"{run['log']}: a block keeps {p.inputs.act / GIB:.3f} GiB, measured {run['act']}")
+    return wrong
+
+
+def test_the_logs_hold_the_three_caps():
+    caps = {(r["cap"], r["batch"]) for r in planner_runs()}
+    assert {(8.0, 2), (12.0, 4), (24.0, 8)} <= caps
+
+
+def test_static_plan_matches_every_measured_cap():
+    # the same count of recomputed blocks (exactly) and Qwen3 placement as the runtime chose, the peak within
+    # -0.05/+0.25 GiB of the measured one and within 0.1 GiB of the runtime's own prediction
+    assert mismatches(planner_runs()) == []
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_calibration_off_by_two_is_caught(monkeypatch, factor):
+    monkeypatch.setattr(plan, "BLOCK_ACT_BYTES_PER_TOKEN", int(plan.BLOCK_ACT_BYTES_PER_TOKEN * factor))
+    assert mismatches(planner_runs())
+    monkeypatch.undo()
+    monkeypatch.setattr(plan, "GROWTH_BYTES_PER_TOKEN", int(plan.GROWTH_BYTES_PER_TOKEN * factor))
+    assert mismatches(planner_runs())
+
+
+def test_speed_table_is_the_logs():
+    measured = {(r["batch"], r["recomputed"], r["s_per_image"]) for r in planner_runs()}
+    for batch, recomputed, s_per_image, where in plan.H200_SPEED:
+        assert (batch, recomputed, s_per_image) in measured, where
+
+
+def test_lora_parameters_match_the_bench_count():
+    trainable = {json.loads(line)["trainable"] for log in CAPS.glob("*_planner.log")
+                 for line in log.read_text().splitlines() if line.startswith('{"who": "ours"')}
+    assert trainable == {plan.lora_parameters(32)}
+
+
+def test_fixed_count_is_kept_and_qwen3_stays_parked():
+    cfg = load_config('[dataset]\npath = "data"\n[train]\nbatch_size = 2\ncheckpoint_blocks = "all"\n')
+    p = plan.make_plan(cfg, 80 * GIB, expandable=True)
+    assert (p.recomputed, p.resident, p.auto, p.fits) == (28, False, False, True)
+
+
+def anima_train(tmp_path, *args, cuda_visible=None):
+    env = dict(os.environ)
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    return subprocess.run([sys.executable, "-m", "anima_train", "plan", *args], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[dataset]\npath = "data"\n[train]\nbatch_size = 2\n')
+    return path
+
+
+def test_cli_prints_the_plan(tmp_path, config_file):
+    done = anima_train(tmp_path, str(config_file), "--vram", "8")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "26 of 28 blocks recompute, 2 keep their activations" in out
+    assert "predicted peak: 7.4 of 8.0 GiB" in out
+    assert "Qwen3 text encoder: in host memory" in out
+    assert "not available in this version" in out
+    assert re.search(r"^\s+27\s+kept\s.*resident$", out, re.M) and re.search(r"^\s+0\s+recomputed", out, re.M)
+    assert "0.1808 s/image" in out and "H200" in out
+    assert done.stderr == ""
+
+
+def test_cli_says_plainly_when_nothing_fits(tmp_path, config_file):
+    done = anima_train(tmp_path, str(config_file), "--vram", "6")
+    assert done.returncode == 0
+    assert "DOES NOT FIT" in done.stdout and "batch_size" in done.stdout and "resolution" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_cli_without_vram_and_without_cuda(tmp_path, config_file):
+    done = anima_train(tmp_path, str(config_file), cuda_visible="")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "anima-train plan: error: no CUDA GPU is visible here: give the card's memory with --vram GiB (e.g. --vram 12)"]
+
+
+def test_cli_bad_config_is_the_gates_message(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[train]\nbatch_size = "many"\n')
+    done = anima_train(tmp_path, str(bad), "--vram", "8")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("anima-train plan: error: ") and "batch_size" in done.stderr
+    assert "Traceback" not in done.stderr
