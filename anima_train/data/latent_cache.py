@@ -24,9 +24,13 @@ from anima_train.files import atomic_path
 from anima_train.data.buckets import DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import DTYPE_NAMES
 from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
-from anima_train.data.dataset import (BucketSettings, DatasetError, UnreadableImages, cache_path, check_caches,
-    encode_latents, find_undecodable, image_sources, load_pixels, missing_captions, plan_metadata, plan_sources,
-    plan_warnings, refuse_missing_captions, scan_folders, vae_identity)
+from anima_train.data.cache_files import cache_path, vae_identity
+from anima_train.data.dataset import encode_latents, load_pixels
+from anima_train.data.errors import DatasetError
+from anima_train.data.planning import BucketSettings, check_caches, plan_metadata, plan_sources, plan_warnings
+from anima_train.data.scan import scan_folders
+from anima_train.data.sources import (UnreadableImages, find_undecodable, image_sources, missing_captions,
+    refuse_missing_captions)
 
 CACHE_HEADER_BYTES = 600  # safetensors header + our metadata, roughly
 

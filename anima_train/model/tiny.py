@@ -349,7 +349,7 @@ def make_synthetic_latents(out_dir, n: int = 12, seed: int = 0, latent_hw: tuple
     std), so text cannot help predict it and a conditioning test learns nothing. Here each background, colour and
     shape has its own fixed 16-channel direction, so a model that reads its caption can beat one that does not.
     """
-    from anima_train.data.dataset import cache_path
+    from anima_train.data.cache_files import cache_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ class EvalResult:
 def cached_eval_set(folder: str | Path) -> tuple[list[torch.Tensor], list[str]]:
     """Every latent cache in `folder` (sorted by name) with the tag caption of its source (`<stem>.txt`)."""
     from anima_train.data.captions import read_caption_files
-    from anima_train.data.dataset import CACHE_NAME, CACHE_TAIL, load_latents
+    from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL, load_latents
 
     latents, captions = [], []
     for path in sorted(Path(folder).glob("*" + CACHE_TAIL)):
