@@ -8,6 +8,8 @@ import json
 import re
 from pathlib import Path
 
+from safetensors import safe_open
+
 from anima_train.data.errors import DatasetError
 
 
@@ -99,6 +101,7 @@ def latents_problem(got: str | None, bucket: tuple[int, int]) -> str | None:
 
 
 def _nonfinite(tensor) -> int:
+    # lazy: torch (~4.6 s): the scan steps and `anima-train audit` import this module without needing torch
     import torch
 
     return int(tensor.numel() - torch.isfinite(tensor).sum()) if tensor.is_floating_point() else 0
@@ -117,8 +120,6 @@ def read_cache_metadata(path: Path) -> dict:
     """The cache's metadata plus LATENTS_LAYOUT: the layout of its tensor `latents` (from the header), absent when
     there is none, and LATENTS_NONFINITE: how many of its values are NaN/inf, absent when none (the data is read:
     a cache of NaNs trains NaN weights). CacheUnreadable for a truncated or foreign file."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt") as f:
             meta = dict(f.metadata() or {})
@@ -138,6 +139,7 @@ def read_cache_metadata(path: Path) -> dict:
 def load_latents(path: Path, bucket: tuple[int, int] | None = None):
     """The cache's latents [16, 1, H/8, W/8], float32. The layout is checked against `bucket` (default: the bucket
     in the file name), so a file replaced since the scan cannot feed a wrong-shaped tensor to the model."""
+    # lazy: safetensors.torch imports torch (~4.6 s): see _nonfinite
     from safetensors.torch import load_file
 
     try:

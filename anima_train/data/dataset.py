@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
+from PIL import Image
 
 from anima_train.data.batches import BucketBatchSampler, EpochKey
 from anima_train.data.buckets import BucketPlan, crop_ltrb, tier_counts, tier_report
@@ -49,6 +50,7 @@ from anima_train.data.planning import (BucketSettings, CacheCheck, Entry, Plan, 
 from anima_train.data.scan import Scan, resolve_modes, scan_folders
 from anima_train.data.sources import (Source, UnreadableImages, cache_sources, find_undecodable, image_sources,
     missing_captions, read_failure, refuse_missing_captions, refuse_unreadable_captions)
+from anima_train.data.texture import TextureSchedule, feasibility_report, split_key, texture_phases, texture_sample
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -59,8 +61,8 @@ def load_pixels(image: Path, plan: BucketPlan):
     """The training crop as a float tensor [3, 1, H, W] in [-1, 1]: LANCZOS resize to plan.resized, then the
     bucket-sized window at plan.trim. Shared by `anima-train cache` and source = "encode", so both paths see
     bit-identical pixels."""
+    # lazy: torch (~4.6 s): the scan steps and `anima-train audit` import this module without needing torch
     import torch
-    from PIL import Image
 
     try:
         im = open_image(image)
@@ -85,6 +87,7 @@ def load_pixels(image: Path, plan: BucketPlan):
 def encode_latents(vae, pixels):
     """Normalised latents (docs/model.md#latent-normalisation): (vae.encode(x).latent_dist.mode() - mean) / std, fp32.
     pixels: [B, 3, 1, H, W] in [-1, 1] -> [B, 16, 1, H/8, W/8]."""
+    # lazy: torch (~4.6 s): the scan steps and `anima-train audit` import this module without needing torch
     import torch
 
     p = next(vae.parameters())
@@ -135,8 +138,6 @@ class AnimaDataset:
         return len(self.items)
 
     def __getitem__(self, key) -> dict:
-        from anima_train.data.texture import split_key, texture_sample
-
         epoch = self.epoch
         if isinstance(key, EpochKey):  # the training loader's keys carry their epoch (persistent workers)
             epoch, key = key.epoch, key.key
@@ -162,6 +163,7 @@ class AnimaDataset:
 
 def collate(batch: Sequence[dict]) -> dict:
     """Stack one bucket-homogeneous batch: latents [B,16,1,h,w] or pixels [B,3,1,H,W]; lists for the rest."""
+    # lazy: torch (~4.6 s): the scan steps and `anima-train audit` import this module without needing torch
     import torch
 
     buckets = {b["bucket"] for b in batch}
@@ -347,8 +349,6 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
 
 def _attach_texture(cfg, items: Sequence[Item], sampler: BucketBatchSampler) -> list[str]:
     """Texture phases: give the sampler its TextureSchedule; the startup lines (canvas feasibility)."""
-    from anima_train.data.texture import TextureSchedule, feasibility_report, texture_phases
-
     phases = texture_phases(cfg)
     if not phases:
         return []

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from anima_train.cli import program
 from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError, BucketPlan, below_min_source_area,
     make_bucketers, plan_tiers, tier_counts, tier_report)
 from anima_train.data.cache_files import (CACHE_FORMAT, CacheUnreadable, cache_damage, cache_path, read_cache_metadata,
@@ -197,10 +199,6 @@ def cache_command(folders: Iterable[Path], settings: BucketSettings, overwrite: 
                   allow_missing_captions: bool = False) -> str:
     """The `anima-train cache` line that makes caches for the current settings, ready to paste into a shell: from
     the training config when there is one (its folders, settings and model_path), else folders + flags + --model."""
-    import shlex
-
-    from anima_train.cli import program
-
     if config is not None:
         parts = ["cache", "--config", str(Path(config).absolute())]
     else:
