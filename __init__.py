@@ -19,6 +19,7 @@ if _PACK_DIR not in sys.path:
 
 
 async def comfy_entrypoint():
+    # lazy: the pack root stays torch-free and fast (tests/test_package.py): the nodes import torch and ComfyUI
     from .nodes import AnimaTrainExtension
 
     return AnimaTrainExtension()

@@ -12,6 +12,8 @@ that the caller imports explicitly, or reaches lazily through this package's att
 File format and runtime: docs/anchor.md.
 """
 
+import importlib
+
 FORMAT = "amoe.diffusion.anchor"
 VERSION = 1
 ATTACHABLE_KINDS = ("relay", "multiband3")
@@ -55,6 +57,5 @@ _LAZY = {
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

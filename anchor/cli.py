@@ -9,6 +9,7 @@ import json
 import sys
 
 from . import AnchorError
+from .sites import signature_text
 
 
 def info_add_arguments(parser):
@@ -17,8 +18,8 @@ def info_add_arguments(parser):
 
 
 def info_run(args):
+    # lazy: anchor.format imports torch (4.6-7.7 s measured): the CLI parses and prints --help without it
     from .format import load
-    from .sites import signature_text
     try:
         anchor = load(args.file)
         widths = anchor.widths
@@ -46,6 +47,7 @@ def convert_add_arguments(parser):
 
 
 def convert_run(args):
+    # lazy: see info_run
     from .format import load, save
     if not str(args.output).endswith(".safetensors"):
         print(f"anchor-convert: {args.output}: the output name must end in .safetensors", file=sys.stderr)

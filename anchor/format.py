@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from . import ATTACHABLE_KINDS, FORMAT, VERSION, AnchorError
 from .atomic import atomic_path
@@ -212,7 +214,6 @@ def load(path):
 
 
 def _load_safetensors(path):
-    from safetensors import safe_open
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             md = f.metadata() or {}
@@ -405,7 +406,6 @@ def save(anchor, path, key_layout="amoe", overwrite=False):
                     "adapter_kind": str(meta["adapter"]["kind"]),
                     "substrate_family": str(meta.get("substrate", {}).get("family", "")),
                     "content_hash_v2": chash}
-        from safetensors.torch import save_file
         with atomic_path(path, overwrite) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
     else:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ATTACHABLE_KINDS, BAND_EDGES, N_BANDS, XFADE, AnchorError
+from .format import AnchorFile
 
 RELAY_DEFAULTS = {"n_slots": 16, "K": 64, "tau": 0.1, "hidden": 178}  # the research line's RelayPatch2D defaults
 MULTIBAND_DEFAULT_RANK = 16
@@ -182,7 +183,6 @@ def adapter_dtype(adapter):
 def fresh_anchor(kind, widths, family=None, objective=None, seed=0, site_names=None, **spec):
     """A freshly initialised (exactly inert) stack as an AnchorFile: the trainer's starting point, test fixtures.
     spec: relay n_slots/K/hidden/tau, multiband3 rank."""
-    from .format import AnchorFile
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

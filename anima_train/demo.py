@@ -14,7 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from anima_train.config import load_config
+from anima_train.data import latent_cache
 from anima_train.errors import UserError
+from anima_train.outputs.run_folder import LOSS_PLOT_NAME
 
 DEMO_TOML = """\
 # anima-train demo: a tiny model and a generated dataset. A real run differs in model_path, dataset path,
@@ -62,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cache(config: Path, device: str) -> None:
-    from anima_train.data import latent_cache
-
     parser = argparse.ArgumentParser()
     latent_cache.add_arguments(parser)
     args = parser.parse_args(["--config", str(config), "--device", device, "--dtype", "float32"])
@@ -73,13 +74,11 @@ def _cache(config: Path, device: str) -> None:
 
 
 def run(args) -> int:
+    # lazy: torch (4.6-7.7 s measured) through the trainer: `anima-train demo --help` imports this module
     import torch
-
-    from anima_train.config import load_config
     from anima_train.training.evaluate import cached_eval_set, evaluate
     from anima_train.model.components import load_components
     from anima_train.model.tiny import build_tiny_anima, make_synthetic_dataset
-    from anima_train.outputs.run_folder import LOSS_PLOT_NAME
     from anima_train.training.train import train
 
     for flag, value in (("--steps", args.steps), ("--images", args.images)):
@@ -154,6 +153,7 @@ def tiny_model_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tiny_model_run(args) -> int:
     """A tiny random-weight Anima (seconds, no downloads) to try configs, datasets and ComfyUI wiring on."""
+    # lazy: model.tiny imports torch: see run
     from anima_train.model.tiny import build_tiny_anima
 
     out = Path(args.out)

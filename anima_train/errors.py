@@ -11,7 +11,7 @@ on stderr and exits 2, with no traceback; anything else that escapes a command i
 hint to re-run with `--debug` or ANIMA_TRAIN_DEBUG=1 for the traceback). Under accelerate/torchrun only the main
 process prints a user error (every process hits the same one; the launcher's own report follows).
 
-The library's own error types are UserErrors: config.ConfigError, dataset.DatasetError, buckets.BucketError,
+The library's own error types are UserErrors: config.ConfigError, data.errors.DatasetError, buckets.BucketError,
 checkpoints.ResumeError, checkpoints.SaveError, captions.CaptionError, runs.RunRefused, models.ModelRepoError,
 convert.ConvertError. New checks should raise one of those, or
 UserError itself (or a new subclass of it) when none fits.

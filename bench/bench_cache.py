@@ -28,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_buckets import png_header, synthetic_sizes  # noqa: E402
 
 from anima_train.config import load_config  # noqa: E402
-from anima_train.data.dataset import (BucketSettings, build_training_data, image_sources, plan_sources,
-    resolve_modes, scan_folders)
+from anima_train.data.dataset import build_training_data
+from anima_train.data.planning import BucketSettings, plan_sources
+from anima_train.data.scan import resolve_modes, scan_folders
+from anima_train.data.sources import image_sources
 
 
 def bench_encode(n: int, resolution: int, batch_size: int) -> None:

@@ -22,6 +22,7 @@ def node_classes() -> list:
 def __getattr__(name: str):
     # Lazy: `AnimaTrainExtension` needs comfy_api, which exists only inside ComfyUI.
     if name == "AnimaTrainExtension":
+        # lazy: comfy_api exists only inside ComfyUI; `import nodes` works without it
         from .comfy import ComfyExtension
 
         class AnimaTrainExtension(ComfyExtension):

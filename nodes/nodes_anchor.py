@@ -17,8 +17,11 @@ import importlib
 import os
 
 from anchor import OBJECTIVE_SOURCES, AnchorError
+from anchor.format import load
+from anchor.sites import signature_text
 
 from . import comfy
+from .anchor_patch import block_patches, resolve_strength
 from .comfy import CATEGORY, io
 
 ANCHOR_FOLDER = "anchors"
@@ -64,8 +67,6 @@ def _declared_dtype(model):
 def apply_anchor(model, anchor, strength, objective="file"):
     """(patched clone of a ComfyUI ModelPatcher, strength used, objective gating the bands). Everything is checked
     before the clone exists, including the file's objective against the model's sampling (flow vs eps/v)."""
-    from .anchor_patch import block_patches, resolve_strength
-
     strength = resolve_strength(strength, anchor)
     model_sampling = model.get_model_object("model_sampling")
     patches = block_patches(anchor, model.get_model_object("diffusion_model"), strength,
@@ -81,16 +82,12 @@ def apply_anchor(model, anchor, strength, objective="file"):
 
 def card_for_ui(anchor, name, strength):
     """The card plus what this node did, JSON-serialisable for the `executed` message."""
-    from anchor.sites import signature_text
-
     card = anchor.card()
     card.update(file=name, strength=strength, widths=signature_text(anchor.widths))
     return card
 
 
 def card_text(anchor, strength, gate=None):
-    from anchor.sites import signature_text
-
     recommended = anchor.card()["recommended_strength"]
     note = "the card's recommended value" if strength == recommended else f"card recommends {recommended:g}"
     text = (anchor.card_text() + f"\n  strength used: {strength:g} ({note})"
@@ -139,8 +136,6 @@ class AnimaAnchorLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, anchor_name, strength=STRENGTH_FROM_CARD, objective="file"):
-        from anchor.format import load
-
         try:
             path = anchor_path(anchor_name)
         except FileNotFoundError as e:

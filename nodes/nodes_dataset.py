@@ -8,10 +8,14 @@ output becomes the node's STRING output and is shown on the node (ui text).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
 from pathlib import Path
+
+from anima_train.errors import DATA_VERDICT_EXIT
+from anima_train.model.components import DEFAULT_TOKENIZER_REPO, ModelRepoError, check_repo
 
 from . import comfy
 from . import paths
@@ -106,8 +110,6 @@ def _dataset_fingerprint(dataset_dir, config, *widgets) -> str:
 class AnimaTrainConvert(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        from anima_train.model.components import DEFAULT_TOKENIZER_REPO
-
         return io.Schema(
             node_id="AnimaTrainConvert",
             display_name="Anima: Convert checkpoint",
@@ -154,14 +156,10 @@ class AnimaTrainConvert(io.ComfyNode):
 
     @classmethod
     def execute(cls, anima, qwen, vae, out_dir="", tokenizers=""):
-        from anima_train.model.components import ModelRepoError, check_repo
-
         files, out = cls._resolve(anima, qwen, vae, out_dir)
         key = worker.result_key(inputs=worker.files_digest(files.values()), tok=tokenizers)
         marker = out / CONVERT_MARKER
         try:
-            import json
-
             if json.loads(marker.read_text(encoding="utf-8")).get("key") == key:
                 check_repo(out)
                 text = f"{out} is already converted from these files (re-used)"
@@ -206,8 +204,6 @@ class AnimaTrainAudit(io.ComfyNode):
 
     @classmethod
     def execute(cls, dataset_dir="", resolutions="", model_path="", config=None):
-        from anima_train.errors import DATA_VERDICT_EXIT
-
         config_file = _config_file(config)
         try:
             args = ["audit"] + dataset_args(dataset_dir, resolutions, model_path, config_file)

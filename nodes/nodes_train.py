@@ -20,13 +20,35 @@ import copy
 import hashlib
 import json
 import os
+import tempfile
 import threading
+import tomllib
+import types
+import typing
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import tomlkit
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, Qwen3Model
+
 from anchor.atomic import write_text
 from anima_train import adapters
+from anima_train.adapters.export import text_encoder_lora_path
+import anima_train.config as anima_config  # called through the module: tests count load_config's calls
+from anima_train.config import TEXT_SOURCE, ConfigError, iter_fields
+from anima_train.data.texture import refuse_multi_process
+from anima_train.model.components import check_repo
+from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
+from anima_train.outputs import run_folder
+from anima_train.outputs.layout import LOSS_PLOT_NAME, state_dir_for
+from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import PLAN_PREFIX
+from anima_train.system.windows import refuse_multi_gpu
+from anima_train.training.preflight import path_problems
 
 from . import comfy
 from . import paths
@@ -110,8 +132,6 @@ WIDGET_DEFAULTS = {"train.model_path": "", "train.output_dir": "", "train.run_na
 
 
 def _field(dotted: str):
-    from anima_train.config import iter_fields
-
     table, name = dotted.rsplit(".", 1)
     for info in iter_fields(table):
         if info.name == name:
@@ -120,9 +140,6 @@ def _field(dotted: str):
 
 
 def _base_type(tp) -> type:
-    import types
-    import typing
-
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return int if int in args else args[0]  # batch_size: int | dict -> int
@@ -197,14 +214,8 @@ def config_toml(values: dict) -> str:
     (nodes/paths.py; PathRefused otherwise), before anything reads it.
 
     A value of None is a linked input not known yet (validation before the graph runs): a placeholder is used."""
-    import tomlkit
-
-    from anima_train.config import ConfigError
-
     extra_text = values.get(EXTRA_TOML) or ""
     try:
-        import tomllib
-
         extra = tomllib.loads(extra_text)
     except ValueError as exc:
         raise ConfigError(f"{EXTRA_TOML}: not valid TOML: {exc}") from None
@@ -238,8 +249,6 @@ def _is_linked(value: str) -> bool:
 def check_paths(cfg) -> list[str]:
     """Problems load_config cannot see: the model repo, dataset folders, output folder and resume_from, checked
     here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
-    from anima_train.training.preflight import path_problems
-
     return path_problems(cfg, skip=_is_linked)
 
 
@@ -284,14 +293,10 @@ def build_config(values: dict):
 
 
 def _build_config(values: dict):
-    import warnings
-
-    from anima_train.config import ConfigError, load_config
-
     text = config_toml(values)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warnings are shown by the Train node's log, not as node errors
-        cfg = load_config(text)
+        cfg = anima_config.load_config(text)
     problems = check_paths(cfg)
     if problems:
         raise ConfigError("the training config refers to missing files:\n" + "\n".join(f"  - {p}" for p in problems),
@@ -337,7 +342,6 @@ class AnimaTrainConfig(io.ComfyNode):
     def validate_inputs(cls, **values):
         # Raised, not returned: ComfyUI files a returned message once for every input the method receives (all of
         # this node's ~36: the Errors panel counted 36 identical entries), an exception once, against this node.
-        from anima_train.config import TEXT_SOURCE, ConfigError
 
         try:
             build_config(values)
@@ -421,15 +425,6 @@ class Relay:
 def loss_image(losses: list[float], run_dir: Path):
     """The run's loss chart as a ComfyUI IMAGE tensor [1, H, W, 3] in 0..1: the trainer's own `loss.png` (a
     resumed run's covers the whole run); drawn from `losses` without writing a file when the run has none."""
-    import tempfile
-
-    import numpy as np
-    import torch
-    from PIL import Image
-
-    from anima_train.outputs.layout import LOSS_PLOT_NAME
-    from anima_train.outputs.plot import plot_losses
-
     chart = run_dir / LOSS_PLOT_NAME
     if chart.is_file():
         img = Image.open(chart).convert("RGB")
@@ -445,8 +440,6 @@ def loss_image(losses: list[float], run_dir: Path):
 def publish(final: Path, kind: str, run_stem: str) -> Path | None:
     """Copy the trained file where the stock loaders list it: <the method's comfy_folder>/anima_train/ (loras for
     an adapter, diffusion_models for a full finetune's native single file). Never replaces a user's file."""
-    from anima_train.adapters.export import text_encoder_lora_path
-
     if not final.is_file():
         return None  # a full finetune saved as diffusers folders: nothing a stock loader reads
     folder = adapters.method(kind).comfy_folder
@@ -473,8 +466,6 @@ def pick_run(cfg, toml: str, key: str):
     locks the folder only once its worker has started (seconds later), and in that gap another ComfyUI's node
     (same output folder) would otherwise pick the same free name and overwrite this job's files. A folder
     resumed while another job holds it is refused (RunRefused, naming the holder)."""
-    from anima_train.outputs import run_folder
-
     output_dir = Path(cfg.train.output_dir)
     resumed = Path(cfg.train.resume_from).expanduser().resolve().parent if cfg.train.resume_from else None
     job_lock, cancelled = None, None
@@ -503,7 +494,6 @@ def pick_run(cfg, toml: str, key: str):
                      f"(from {cancelled['state']})")
     if not notes:
         return cfg, toml, run_dir, manifest, None, job_lock
-    import tomlkit
 
     doc = tomlkit.parse(toml)
     if "train" not in doc:
@@ -561,10 +551,6 @@ class AnimaTrainTrain(io.ComfyNode):
 
     @classmethod
     def execute(cls, config, gpus=1, copy_to_loras=True):
-        from anima_train.config import load_config
-        from anima_train.data.texture import refuse_multi_process
-        from anima_train.system.windows import refuse_multi_gpu
-
         refuse_multi_gpu(gpus)  # Windows: no tested multi-GPU path; before any worker or run folder exists
         hidden = getattr(cls, "hidden", None)
         node_id = str(getattr(hidden, "unique_id", None)) if getattr(hidden, "unique_id", None) is not None else None
@@ -572,7 +558,7 @@ class AnimaTrainTrain(io.ComfyNode):
         cfg = _queued("toml", toml)  # this queue's Training config node built it: confined and checked
         if cfg is None:
             toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
-            cfg = load_config(toml)
+            cfg = anima_config.load_config(toml)
         refuse_multi_process(cfg, gpus)  # the trainer refuses it too, but only after accelerate launched the workers
         key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
         cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)
@@ -636,8 +622,6 @@ class AnimaTrainTrain(io.ComfyNode):
     def _cancelled(cls, cfg, run_dir: Path, key: str, relay: Relay) -> None:
         """After Cancel: say on the node where the run stopped and how it goes on, and record a resumable stop so
         that queueing the same inputs again resumes it. Never raises (ComfyUI's interrupt must go on)."""
-        from anima_train.outputs.layout import state_dir_for
-
         try:
             done = relay.stop_done or {}
             step, total = done.get("step") or relay.last_step.get("step"), done.get("total") or relay.total
@@ -725,14 +709,9 @@ _TEXT_CACHE: dict = {}  # (repo, stat digest) -> (tokenizer, t5_tokenizer, text_
 
 
 def _text_parts(model_path: str):
-    from anima_train.model.components import check_repo
-
     root = check_repo(model_path)
     key = (str(root), worker.files_digest([root / "text_encoder", root / "tokenizer", root / "t5_tokenizer"]))
     if key not in _TEXT_CACHE:
-        import torch
-        from transformers import AutoTokenizer, Qwen3Model
-
         _TEXT_CACHE.clear()
         _TEXT_CACHE[key] = (AutoTokenizer.from_pretrained(root, subfolder="tokenizer"),
                             AutoTokenizer.from_pretrained(root, subfolder="t5_tokenizer"),
@@ -744,10 +723,6 @@ def encode_conditioning(model_path: str, text: str):
     """CONDITIONING [[cross_attn [1, L, 1024], {"t5xxl_ids": int32 [L_t5], "t5xxl_weights": [L_t5]}]], the layout
     ComfyUI's Anima TE produces (docs/comfyui.md#conditioning): Qwen3's masked last hidden state, and the T5 ids that
     feed the LLM adapter inside ComfyUI's Anima model (weights 1.0, as ComfyUI's Anima tokenizer forces)."""
-    import torch
-
-    from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
-
     tokenizer, t5_tokenizer, text_encoder = _text_parts(model_path)
     tok = tokenize([text], tokenizer, t5_tokenizer)
     with torch.inference_mode():

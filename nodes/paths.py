@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+import tomlkit
+
 from anima_train.config import ConfigError
+
+from .worker import pack_dir
 
 ALLOWED_DIRS_ENV = "ANIMA_TRAIN_ALLOWED_DIRS"
 SETTINGS_NAME = "anima_train_paths.txt"  # in the pack's folder (next to requirements.txt)
@@ -145,15 +150,13 @@ def make_policy(folders: Mapping[str, list[str]], environ: Mapping[str, str] | N
 
 
 def settings_file() -> Path:
-    from .worker import pack_dir
-
     return pack_dir() / SETTINGS_NAME
 
 
 def current_policy() -> Policy:
     """The policy of the running ComfyUI (its folders now, the environment, the settings file as it is now)."""
+    # lazy: nodes/comfy.py imports ComfyUI's comfy_api: only this function needs it, the rest of paths works without
     from . import comfy
-    from .worker import pack_dir
 
     return make_policy(comfy.comfy_folders(), os.environ, settings_file(), pack_dir())
 
@@ -196,10 +199,6 @@ def confine_toml(text: str, policy: Policy) -> str:
 
     For a config that reaches a node as a value (Train, Audit, Cache): the Training config node has confined it
     already, but a posted graph may give a node any value."""
-    import tomllib
-
-    import tomlkit
-
     try:
         tree = tomllib.loads(text)
     except ValueError as exc:

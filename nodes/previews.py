@@ -12,14 +12,14 @@ import base64
 import io
 from pathlib import Path
 
+from PIL import Image
+
 THUMBNAIL_SIDE = 256  # px, the longer side; the grid shows them at about 120 px (2x for HiDPI screens)
 DATA_URL_PREFIX = "data:image/jpeg;base64,"
 
 
 def thumbnail_data_url(path: str | Path, side: int = THUMBNAIL_SIDE) -> str | None:
     """A JPEG data URL of the image at `path`, at most `side` px on its longer side; None if it cannot be read."""
-    from PIL import Image
-
     try:
         with Image.open(path) as image:
             image = image.convert("RGB")

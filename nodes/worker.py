@@ -34,6 +34,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Callable
 
 from anchor.atomic import atomic_path, write_json
+from anima_train.errors import USER_ERROR_EXIT
+from anima_train.system.parent_watch import PARENT_PID_ENV
 from anima_train.system.proc import group_has_live_member
 
 LOG_NAME = "comfyui-worker.log"  # the worker's stderr, in the run dir
@@ -82,8 +85,6 @@ def pack_dir() -> Path:
 def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
     """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, and
     this process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends."""
-    from anima_train.system.parent_watch import PARENT_PID_ENV
-
     env = dict(os.environ if base is None else base)
     env[PARENT_PID_ENV] = str(os.getpid())
     here = str(extra_path or pack_dir())
@@ -175,7 +176,6 @@ def command_line(args: list[str]) -> str:
     """`args` as the platform's shell would need it typed (the log's header line can be pasted to re-run it)."""
     if IS_WINDOWS:
         return subprocess.list2cmdline(args)
-    import shlex
 
     return shlex.join(args)
 
@@ -254,7 +254,7 @@ def kill_tree_windows(proc: subprocess.Popen, term_wait_s: float = TERM_WAIT_S) 
 def _orphans(pid: int, started: float) -> list:
     """The live descendants of the (ended) process `pid`, found by parent pid (psutil); [] without psutil."""
     try:
-        import psutil
+        import psutil  # lazy: optional (not in requirements.txt): without it, no orphan search
     except ImportError:
         return []
     children: dict[int, list] = {}
@@ -426,8 +426,6 @@ def failure_message(result: JobResult, what: str) -> str:
     A user error (exit status 2, anima_train.errors: a refused run folder, a bad path, ...) is the whole story: it
     leads the text as "<what> did not start: <message>" (or "stopped:" after the first step), with no exit status,
     and the log lines that only repeat it are left out."""
-    from anima_train.errors import USER_ERROR_EXIT
-
     error = result.last("error") or {}
     message = str(error.get("message") or "")
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:

@@ -15,7 +15,8 @@ from PIL import Image
 from anima_train import cli
 from anima_train.data.buckets import Bucketer, suggest_ladder
 from anima_train.data.latent_cache import save_cache
-from anima_train.data.dataset import BucketSettings, cache_path, plan_metadata
+from anima_train.data.cache_files import cache_path
+from anima_train.data.planning import BucketSettings, plan_metadata
 
 SIZES = {"a": (160, 96), "b": (96, 160), "c": (128, 128), "d": (64, 64)}
 SETTINGS = BucketSettings(tiers=(96, 128), bucket_reso_steps=32)

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 from anima_train import cli
 from anima_train.data.buckets import Bucketer
 from anima_train.config import load_config
-from anima_train.data.dataset import (DatasetError, build_training_data, collate, encode_latents, load_pixels,
-    vae_identity)
+from anima_train.data.cache_files import vae_identity
+from anima_train.data.dataset import build_training_data, collate, encode_latents, load_pixels
+from anima_train.data.errors import DatasetError
 from anima_train.errors import DATA_VERDICT_EXIT
 from anima_train.model.tiny import CONFIGS, make_synthetic_dataset
 
@@ -230,7 +231,8 @@ def test_cache_prints_the_dataset_warnings(images, tmp_path, capsys):
     Image.new("RGB", (16, 16), "white").save(images / "tiny.png")
     (images / "tiny.txt").write_text("white square")
     from anima_train.data.latent_cache import save_cache
-    from anima_train.data.dataset import BucketSettings, cache_path, plan_metadata
+    from anima_train.data.cache_files import cache_path
+    from anima_train.data.planning import BucketSettings, plan_metadata
 
     other = BucketSettings(tiers=(48,), bucket_reso_steps=16)
     plan = Bucketer(48, bucket_reso_steps=16).select(64, 64)

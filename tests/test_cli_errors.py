@@ -230,7 +230,7 @@ def test_the_library_errors_are_user_errors():
     from anima_train.outputs.resume_state import ResumeError
     from anima_train.config import ConfigError
     from anima_train.model.convert import ConvertError
-    from anima_train.data.dataset import DatasetError
+    from anima_train.data.errors import DatasetError
     from anima_train.errors import UserError
     from anima_train.model.components import ModelRepoError
 
@@ -244,7 +244,7 @@ class _Unreadable:
         return 1
 
     def __getitem__(self, i):
-        from anima_train.data.dataset import DatasetError
+        from anima_train.data.errors import DatasetError
 
         raise DatasetError("latent cache /d/x_0128x0128_anima.safetensors cannot be read: delete it")
 
@@ -252,7 +252,7 @@ class _Unreadable:
 def test_a_user_error_from_a_data_loader_worker_keeps_only_its_message():
     from torch.utils.data import DataLoader
 
-    from anima_train.data.dataset import DatasetError
+    from anima_train.data.errors import DatasetError
     from anima_train.errors import user_message
 
     with pytest.raises(DatasetError) as caught:

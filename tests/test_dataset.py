@@ -17,8 +17,10 @@ from PIL import Image
 from anima_train.data.buckets import Bucketer
 from anima_train.data.latent_cache import save_cache
 from anima_train.config import load_config
-from anima_train.data.dataset import (BucketSettings, DatasetError, bucket_batch_sizes, build_training_data,
-    cache_path, collate, plan_metadata)
+from anima_train.data.cache_files import cache_path
+from anima_train.data.dataset import bucket_batch_sizes, build_training_data, collate
+from anima_train.data.errors import DatasetError
+from anima_train.data.planning import BucketSettings, plan_metadata
 from anima_train.data.batches import BucketBatchSampler, steps_per_epoch
 
 

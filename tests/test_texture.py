@@ -403,7 +403,8 @@ def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_t
 
 
 def test_a_texture_phase_on_a_cached_dataset_built_in_code_is_refused(tiny_anima, images, tmp_path):
-    from anima_train.data.dataset import DatasetError, build_training_data
+    from anima_train.data.dataset import build_training_data
+    from anima_train.data.errors import DatasetError
 
     cfg = load_config(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path))
     cfg.dataset.source = "images"  # past load_config, which refuses this

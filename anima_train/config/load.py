@@ -221,7 +221,7 @@ def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
 
     A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
     """
-    from anima_train.files import write_text  # ~15 ms (anchor.atomic): only a run's start writes the copy
+    from anima_train.files import write_text  # lazy: ~15 ms (anchor.atomic); only a run's start writes the copy
 
     dest = Path(dest_path)
     if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
@@ -235,6 +235,7 @@ def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
 
 
 def _toml_value(value: Any) -> Any:
+    # lazy: tomlkit (60-190 ms measured, about what the whole config package costs): only writing TOML needs it
     import tomlkit
     if isinstance(value, dict):
         tbl = tomlkit.inline_table()
@@ -246,6 +247,7 @@ def _toml_value(value: Any) -> Any:
 
 
 def _dump_table(obj: Any, default: Any, always: tuple[str, ...] = ()) -> Any:
+    # lazy: tomlkit: see _toml_value
     import tomlkit
     tbl = tomlkit.table()
     for f in dataclasses.fields(obj):
@@ -270,6 +272,7 @@ def _dump_table(obj: Any, default: Any, always: tuple[str, ...] = ()) -> Any:
 
 def dump_toml(config: Config) -> str:
     """TOML text of the non-default values (adapter.kind always). Loads back with load_config to an equal Config."""
+    # lazy: tomlkit: see _toml_value
     import tomlkit
     doc = tomlkit.document()
     defaults = Config()

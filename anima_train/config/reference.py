@@ -23,7 +23,11 @@ from anima_train.config.aliases import ALIASES, NO_EQUIVALENT
 from anima_train.config.constants import MODEL_PATH_ENV
 from anima_train.config.keys import REQUIRED, as_toml, describe
 from anima_train.config.load import load_config
+from anima_train.data.batches import settings_not_followed, steps_per_epoch
+from anima_train.data.dataset import build_training_data
 from anima_train.errors import UserError
+from anima_train.files import atomic_path
+from anima_train.training.preflight import check_run_paths
 
 INTRO = """\
 # Config reference
@@ -152,8 +156,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _write_new(out: Path, text: str) -> None:
     """--out FILE: written atomically, and never over an existing file (it may be the user's own notes or config;
     published with a hard link, so a file that appears meanwhile is not replaced either)."""
-    from anima_train.files import atomic_path
-
     refused = UserError(f"--out {out}: the file already exists; give another path, or delete it first to replace it")
     if out.exists() or out.is_symlink():
         raise refused
@@ -178,9 +180,6 @@ def run(args) -> int:
     if not args.config:
         raise UserError("give a config file to check (anima-train config CFG.toml), or --reference for the list "
                         "of every key")
-    from anima_train.data.dataset import build_training_data
-    from anima_train.training.preflight import check_run_paths
-    from anima_train.data.batches import settings_not_followed, steps_per_epoch
 
     cfg = load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
     check_run_paths(cfg)

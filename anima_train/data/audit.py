@@ -26,10 +26,13 @@ from pathlib import Path
 
 from anima_train.data.buckets import BUCKET_KEYS, audit_report, make_bucketers, suggest_ladder, tier_counts
 from anima_train.data.latent_cache import add_dataset_arguments, flag_overrides, resolve_dataset_args
-from anima_train.data.dataset import (BucketSettings, CacheUnreadable, DatasetError, Source, cache_bucket,
-    cache_command, cache_damage, cache_path, check_caches, find_undecodable, image_sources, made_with,
-    missing_captions, parse_wxh, plan_sources, plan_tiers_checked, plan_warnings, read_cache_metadata, scan_folders,
-    settings_record, vae_identity)
+from anima_train.data.cache_files import (CacheUnreadable, cache_bucket, cache_damage, cache_path, parse_wxh,
+    read_cache_metadata, vae_identity)
+from anima_train.data.errors import DatasetError
+from anima_train.data.planning import (BucketSettings, cache_command, check_caches, made_with, plan_sources,
+    plan_tiers_checked, plan_warnings, settings_record)
+from anima_train.data.scan import scan_folders
+from anima_train.data.sources import Source, find_undecodable, image_sources, missing_captions
 from anima_train.errors import DATA_VERDICT_EXIT
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageOps
 
 BACKGROUND = (255, 255, 255)  # what a transparent pixel shows as (white: see the module docstring)
 _ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
@@ -43,8 +44,6 @@ def viewer_size(im) -> tuple[int, int]:
 
 def to_viewer_rgb(im):
     """A PIL image of any mode -> the RGB image a viewer shows (orientation, bit depth, transparency)."""
-    from PIL import Image, ImageOps
-
     if _orientation(im) != 1:
         im = ImageOps.exif_transpose(im)
     if im.mode in _WIDE_GRAY:
@@ -64,8 +63,6 @@ def to_viewer_rgb(im):
 def open_image(path: str | Path):
     """The image at `path`, fully decoded, as the RGB picture a viewer shows (see the module docstring).
     Raises what PIL raises for a file it cannot read (OSError for a truncated one, UnidentifiedImageError, ...)."""
-    from PIL import Image
-
     with Image.open(path) as im:
         im.load()  # decode every byte now: a truncated file fails here, naming nothing yet (callers name it)
         return to_viewer_rgb(im)
@@ -73,8 +70,6 @@ def open_image(path: str | Path):
 
 def decoded_size(path: str | Path) -> tuple[int, int]:
     """Decode the whole file (so a truncated or corrupt one raises) and return its size as a viewer shows it."""
-    from PIL import Image
-
     with Image.open(path) as im:
         im.load()
         return viewer_size(im)
@@ -82,7 +77,5 @@ def decoded_size(path: str | Path) -> tuple[int, int]:
 
 def header_size(path: str | Path) -> tuple[int, int]:
     """The size as a viewer shows it, from the header and EXIF only (no pixel decoding)."""
-    from PIL import Image
-
     with Image.open(path) as im:
         return viewer_size(im)

@@ -20,13 +20,19 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+from tqdm import tqdm
+
 from anima_train.files import atomic_path
 from anima_train.data.buckets import DATASET_DEFAULTS, tier_counts, tier_report
-from anima_train.config import DTYPE_NAMES
+from anima_train.config import ConfigError, DTYPE_NAMES, DatasetConfig, TrainConfig, load_config
 from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
-from anima_train.data.dataset import (BucketSettings, DatasetError, UnreadableImages, cache_path, check_caches,
-    encode_latents, find_undecodable, image_sources, load_pixels, missing_captions, plan_metadata, plan_sources,
-    plan_warnings, refuse_missing_captions, scan_folders, vae_identity)
+from anima_train.data.cache_files import cache_path, vae_identity
+from anima_train.data.dataset import encode_latents, load_pixels
+from anima_train.data.errors import DatasetError
+from anima_train.data.planning import BucketSettings, check_caches, plan_metadata, plan_sources, plan_warnings
+from anima_train.data.scan import scan_folders
+from anima_train.data.sources import (UnreadableImages, find_undecodable, image_sources, missing_captions,
+    refuse_missing_captions)
 
 CACHE_HEADER_BYTES = 600  # safetensors header + our metadata, roughly
 
@@ -69,8 +75,6 @@ def flag_overrides(args) -> dict:
 
 def resolve_dataset_args(args, *, need_tiers: bool = True):
     """(subsets, BucketSettings, model_path, tiers_given) from the flags and an optional --config."""
-    from anima_train.config import ConfigError, DatasetConfig, TrainConfig, load_config
-
     if args.config:
         try:
             cfg = load_config(args.config)
@@ -132,8 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_vae(model_path, device: str, dtype: str):
+    # lazy: diffusers and torch (several s): `anima-train audit` imports this module (its dataset arguments)
     from diffusers import AutoencoderKLQwenImage
-
     from anima_train.model.components import resolve_dtype
 
     vae_dir = Path(model_path) / "vae"
@@ -145,6 +149,7 @@ def load_vae(model_path, device: str, dtype: str):
 
 def save_cache(path: Path, latents, metadata: dict[str, str]) -> None:
     """Atomic write (temp file in the same folder, then os.replace)."""
+    # lazy: safetensors.torch imports torch (~4.6 s): see load_vae
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
@@ -164,6 +169,7 @@ def run(args) -> int:
 
 def _device(name: str | None) -> str:
     """The --device to encode on, checked: a name torch knows, and a device this machine has."""
+    # lazy: torch (~4.6 s): see load_vae
     import torch
 
     if name is None:
@@ -188,8 +194,8 @@ def _device(name: str | None) -> str:
 
 
 def _run(args) -> int:
+    # lazy: torch (~4.6 s): see load_vae
     import torch
-    from tqdm import tqdm
 
     subsets, settings, model_path, _ = resolve_dataset_args(args)
     if args.batch_size < 1:

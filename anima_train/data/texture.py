@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from PIL import Image
 
 from anima_train.errors import UserError
 from anima_train.data.images import open_image
@@ -168,8 +169,6 @@ class TextureCrop:
 
 def crop_texture(image, canvas: tuple[int, int], tcfg, rng: random.Random) -> TextureCrop:
     """The canvas-sized crop of a PIL RGB image through the oversize cascade (module docstring)."""
-    from PIL import Image
-
     cw, ch = canvas
     w, h = image.size
     rung, scale = "native", 1.0
@@ -232,6 +231,7 @@ def supervised_mask(latent_size: tuple[int, int], mask_ratio: Sequence[float], f
 def texture_sample(image_path, canvas: tuple[int, int], tcfg, seed: int, epoch: int, index: int) -> dict:
     """What the dataset yields for a texture-eligible sample in a texture phase: pixels [3, 1, ch, cw] in [-1, 1]
     (the same scaling as dataset.load_pixels), loss_mask [1, 1, ch/8, cw/8] and the trigger caption."""
+    # lazy: torch (~4.6 s): the scan steps and `anima-train audit` import this module without needing torch
     import torch
 
     rng = random.Random(f"anima-texture/{int(seed)}/{int(epoch)}/{int(index)}")
@@ -278,6 +278,7 @@ class TextureSchedule:
         return int(epoch) * per_epoch + (int(position) // processes) // accum
 
     def phase_at(self, epoch: int, position: int):
+        # lazy: training.flow imports torch (~4.6 s): see texture_sample
         from anima_train.training.flow import active_phase
 
         return active_phase(self.phases, self.step_of(epoch, position) / self.run[0])

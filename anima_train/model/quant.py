@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from anima_train.config import Config, QuantConfig
+from anima_train.adapters import owner_component, tuner_layers
 
 SDNQ_VERSION = "0.2.8"
 QUANTIZED_MATMUL_MIN_TOKENS = 2900  # "auto": token-weighted mean DiT length (docs/sdnq.md#quantized-matmul)
@@ -76,6 +77,7 @@ def import_sdnq():
     """
     if "sdnq" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("SDNQ_USE_TORCH_COMPILE", "0")
+    # lazy: optional dependency (SDNQ): a missing sdnq must not break import
     import sdnq
     import sdnq.optim  # noqa: F401  (submodules used through the package)
     import sdnq.training  # noqa: F401
@@ -208,6 +210,7 @@ def select_linears(role: str, model: torch.nn.Module, cfg: Config, min_numel: in
 
 
 def _dynamic_dtypes(model: torch.nn.Module, names: list[str], cfg: Config, group_size: int) -> dict[str, str | None]:
+    # lazy: optional dependency: see import_sdnq
     from sdnq.quantizer import sdnq_quantize_layer_weight_dynamic
     out = {}
     for name in names:
@@ -229,8 +232,6 @@ def quantize_models(models: Mapping[str, torch.nn.Module | None], cfg: Config, *
     token_counts: DiT tokens per training sample (dit_tokens), needed for use_quantized_matmul = "auto" in mode
     "frozen". min_numel / min_channels: SDNQ's size floor (lowered only by tests on tiny models).
     """
-    from anima_train.adapters import tuner_layers, owner_component
-
     q = cfg.quant
     report = QuantReport(mode=q.mode)
     if q.mode == "none":

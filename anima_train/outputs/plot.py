@@ -10,6 +10,10 @@ import math
 import os
 from pathlib import Path
 
+from PIL import Image, ImageDraw
+
+from anima_train.files import atomic_path
+
 
 # The loss EMA of both charts: this PNG and the node's live chart (js/loss_chart.js EMA_BETA, which a test holds
 # equal to this; the browser cannot import Python and a page opened mid-run gets no start event to carry it).
@@ -43,8 +47,6 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
                 size: tuple[int, int] = (800, 450), first_step: int = 1) -> Path:
     """Write a PNG chart of `losses` (one value per optimizer step, the first being step `first_step`).
     Atomic write."""
-    from PIL import Image, ImageDraw
-
     if not losses:
         raise ValueError("no losses to plot")
     w, h = size
@@ -87,8 +89,6 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
         d.line([xy(i, v) for i, v in enumerate(ema(losses))], fill=(30, 90, 200), width=3)
     for x, y in raw:
         d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(120, 120, 120))
-
-    from anima_train.files import atomic_path
 
     with atomic_path(path) as tmp:
         img.save(tmp, format="PNG")

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from tqdm import tqdm
+
 from anima_train.errors import UserError
 
 # The memory plan's `message` events start with this (training/memory.py says them): the Train node keeps the
@@ -135,8 +137,6 @@ class Progress:
         self._anchor: tuple[float, int] | None = None  # (time, step) after the first step
         self._t0 = time.perf_counter()
         if enabled and mode == "bar":
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{postfix}]")
 

@@ -215,12 +215,13 @@ def _os_lock(fd: int) -> bool:
     """Take the OS lock on fd without waiting; False if another process holds it."""
     try:
         if IS_WINDOWS:
+            # lazy: platform module: msvcrt exists on Windows only, fcntl on POSIX only
             import msvcrt
 
             os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
         else:
-            import fcntl
+            import fcntl  # lazy: POSIX only (see msvcrt above)
 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except (BlockingIOError, PermissionError):
@@ -234,12 +235,13 @@ def _os_lock(fd: int) -> bool:
 
 def _os_unlock(fd: int) -> None:
     if IS_WINDOWS:
+        # lazy: platform module: see _os_lock
         import msvcrt
 
         os.lseek(fd, _WIN_LOCK_OFFSET, os.SEEK_SET)
         msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
     else:
-        import fcntl
+        import fcntl  # lazy: POSIX only (see msvcrt above)
 
         fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -381,6 +383,7 @@ def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path |
                 lock.release()
             failed = exc
     if accelerator.num_processes > 1:
+        # lazy: accelerate (~4 s measured cold): only a multi-process claim needs it
         from accelerate.utils import broadcast_object_list
 
         verdict = broadcast_object_list([None if failed is None else str(failed)])[0]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 from anima_train.outputs.run_folder import LOGS_DIR
 
 TRACKER = "tensorboard"
@@ -84,7 +86,6 @@ class Tracker:
         """Preview images (PIL) at `step`: one image series per prompt (main process only)."""
         if not self.on or not self.accelerator.is_main_process:
             return
-        import numpy as np
 
         writer = self.accelerator.get_tracker(TRACKER, unwrap=True)
         for i, image in enumerate(images):

@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import requires
 
 IS_WINDOWS = os.name == "nt"
 SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13))
@@ -151,6 +152,7 @@ def _probe_device(torch):
 
 def _probe(torch) -> str | None:
     """The trainer's own compile probe on the probe device (speed imports torch: imported only when torch works)."""
+    # lazy: training.compiling imports torch: `check` imports torch only once it knows torch works
     from anima_train.training.compiling import probe_compile
 
     return probe_compile(_probe_device(torch))
@@ -187,8 +189,6 @@ def _version_pair(text: str) -> tuple[int, int] | None:
 
 def _torch_requires() -> list[str]:
     try:
-        from importlib.metadata import requires
-
         return requires("torch") or []
     except Exception:  # noqa: BLE001 (no metadata: an unusual install; fall back to the table)
         return []
@@ -247,6 +247,7 @@ def toolchain_fix(device_type: str = "cuda") -> str:
     fixes = []
     torch_version = ""
     try:
+        # lazy: torch may be broken: `check` must report it, not fail to import
         import torch
 
         torch_version = str(torch.__version__)

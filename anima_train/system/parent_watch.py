@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import ctypes
 
 from anima_train.system.proc import proc_stat
 
@@ -61,8 +62,6 @@ def save_before_exit() -> bool:
 
 
 def _kernel32():
-    import ctypes
-
     return ctypes.windll.kernel32
 
 
@@ -105,8 +104,6 @@ def _set_death_signal() -> bool:
     if not sys.platform.startswith("linux") or _DEATH_SIGNAL is None:
         return False
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(_PR_SET_PDEATHSIG, int(_DEATH_SIGNAL), 0, 0, 0) == 0
     except (OSError, AttributeError):

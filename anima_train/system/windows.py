@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import ctypes
 
 from anima_train import errors
 
@@ -96,7 +97,7 @@ def install_console_handler() -> bool:
     if not on_windows():
         return False
     try:
-        import ctypes
+        # lazy: Windows-only types: the function runs on Windows only
         from ctypes import wintypes
 
         handler_type = ctypes.WINFUNCTYPE(wintypes.BOOL, wintypes.DWORD)

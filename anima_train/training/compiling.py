@@ -48,6 +48,7 @@ def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     """torch.compile, lazily (each new shape compiles on first use). Regional: each of the identical DiT blocks is
     compiled (one graph, reused 28 times) instead of the whole trunk, which takes minutes to compile. Dynamic shapes
     keep mixed buckets and per-tier batch sizes from exhausting dynamo's recompile limit (raised 8 -> 32)."""
+    # lazy: torch._dynamo (4.5 s measured on top of torch): only a compiled run pays it
     import torch._dynamo
 
     dynamo_config = torch._dynamo.config
@@ -97,6 +98,7 @@ def probe_compile(device: torch.device | str) -> str | None:
     """Compile and run a tiny function (forward and backward) on `device` with Inductor; None when it works and
     gives the eager numbers, else the cause in one line. Each probe compiles anew: a fresh code object (dynamo
     caches by code object) and no FX graph cache, so an earlier success cannot answer for this machine now."""
+    # lazy: torch._inductor: see compile_transformer (only when a probe runs)
     import torch._inductor.config as inductor_config  # heavy: only when a probe runs
 
     device = torch.device(device)
@@ -132,6 +134,7 @@ def probe_sdnq_triton(device: torch.device) -> str | None:
     """Run one SDNQ Triton kernel (its int8 matmul) on `device`; None when it works and matches the exact product."""
     try:
         import_sdnq()
+        # lazy: imports triton: only where its kernels would run
         from sdnq.kernels.triton_mm import sdnq_triton_mm  # imports triton: only where its kernels would run
 
         gen = torch.Generator().manual_seed(0)

@@ -16,6 +16,8 @@ import torch
 
 from anima_train.training.flow import noisy_latents, velocity_target
 from anima_train.model.prompts import encode_prompts
+from anima_train.data.captions import read_caption_files
+from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL, load_latents
 
 DEFAULT_TIMESTEPS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -32,9 +34,6 @@ class EvalResult:
 
 def cached_eval_set(folder: str | Path) -> tuple[list[torch.Tensor], list[str]]:
     """Every latent cache in `folder` (sorted by name) with the tag caption of its source (`<stem>.txt`)."""
-    from anima_train.data.captions import read_caption_files
-    from anima_train.data.dataset import CACHE_NAME, CACHE_TAIL, load_latents
-
     latents, captions = [], []
     for path in sorted(Path(folder).glob("*" + CACHE_TAIL)):
         match = CACHE_NAME.match(path.name)

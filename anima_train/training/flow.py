@@ -162,6 +162,7 @@ def ot_pair_noise(latents: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Ten
     if batch < 2:
         return noise, 0.0
     try:
+        # lazy: scipy.optimize (~0.5 s measured): only OT pairing uses it; tests/test_flow.py removes it (fallback)
         from scipy.optimize import linear_sum_assignment
     except ImportError:
         return noise, 0.0

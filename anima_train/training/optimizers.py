@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from anima_train.config import OptimizerConfig
+from anima_train.model.quant import import_sdnq
 
 SDNQ_CLASSES = {"adamw8bit": "AdamW", "adafactor": "Adafactor", "came": "CAME", "lion": "Lion", "muon": "Muon"}
 ADAFACTOR_DECAY_EXPONENT = -0.8
@@ -78,7 +79,6 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.opt
         return AdamWWithMasters(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                 fused=fused)
 
-    from anima_train.model.quant import import_sdnq
     sdnq_optim = import_sdnq().optim
     shared = dict(use_kahan=cfg.use_kahan, use_quantized_buffers=cfg.quantize_state,
                   offload_buffers=cfg.offload_state)

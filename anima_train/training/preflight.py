@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Callable
 
 from anima_train.config import Config, ConfigError
+from anima_train.outputs.run_folder import free_run_name
 
 
 def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False) -> list[str]:
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
     True for a value not known yet (a ComfyUI input linked from another node)."""
+    # lazy: torch (~4.6 s, through resume_state and components): `anima-train config` checks paths without it
     from anima_train.outputs import resume_state
     from anima_train.model.components import ModelRepoError, check_weights
 
@@ -47,7 +49,6 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
             info = resume_state.read_state(state)
             resume_state.refuse_adapter_change(state, info, cfg)
             if saving:  # a run that writes nothing replaces nothing
-                from anima_train.outputs.run_folder import free_run_name
 
                 run_dir = Path(cfg.train.output_dir).expanduser() / cfg.run_stem
                 resume_state.refuse_older_state(state, info["global_step"], run_dir,
@@ -77,6 +78,7 @@ def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
 
 def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
     """Raise one ConfigError listing every unusable path of `cfg` (see path_problems)."""
+    # lazy: torch (~4.6 s): see path_problems
     from anima_train.model.components import ModelRepoError, check_weight_shapes
 
     problems = path_problems(cfg, saving=saving)

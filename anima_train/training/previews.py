@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from anima_train.outputs.run_folder import SAMPLES_DIR
+from anima_train.model.prompts import encode_prompts
+from anima_train.files import atomic_path
 
 NUM_TRAIN_SIGMAS = 1000  # ComfyUI's ModelSamplingDiscreteFlow table length (timesteps = 1000)
 
@@ -96,8 +99,6 @@ def decode(vae, latents: torch.Tensor) -> torch.Tensor:
 
 def to_pil(image: torch.Tensor):
     """[3, H, W] in [0, 1] -> PIL RGB (rounded, as ComfyUI's SaveImage does with clip(255·x))."""
-    from PIL import Image
-
     array = (image.permute(1, 2, 0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
     return Image.fromarray(array, "RGB")
 
@@ -145,8 +146,6 @@ def render(prompts: list[str], negative: str, *, width: int, height: int, steps:
            shift: float, transformer, conditioner, text_encoder, tokenizer, t5_tokenizer, vae, device, dtype,
            parked=None) -> list[torch.Tensor]:
     """One image per prompt ([3, H, W] in [0, 1], CPU), every one from the same seed's noise."""
-    from anima_train.model.prompts import encode_prompts
-
     devices = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad(), eval_mode(transformer, conditioner, text_encoder):
         def encode(text: str) -> torch.Tensor:
@@ -220,7 +219,6 @@ class Previewer:
                             transformer=transformer, conditioner=conditioner, text_encoder=text_encoder,
                             tokenizer=self.parts.tokenizer, t5_tokenizer=self.parts.t5_tokenizer,
                             vae=self._vae_model(), device=self.device, dtype=self.dtype, parked=self.parked)
-            from anima_train.files import atomic_path
 
             pil, paths = [to_pil(im) for im in images], []
             for i, image in enumerate(pil):

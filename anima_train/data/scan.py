@@ -1,0 +1,139 @@
+"""Scanning the source folders: images, captions and latent caches per folder, DreamBooth `N_name`
+subfolders and their repeats, and each folder's source mode (docs/training.md: datasets)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from anima_train.config import MAX_REPEATS
+from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL
+from anima_train.data.errors import DatasetError
+
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
+REPEAT_FOLDER = re.compile(r"^(?P<n>\d+)_(?P<name>.+)$")  # sd-scripts DreamBooth folders: "10_char"
+SOURCE_MODES = ("images", "latents", "encode", "auto")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Folders
+
+
+@dataclass
+class Folder:
+    """One scanned directory: a source folder or one of its N_name subfolders."""
+
+    subset: int  # index into the resolved subsets
+    path: Path
+    repeats: int  # folder factor x subset num_repeats
+    texture: bool
+    images: dict[str, Path] = field(default_factory=dict)  # stem -> image file
+    caches: dict[str, list[Path]] = field(default_factory=dict)  # stem -> cache files
+    captions: set[str] = field(default_factory=set)  # stems with a <stem>.txt
+    mode: str = ""  # images | latents | encode, once resolved
+
+
+@dataclass
+class Scan:
+    folders: list[Folder]
+    subsets: list  # SubsetConfig-like (path, num_repeats, texture)
+    notes: list[str]  # things worth printing (ignored subfolders, ...)
+
+
+def _entries(path: Path, want_dirs: bool) -> list[str]:
+    """The sorted names of the files (or folders) in `path`, hidden ones left out. A symbolic link that loops or
+    cannot be followed is refused by name: silently dropping it would drop the images the user put behind it."""
+    names = []
+    with os.scandir(path) as it:
+        for e in sorted(it, key=lambda e: e.name):  # sorted: the first bad link named is the same on every run
+            if e.name.startswith("."):
+                continue
+            try:
+                kind = e.is_dir() if want_dirs else e.is_file()
+            except OSError as exc:
+                raise DatasetError(f"{path / e.name}: a symbolic link that cannot be followed ({exc.strerror}): "
+                                   f"remove it or point it at a real file or folder") from None
+            if kind:
+                names.append(e.name)
+    return sorted(names)
+
+
+def _list_folder(folder: Folder) -> None:
+    names = _entries(folder.path, want_dirs=False)
+    for name in names:
+        lower = name.lower()
+        if lower.endswith(CACHE_TAIL):
+            m = CACHE_NAME.match(name)
+            if m:
+                folder.caches.setdefault(m["stem"], []).append(folder.path / name)
+        elif lower.endswith(".txt"):
+            folder.captions.add(name[:-4])
+        elif lower.endswith(IMAGE_EXTENSIONS):
+            stem = name.rsplit(".", 1)[0]
+            if stem in folder.images:
+                raise DatasetError(
+                    f"{folder.images[stem].name} and {name} in {folder.path} share the stem {stem!r}, so they would "
+                    f"share one caption and one cache: rename or remove one of them")
+            folder.images[stem] = folder.path / name
+
+
+def scan_folders(subsets) -> Scan:
+    """List every source folder and its N_name subfolders (see the module docstring)."""
+    folders, notes = [], []
+    for i, sub in enumerate(subsets):
+        root = Path(sub.path).expanduser()
+        if not root.is_dir():
+            # no "in the config": `cache DIR` and `audit DIR` get here with a folder typed on the command line
+            raise DatasetError(f"dataset folder {root} does not exist (or is not a folder): check the path")
+        top = Folder(i, root, int(sub.num_repeats), bool(sub.texture))
+        _list_folder(top)
+        mine = [top]
+        for name in _entries(root, want_dirs=True):
+            m = REPEAT_FOLDER.match(name)
+            if not m:
+                notes.append(f"{root / name}: not scanned (only N_name subfolders such as 10_{name} are)")
+                continue
+            n = int(m["n"])
+            if n < 1:
+                raise DatasetError(f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
+            if n * int(sub.num_repeats) > MAX_REPEATS:
+                raise DatasetError(f"{root / name}: {n} x num_repeats {sub.num_repeats} = {n * int(sub.num_repeats)} "
+                                   f"repeats is more than {MAX_REPEATS}; rename the folder with a smaller N")
+            sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))
+            _list_folder(sub_folder)
+            mine.append(sub_folder)
+        mine = [f for f in mine if f.images or f.caches]
+        if not mine:
+            raise DatasetError(f"dataset folder {root} holds no images ({' '.join(IMAGE_EXTENSIONS)}) and no "
+                               f"*{CACHE_TAIL} caches: check the path")
+        folders += mine
+    return Scan(folders, list(subsets), notes)
+
+
+def resolve_modes(scan: Scan, source: str) -> str:
+    """Give every folder its mode; all folders must agree (a batch is all pixels or all latents)."""
+    if source not in SOURCE_MODES:
+        raise DatasetError(f"[dataset] source = {source!r}: use one of {', '.join(SOURCE_MODES)}")
+    for f in scan.folders:
+        if source == "auto":
+            f.mode = "images" if f.images else "latents"
+        elif source in ("images", "encode") and not f.images:
+            raise DatasetError(
+                f'{f.path} has caches but no images, and source = "{source}" buckets from images: set '
+                f'source = "latents" (or "auto") to train on the caches')
+        else:
+            f.mode = source
+    modes = {f.mode for f in scan.folders}
+    if len(modes) > 1:
+        lines = []
+        for f in scan.folders:
+            what = f"{len(f.images)} images" if f.images else f"{sum(map(len, f.caches.values()))} caches, no images"
+            lines.append(f"  subset {f.subset} {f.path}: {f.mode} ({what})")
+        raise DatasetError(
+            "the dataset folders resolve to different source modes, but a batch must be all latents from one "
+            "kind of source:\n" + "\n".join(lines) + '\nfix: set [dataset] source = "latents" to train on the '
+            "caches everywhere (cache the image folders first with anima-train cache), or restore the images")
+    return modes.pop()
