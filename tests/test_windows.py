@@ -604,9 +604,11 @@ def test_windows_cli_under_a_launcher_refuses_several_processes_before_accelerat
     cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out", train='run_name = "win"'))
     monkeypatch.setenv("WORLD_SIZE", "2")  # what accelerate launch / torchrun give each rank
     monkeypatch.setattr(sys, "platform", "win32")
-    import accelerate
+    from anima_train.training import train
 
-    monkeypatch.setattr(accelerate, "Accelerator", lambda *a, **kw: pytest.fail("accelerate started"))
+    # on the module that builds it: patching `accelerate.Accelerator` reached train.py only when train.py was first
+    # imported inside this test, and then left the fake bound there for every later test in the process
+    monkeypatch.setattr(train, "Accelerator", lambda *a, **kw: pytest.fail("accelerate started"))
     assert cli.main(["train", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("anima-train train: error: 2 processes on Windows: multi-GPU training needs NCCL")
