@@ -5,7 +5,7 @@
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 S=$(date +%s); el() { echo "=== $(( $(date +%s) - S )) s: $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
 el wheels; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 mkdir -p /tmp/comfy /tmp/fe && tar xzf ../ComfyUI-*.tar.gz -C /tmp/comfy && echo '<html>api only</html>' > /tmp/fe/index.html
 el comfy-path
