@@ -10,10 +10,10 @@ el wheels; nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 mkdir -p /tmp/comfy /tmp/fe && tar xzf ../ComfyUI-*.tar.gz -C /tmp/comfy && echo '<html>api only</html>' > /tmp/fe/index.html
 el comfy-path
 timeout -k 5 ${T1:-400} python3 bench/comfyui_template_path.py --size full --comfy-root /tmp/comfy/ComfyUI \
-  --python python3 --out $OUT/path --work /tmp/w --front-end-root /tmp/fe > $OUT/path_driver.log 2>&1; echo rc=$?
+  --python python3 ${PRELOAD:+--preload} --out $OUT/path --work /tmp/w --front-end-root /tmp/fe > $OUT/path_driver.log 2>&1; echo rc=$?
 tail -3 $OUT/path_driver.log | cut -c1-3000
 rm -rf /tmp/w
 el bench; L=$(( ${TOTAL:-575} - ($(date +%s) - S) ))
-timeout -k 5 $L python3 bench/bench_train_gpu.py --work /tmp/b --only lora_b1 --steps 50 > $OUT/bench_lora_b1.log 2>&1
+timeout -k 5 $L python3 bench/bench_train_gpu.py --work /tmp/b --only lora_b1 --steps 50 ${BENCH_ARGS:-} > $OUT/bench_lora_b1.log 2>&1
 echo rc=$?; grep -E '"who"|s_per_step|Error' $OUT/bench_lora_b1.log | cut -c1-800 | tail -4
 el end
