@@ -21,7 +21,10 @@ if _PACK_DIR not in sys.path:
 async def comfy_entrypoint():
     # lazy: the pack root stays torch-free and fast (tests/test_package.py): the nodes import torch and ComfyUI
     from .nodes import AnimaTrainExtension
+    from .nodes.templates import name_template_category
 
+    # the Templates browser lists example_workflows/ under the pack's name, not the folder's (nodes/templates.py)
+    name_template_category(_PACK_DIR)
     return AnimaTrainExtension()
 
 

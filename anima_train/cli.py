@@ -38,6 +38,9 @@ COMMANDS: dict[str, Command] = {
     "cache": Command("anima_train.data.latent_cache", "encode a dataset's images into latent caches next to them"),
     "audit": Command("anima_train.data.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
     "train": Command("anima_train.training.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "evaluate": Command("anima_train.training.evaluate",
+                        "print a config's validation loss and text-conditioning margin for the base model or a "
+                        "checkpoint (--checkpoint FILE), to compare the checkpoints of a run"),
     "plan": Command("anima_train.training.plan",
                     "print the memory plan a config would run with (blocks recomputed, Qwen3 placement, peak) "
                     "under --vram GiB, without training"),

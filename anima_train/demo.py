@@ -76,7 +76,7 @@ def _cache(config: Path, device: str) -> None:
 def run(args) -> int:
     # lazy: torch (4.6-7.7 s measured) through the trainer: `anima-train demo --help` imports this module
     import torch
-    from anima_train.training.evaluate import cached_eval_set, evaluate
+    from anima_train.training.fixed_eval import cached_eval_set, evaluate
     from anima_train.model.components import load_components
     from anima_train.model.tiny import build_tiny_anima, make_synthetic_dataset
     from anima_train.training.train import train

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 
 # exit statuses of every command (the README's table is tested against these; 3 = parent_watch.EXIT_PARENT_GONE)
@@ -57,11 +58,34 @@ def user_message(exc: BaseException) -> str | None:
     anchor = sys.modules.get("anchor")  # a separate package that does not import anima_train
     if anchor is not None and isinstance(exc, getattr(anchor, "AnchorError", ())):
         return _without_worker_traceback(exc)
+    if _is_out_of_memory(exc):
+        return out_of_memory_message(str(exc))
     if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
         where = f"{exc.filename}: " if exc.filename else ""
         return f"{where}{exc.strerror or exc}" + (
             "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
     return None
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error: the run does not fit the card (or what it is allowed of it). torch is only looked
+    up if already loaded (this module imports no torch)."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def out_of_memory_message(torch_text: str) -> str:
+    """What to do when a step does not fit the GPU (it is not a bug: the config asks more than the card has). Keeps
+    torch's numbers (what it tried to allocate, what the process held, its cap) and drops its allocator advice."""
+    found = [m.group(0) for m in (re.search(r"Tried to allocate [\d.]+ \w+", torch_text),
+                                 re.search(r"this process has [\d.]+ \w+ memory in use", torch_text),
+                                 re.search(r"[\d.]+ \w+ allowed", torch_text)) if m]
+    numbers = f" ({'; '.join(found)})" if found else ""
+    return (f"the GPU ran out of memory{numbers}. `anima-train plan CONFIG --vram GiB` shows what fits a card of that "
+            "size. Lower [train] batch_size or [dataset] resolution, or set [train] checkpoint_blocks = \"all\"; "
+            "for a full finetune keep the optimizer state in 8 bits ([optimizer] kind = \"adamw8bit\", "
+            "quantize_state = true, use_kahan = true); close other programs that use the GPU")
 
 
 def _without_worker_traceback(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ const COLOURS = {
   ema: "#ffa63d",
   mse: "rgba(90,205,130,0.6)",
   hf: "rgba(215,110,225,0.85)",
+  validation: "#f2e34c", // yellow: apart from the EMA orange and the loss blue on the dark chart
 };
 
 export function newRun() {
@@ -25,6 +26,7 @@ export function newRun() {
     phase: "idle", // idle | preparing | running | done | cancelled | error
     steps: [], loss: [], ema: [], mse: [], hf: [],
     emaAcc: 0, emaCount: 0,
+    valSteps: [], valLoss: [], valMargin: [], // [validation]: the held-out loss and caption margin ("validation")
     total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0,
     last: null, // the latest step event
     note: "", // latest status / message / checkpoint line
@@ -103,6 +105,14 @@ export function applyEvent(run, ev) {
     case "checkpoint":
       run.note = `saved step ${ev.step}: ${ev.path}`;
       break;
+    case "validation": // the fixed evaluation on held-out images (anima_train/training/validation.py)
+      if (finite(ev.step) && finite(ev.loss)) {
+        if (run.valSteps.length && ev.step <= run.valSteps[run.valSteps.length - 1]) break; // already shown
+        run.valSteps.push(ev.step);
+        run.valLoss.push(ev.loss);
+        run.valMargin.push(finite(ev.margin) ? ev.margin : NaN);
+      }
+      break;
     case "samples": {
       // only inline images the node made (data:image/jpeg|png;base64): nothing else ever becomes an <img> source
       const images = Array.isArray(ev.images) ? ev.images.map((u) => (isImageDataUrl(u) ? u : null)) : [];
@@ -116,6 +126,12 @@ export function applyEvent(run, ev) {
         run = newRun();
         const losses = Array.isArray(ev.losses) ? ev.losses : [];
         losses.forEach((loss, i) => { if (finite(loss)) addPoint(run, i + 1, loss); });
+        const points = Array.isArray(ev.validation) ? ev.validation : []; // [step, loss, margin]
+        for (const p of points) {
+          if (Array.isArray(p) && finite(p[0]) && finite(p[1])) {
+            run.valSteps.push(p[0]); run.valLoss.push(p[1]); run.valMargin.push(finite(p[2]) ? p[2] : NaN);
+          }
+        }
       }
       run.phase = "done";
       run.done = ev;
@@ -178,6 +194,15 @@ function phaseText(phase) {
   }
   if (finite(phase.lr_mul) && phase.lr_mul !== 1) extra.push(`LR ×${phase.lr_mul}`);
   return extra.length ? `${text} (${extra.join(", ")})` : text;
+}
+
+// The validation line's legend: its latest value and caption margin, e.g. "validation 1.1250 (margin 0.0125)" (on the
+// chart, not in the status: the status keeps its three lines, so the chart never changes size mid-run)
+export function validationText(run) {
+  const n = run?.valLoss?.length ?? 0;
+  if (!n) return "";
+  const m = run.valMargin[n - 1];
+  return `validation ${fmtLoss(run.valLoss[n - 1])}` + (finite(m) ? ` (margin ${m.toFixed(4)})` : "");
 }
 
 function mainStatusLines(run) {
@@ -285,9 +310,9 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
   const x1 = Math.max(finite(run.total) ? run.total : 0, run.steps[run.steps.length - 1], x0 + 1);
   const hasParts = run.hf.some(finite);
   // y range: the bulk of the raw loss plus the whole EMA; rare spikes are clipped at the top edge
-  const pool = run.loss.concat(run.ema, hasParts ? run.mse.concat(run.hf) : []).filter(finite);
+  const pool = run.loss.concat(run.ema, run.valLoss, hasParts ? run.mse.concat(run.hf) : []).filter(finite);
   let lo = pool.reduce((a, b) => Math.min(a, b), Infinity);
-  let hi = Math.max(quantile(run.loss, 0.99), run.ema.reduce((a, b) => Math.max(a, b), -Infinity));
+  let hi = Math.max(quantile(run.loss, 0.99), run.ema.concat(run.valLoss).reduce((a, b) => Math.max(a, b), -Infinity));
   if (!(hi > lo)) { hi = lo + Math.max(Math.abs(lo) * 0.1, 1e-3); lo -= Math.max(Math.abs(lo) * 0.1, 1e-3); }
   const margin = (hi - lo) * 0.06;
   lo = lo >= 0 ? Math.max(0, lo - margin) : lo - margin; // a loss is >= 0: never show negative space
@@ -320,11 +345,19 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
   }
   drawSeries(ctx, run.steps, run.loss, toX, toY, COLOURS.loss, 1);
   drawSeries(ctx, run.steps, run.ema, toX, toY, COLOURS.ema, 2);
+  if (run.valSteps.length) { // the second line: validation loss, a dot per evaluation
+    drawSeries(ctx, run.valSteps, run.valLoss, toX, toY, COLOURS.validation, 2);
+    ctx.fillStyle = COLOURS.validation;
+    run.valSteps.forEach((s, i) => {
+      ctx.beginPath(); ctx.arc(toX(s), toY(run.valLoss[i]), 3, 0, 2 * Math.PI); ctx.fill();
+    });
+  }
   ctx.restore();
 
   // legend along the top edge
   const legend = [["loss", COLOURS.loss], ["EMA", COLOURS.ema]];
   if (hasParts) legend.push(["mse", COLOURS.mse], ["hf", COLOURS.hf]);
+  if (run.valSteps.length) legend.push([validationText(run), COLOURS.validation]);
   ctx.textAlign = "left";
   ctx.textBaseline = "middle";
   let lx = pad.left + 2;

@@ -46,7 +46,7 @@ from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
 from anima_train.outputs import run_folder
 from anima_train.outputs.layout import LOSS_PLOT_NAME, state_dir_for
 from anima_train.outputs.plot import plot_losses
-from anima_train.outputs.progress import PLAN_PREFIX
+from anima_train.outputs.progress import PLAN_PREFIX, VALIDATION_PREFIX
 from anima_train.system.windows import refuse_multi_gpu
 from anima_train.training.preflight import path_problems
 
@@ -151,6 +151,21 @@ def _tooltip(info) -> str:
     return f"{info.name}: {info.help}" + (f" ({hint})" if hint else "")
 
 
+# The widgets' own limits are wide on purpose: the frontend clamps a typed value to a widget's min/max without a
+# word (tag_dropout 1.5 would train at 1.0, a negative LR would become 0), so out-of-range values go through to the
+# config gate, which refuses them with the key, the value typed and the valid range. The range is in the tooltip.
+INT_LIMITS = (-(2**31), 2**31 - 1)
+FLOAT_LIMITS = (-1e9, 1e9)
+
+
+def _range_text(info) -> str:
+    """The valid range of a numeric key, as the tooltip says it ("> 0", ">= 1, <= 64")."""
+    m = info.metadata
+    parts = [f"{op} {m[key]:g}" for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+             if m.get(key) is not None]
+    return f" [valid: {', '.join(parts)}]" if parts else ""
+
+
 def knob_input(knob: Knob):
     """The widget of one config key, from its field metadata."""
     info = _field(knob.key)
@@ -162,18 +177,16 @@ def knob_input(knob: Knob):
         return io.Combo.Input(knob.widget, options=list(info.choices), default=default, **common)
     if kind is bool:
         return io.Boolean.Input(knob.widget, default=bool(default), **common)
-    lo = info.metadata.get("ge") if info.metadata.get("ge") is not None else info.metadata.get("gt")
-    hi = info.metadata.get("le") if info.metadata.get("le") is not None else info.metadata.get("lt")
-    if knob.unset_zero:
-        lo = 0
+    if kind in (int, float):
+        common["tooltip"] += _range_text(info)
     if kind is int:
         # control_after_generate=False: re-rolling a knob after each queue would retrain on every queue
-        return io.Int.Input(knob.widget, default=int(default or 0), min=int(lo) if lo is not None else 0,
-                            max=int(hi) if hi is not None else 2**31 - 1, control_after_generate=False, **common)
+        return io.Int.Input(knob.widget, default=int(default or 0), min=INT_LIMITS[0], max=INT_LIMITS[1],
+                            control_after_generate=False, **common)
     if kind is float:
         step = knob.step or 0.01
-        return io.Float.Input(knob.widget, default=float(default or 0.0), min=float(lo) if lo is not None else 0.0,
-                              max=float(hi) if hi is not None else 1e6, step=step, round=step / 10, **common)
+        return io.Float.Input(knob.widget, default=float(default or 0.0), min=FLOAT_LIMITS[0], max=FLOAT_LIMITS[1],
+                              step=step, round=step / 10, **common)
     return io.String.Input(knob.widget, default="" if default is None else str(default), **common)
 
 
@@ -380,6 +393,8 @@ class Relay:
         self.losses: list[float] = []
         self.warnings: list[str] = []  # the trainer's `warning` events (dataset warnings), for the result text
         self.memory_plan: list[str] = []  # the memory plan's messages (checkpointing auto), for the result text
+        self.validation: list[str] = []  # [validation]: the run's "validation loss A → B, margin C → D" line
+        self.validation_points: list[list[float]] = []  # [step, loss, margin] per evaluation, for a re-used chart
         self.steps_seen = 0
         self.slowest_step_s = 0.0  # the Cancel grace follows the step time (cancel_grace)
         self.last_step: dict = {}
@@ -406,6 +421,10 @@ class Relay:
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
         elif kind == "warning":
             self.warnings.append(str(event.get("text", "")))
+        elif kind == "validation" and all(isinstance(event.get(k), (int, float)) for k in ("step", "loss", "margin")):
+            self.validation_points.append([event["step"], float(event["loss"]), float(event["margin"])])
+        elif kind == "message" and str(event.get("text", "")).startswith(VALIDATION_PREFIX):
+            self.validation.append(str(event["text"]))
         elif kind == "message" and str(event.get("text", "")).startswith(PLAN_PREFIX):
             self.memory_plan.append(str(event["text"]))  # the plan, then any relief after an allocator retry
         elif kind == "samples":  # preview images: sent inline, as small thumbnails
@@ -510,11 +529,13 @@ def pick_run(cfg, toml: str, key: str):
     return cfg, toml, run_dir, manifest, "\n".join(notes), job_lock
 
 
-def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None, memory_plan=None) -> str:
+def _summary(cfg, final, published, steps, seconds, reused, warnings=(), note=None, memory_plan=None,
+             validation=()) -> str:
     lines = [f"{'re-used the finished run' if reused else 'trained'} {cfg.run_stem}: {steps} step(s)"
              + ("" if reused else f" in {seconds:.0f} s"),
              f"file     {final}"]
     lines += [f"memory   {line}" for line in memory_plan or ()]  # the plan the run chose, as the trainer said it
+    lines += list(validation)  # "validation loss A → B, margin C → D"; its verdicts are among the warnings
     if note:
         lines.insert(0, note)
     if published:
@@ -579,10 +600,11 @@ class AnimaTrainTrain(io.ComfyNode):
             losses = [float(x) for x in manifest.get("losses", [])]
             published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
             relay.send({"event": "done", "step": manifest.get("steps"), "total": manifest.get("steps"),
-                        "final": str(final), "reused": True, "losses": losses})  # the chart shows the run
+                        "final": str(final), "reused": True, "losses": losses,  # the chart shows the run
+                        "validation": manifest.get("validation_points", [])})
             image = loss_image(losses, run_dir)
             text = _summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
-                            note, manifest.get("memory_plan", []))
+                            note, manifest.get("memory_plan", []), manifest.get("validation", []))
             return io.NodeOutput(str(final), image, ui={"text": [text]})
 
         comfy.free_vram()
@@ -611,10 +633,11 @@ class AnimaTrainTrain(io.ComfyNode):
         published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
         worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
                               published=str(published) if published else None, warnings=relay.warnings,
-                              memory_plan=relay.memory_plan)
+                              memory_plan=relay.memory_plan, validation=relay.validation,
+                              validation_points=relay.validation_points)
         image = loss_image(relay.losses, run_dir)
         text = _summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note,
-                        relay.memory_plan)
+                        relay.memory_plan, relay.validation)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
 

@@ -69,11 +69,11 @@ def get(url: str, timeout: float = 5.0) -> bytes:
 SETTINGS = Path("user") / "default" / "comfy.settings.json"  # the frontend's settings, under the base folder
 
 
-def base_folder(base: Path) -> Path:
-    """A ComfyUI base directory whose custom_nodes/ holds this pack (a symlink to the checkout), with the frontend's
-    settings saying the tutorial was done (no first-run templates dialog over the canvas)."""
+def base_folder(base: Path, folder: str = PACK_NAME) -> Path:
+    """A ComfyUI base directory whose custom_nodes/<folder> holds this pack (a symlink to the checkout), with the
+    frontend's settings saying the tutorial was done (no first-run templates dialog over the canvas)."""
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
-    (base / "custom_nodes" / PACK_NAME).symlink_to(ROOT, target_is_directory=True)
+    (base / "custom_nodes" / folder).symlink_to(ROOT, target_is_directory=True)
     (base / SETTINGS).parent.mkdir(parents=True, exist_ok=True)
     (base / SETTINGS).write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     return base

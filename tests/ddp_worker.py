@@ -38,4 +38,6 @@ except RunRefused as exc:
     sys.exit(3)
 (out_dir / f"rank{rank}.json").write_text(json.dumps({
     "digest": result.trainable_digest, "batches": result.batches_seen, "steps": result.global_step,
-    "losses": result.losses, "stopped": result.stopped, "saved": [str(p) for p in result.saved]}))
+    "losses": result.losses, "stopped": result.stopped,
+    "validation": [[p.step, p.loss, p.shuffled, p.margin] for p in result.validation],
+    "saved": [str(p) for p in result.saved]}))

@@ -145,6 +145,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     # drawn: raw loss (blue), its EMA (orange, 2 px), and the mse / hf parts (green / magenta)
     assert mid["differs"] > 10 * empty["differs"], mid
     assert mid["orange"] > 150 and mid["blue"] > 150 and mid["green"] > 150 and mid["magenta"] > 50, mid
+    assert mid["yellow"] > 100, mid  # [validation]: the held-out loss, a second line with a dot per evaluation
     status = mid["status"]
     for part in (f"step {last['step']}/{last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
                  f"mse {last['mse']:.4f} + hf {last['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
@@ -169,6 +170,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
 
     no_hf = r["noHf"]  # hf null: loss + EMA only
     assert no_hf["orange"] > 150 and no_hf["blue"] > 100 and no_hf["green"] == 0 and no_hf["magenta"] == 0, no_hf
+    assert no_hf["yellow"] == 0  # no [validation]: no second line
     assert "step 30/50" in no_hf["status"] and "(mse" not in no_hf["status"]
 
     error = r["error"]

@@ -34,19 +34,26 @@ CASES = {
     # a rule of the config (extra_toml, as a user types it), and a path the nodes may not use (a widget)
     "lr": ({"extra_toml": "[optimizer]\nlr = 0\n"}, "[optimizer] lr = 0.0: must be > 0.0"),
     "path": ({"dataset_path": "/nope/elsewhere"}, "[dataset] path = '/nope/elsewhere' is outside the folders"),
+    # numbers typed into widgets beyond their key's range: the frontend clamps a typed number to the widget's min/max
+    # without a word, so with the key's range as the widget's limits a negative LR became 0 and a tag dropout of 1.5
+    # trained as 1.0. The value typed must reach the gate and be refused by name.
+    "typed_lr": ({"typed": {"learning_rate": -0.0001}}, "[optimizer] lr = -0.0001: must be > 0.0"),
+    "typed_dropout": ({"typed": {"tag_dropout": 1.5}}, "[dataset.caption] tag_dropout_percent = 1.5: must be <= 1.0"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
-    substitute, needle = CASES[case]
+    substitute, needle = dict(CASES[case][0]), CASES[case][1]
     log = comfy["base"] / "server.log"
     logged_before = log.read_text().count(needle)
+    typed = substitute.pop("typed", {})
     cfg = {"url": comfy["url"], "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "profile"),
-           "outDir": str(tmp_path), "substitute": substitute}
+           "outDir": str(tmp_path), "substitute": substitute, "typed": typed}
     run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads((tmp_path / "result.json").read_text())
+    assert seen["typed"] == typed, seen["typed"]  # the widget kept the number typed
 
     # the overlay a user sees after Run: one error, its text shown (not hidden behind an (i))
     assert "1 error found" in seen["overlay"] or "couldn't validate" in seen["overlay"], seen["overlay"][-1500:]

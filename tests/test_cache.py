@@ -248,3 +248,14 @@ def test_cache_prints_the_dataset_warnings(images, tmp_path, capsys):
     assert "warning: min_source_area = 0.5: dropped 1 source(s) smaller than 0.5 x 64^2 px (e.g. tiny)" in warnings
     assert any(w.startswith("warning: 1 cache file(s) match no declared tier") and f"{leftover.name}: made with "
                in w for w in warnings), warnings
+
+
+def test_cache_with_a_config_caches_its_validation_folder_too(vae_repo, tmp_path, capsys):
+    train_dir, held_out = tmp_path / "train", tmp_path / "held_out"
+    make_synthetic_dataset(train_dir, n=3, seed=1, sizes=[(64, 64)])
+    make_synthetic_dataset(held_out, n=2, seed=2, sizes=[(64, 64)])
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(f'[train]\nmodel_path = "{vae_repo}"\n[dataset]\npath = "{train_dir}"\nresolution = 64\n'
+                   f'bucket_reso_steps = 32\n[validation]\nfolder = "{held_out}"\n', encoding="utf-8")
+    assert cache_cli("--config", cfg) == 0
+    assert len(cache_files(train_dir)) == 3 and len(cache_files(held_out)) == 2  # training reads both

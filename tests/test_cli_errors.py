@@ -194,6 +194,32 @@ def test_an_internal_error_is_one_line_exit_1_with_the_debug_hint(boom, tmp_path
         assert "Traceback" in shown.stderr and "RuntimeError: kaboom" in shown.stderr
 
 
+# what torch 2.11 said when a full finetune's first step did not fit a 24 GiB cap (bench/results/fullft24_2026-12-03)
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+             "115.05 GiB is free. Including non-PyTorch memory, this process has 24.74 GiB memory in use. 24.00 GiB "
+             "allowed; Of the allocated memory 23.82 GiB is allocated by PyTorch, and 180.14 MiB is reserved by "
+             "PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_a_step_that_does_not_fit_the_gpu_is_a_user_error_with_what_to_change(tmp_path):
+    # a config that asks more than the card has is not a bug in anima-train: before, this printed "internal error:
+    # OutOfMemoryError ... This is a bug in anima-train, not in your input" and exited 1
+    (tmp_path / "oom_cmd.py").write_text(
+        "import torch\n\ndef add_arguments(parser):\n    pass\n\n"
+        f"def run(args):\n    raise torch.OutOfMemoryError({TORCH_OOM!r})\n")
+    code = ("import sys; from anima_train import cli; cli.COMMANDS['oom'] = cli.Command('oom_cmd', 'x'); "
+            "sys.exit(cli.main(sys.argv[1:]))")
+    out = _boom(code, tmp_path, "oom")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert line.startswith("anima-train oom: error: the GPU ran out of memory (Tried to allocate 16.00 MiB; "
+                           "this process has 24.74 GiB memory in use; 24.00 GiB allowed)"), line
+    for fix in ("anima-train plan CONFIG --vram", "batch_size", "checkpoint_blocks = \"all\"", "adamw8bit"):
+        assert fix in line, (fix, line)
+    assert "bug" not in line and "expandable_segments" not in line
+
+
 @pytest.mark.slow
 def test_only_the_main_process_reports_a_user_error(tmp_path):
     import time

@@ -347,6 +347,12 @@ def test_every_node_is_listed_and_the_workflows_are_templates(comfy):
         assert status == 200 and body[:3] == b"\xff\xd8\xff", (name, status)
         with Image.open(io.BytesIO(body)) as picture:
             assert picture.format == "JPEG" and picture.width >= 400 and picture.height >= 250, picture.size
+    # the browser's category label for them: the pack's name, in the i18n messages of every UI language
+    # (nodes/templates.py; test_browser_templates reads it back from the Templates dialog)
+    i18n = json.loads(_get(comfy["port"], "/i18n")[1])
+    for lang in ("en", "zh", "ja"):
+        label = i18n.get(lang, {}).get("templateWorkflows", {}).get("category", {}).get(PACK_NAME)
+        assert label == "Anima Trainer", (lang, label)
 
 
 def test_train_load_sample_streams_progress_and_changes_the_image(comfy):

@@ -214,6 +214,9 @@ def test_unknown_key_names_table_key_and_suggestion(text, where, bad, suggestion
     # a typo of a key of another table, and a generic word for this table's `kind`
     (D + "[train]\nwarmup_step = 3\n", "[train]", "warmup_step", "did you mean [schedule] warmup_steps?"),
     (D + "[adapter]\ntype = \"lora\"\n", "[adapter]", "type", "did you mean 'kind'?"),
+    (D + "[validation]\nvalidation_split = 0.1\n", "[validation]", "validation_split", "did you mean 'fraction'?"),
+    (D + "[train]\nvalidate_every_n_steps = 5\n", "[train]", "validate_every_n_steps",
+     "did you mean [validation] every_n_steps?"),
 ])
 def test_unknown_key_suggests_our_name_for_other_trainers_names(text, where, bad, suggestion):
     msg = _errors(text)
@@ -438,6 +441,21 @@ RULES = [
     ("weight_power", D + "[schedule]\nweight_power = -1\n", ["weight_power = -1.0: must be >= 0.0"]),
     ("num_segments", D + "[schedule]\nnum_segments = 0\n", ["num_segments = 0: must be >= 1"]),
     ("warmup_steps", D + "[schedule]\nwarmup_steps = -1\n", ["warmup_steps = -1: must be >= 0"]),
+    # [validation]
+    ("validation folder and fraction", D + '[validation]\nfraction = 0.1\nfolder = "."\n',
+     ["[validation] sets both folder and fraction = 0.1; keep one"]),
+    ("validation fraction 1", D + "[validation]\nfraction = 1.0\n", ["[validation] fraction = 1.0: must be < 1.0"]),
+    ("validation fraction negative", D + "[validation]\nfraction = -0.1\n", ["fraction = -0.1: must be >= 0.0"]),
+    ("validation timesteps", D + "[validation]\nfraction = 0.1\ntimesteps = [0.0, 0.5]\n",
+     ["[validation] timesteps = [0.0, 0.5]: give at least one timestep, each strictly between 0 and 1"]),
+    ("validation no timesteps", D + "[validation]\nfraction = 0.1\ntimesteps = []\n",
+     ["[validation] timesteps = []: give at least one timestep"]),
+    ("validation folder missing", D + '[validation]\nfolder = "no/such/held_out"\n',
+     ['[validation] folder = "no/such/held_out": no such folder']),
+    ("validation cadence without a set", D + "[validation]\nevery_n_steps = 5\n",
+     ["[validation] every_n_steps set, but there is nothing to evaluate", "fraction = 0.1"]),
+    ("validation every 0", D + "[validation]\nfraction = 0.1\nevery_n_epochs = 0\n",
+     ["every_n_epochs = 0: must be >= 1"]),
 ]
 
 
@@ -922,3 +940,12 @@ def test_the_config_modules_import_without_a_cycle():
         out = subprocess.run([sys.executable, "-c", f"import anima_train.config.{name}"], capture_output=True,
                              text=True, cwd=package.parents[1], env={**os.environ, "PYTHONPATH": "."})
         assert out.returncode == 0, (name, out.stderr)
+
+
+def test_validation_is_off_by_default_and_a_relative_folder_is_read_from_the_config_folder(tmp_path):
+    assert not load_config(D).validation.enabled
+    (tmp_path / "held_out").mkdir()
+    cfg_path = tmp_path / "run.toml"
+    cfg_path.write_text(D + '[validation]\nfolder = "held_out"\nevery_n_steps = 10\n', encoding="utf-8")
+    v = load_config(cfg_path).validation
+    assert v.enabled and Path(v.folder) == tmp_path / "held_out" and v.every_n_steps == 10

@@ -22,12 +22,14 @@ def test_steps_per_epoch_worked_example():
 
 @pytest.mark.slow
 def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp_path):
-    data = tmp_path / "data"
+    data, held_out = tmp_path / "data", tmp_path / "held_out"
     make_synthetic_latents(data, n=20, seed=3)
+    make_synthetic_latents(held_out, n=3, seed=4)
     cfg = tmp_path / "ddp.toml"
     cfg.write_text(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
                                   train="epochs = 2\nbatch_size = 4\ngradient_accumulation_steps = 2",
-                                  tables="[optimizer]\nlr = 1e-2\n"))
+                                  tables=f'[optimizer]\nlr = 1e-2\n[validation]\nfolder = "{held_out}"\n'
+                                         f"every_n_steps = 2\n"))
     args = [ROOT / "tests" / "ddp_worker.py", cfg, tmp_path, "save"]
     out = torchrun(args, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -40,6 +42,9 @@ def test_two_processes_keep_identical_adapters_on_different_data(tiny_anima, tmp
     assert r0["batches"] != r1["batches"]  # each rank trained on different samples...
     assert r0["digest"] == r1["digest"]  # ...and the gradient all-reduce kept the adapters bit-identical
     assert r0["losses"] == r1["losses"]  # the logged loss is the mean over ranks
+    # [validation]: every rank evaluates the same weights, so the numbers agree; only rank 0 reports them
+    assert [p[0] for p in r0["validation"]] == [0, 2, 4] and r0["validation"] == r1["validation"]
+    assert out.stdout.count("validation step 2: loss ") == 1 and out.stdout.count("validation loss ") == 1
 
     # the same command again is a fresh run into a folder holding that run: every rank refuses, nothing hangs
     before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir()}

@@ -52,6 +52,11 @@ FAKE_TRAINER = textwrap.dedent(r'''
     final = os.path.join(run_dir, cfg["train"]["run_name"] + ".safetensors")
     open(final, "wb").write(b"lora weights " + json.dumps(cfg).encode())
     ev("checkpoint", path=final, step=3)
+    if mode == "validation":  # [validation]: the summary and its verdict, as training/validation.py words them
+        ev("validation", step=3, loss=1.453, shuffled=1.4527, margin=-0.0003, seconds=0.5)
+        ev("message", text="validation loss 2.120 → 1.453, margin -0.001 → -0.000 (steps 0 → 3)")
+        ev("warning", text="the text-conditioning margin did not grow (-0.0014 → -0.0003): the run is not learning "
+                           "from its captions")
     ev("done", step=3, total=3, final=final, seconds=0.1)
 ''')
 
@@ -134,12 +139,15 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     nt = comfy_env.nt
     ports = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}
     assert ports["epochs"].kind == "INT" and ports["epochs"].options["default"] == TrainConfig().epochs
-    assert ports["epochs"].options["min"] == 1  # ge=1 in TrainConfig
+    # the range (ge=1 in TrainConfig) is said in the tooltip; the widget itself does not clamp (see below)
+    assert "[valid: >= 1]" in ports["epochs"].options["tooltip"]
+    assert ports["epochs"].options["min"] < 0 and ports["learning_rate"].options["min"] < 0
     assert "passes over the dataset" in ports["epochs"].options["tooltip"]
     assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == ["lora", "lokr", "loha", "none"]
     assert ports["dtype"].options["advanced"] is True and ports["epochs"].options["advanced"] is None
     assert ports["gradient_checkpointing"].kind == "BOOLEAN"
-    assert ports["tag_dropout"].options["max"] == 1.0  # le=1.0
+    assert "[valid: >= 0, <= 1]" in ports["tag_dropout"].options["tooltip"]  # ge=0.0, le=1.0
+    assert ports["tag_dropout"].options["max"] > 1.0
     assert ports["extra_toml"].options["multiline"] is True
     # every knob maps to a real key, and the widget names are unique
     assert len({k.widget for k in nt.KNOBS}) == len(nt.KNOBS)
@@ -181,6 +189,13 @@ def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima,
     assert "epochz" in bad
     bad = refusal(nt, **dict(good, extra_toml="[train\n"))
     assert "extra_toml: not valid TOML" in bad
+    # a value outside a key's range, as typed into its widget: the frontend would clamp it to the widget's min/max
+    # without a word (1.5 trained as 1.0, a negative LR shown as 0), so the widgets do not clamp and the gate refuses
+    # it with the value typed
+    bad = refusal(nt, **dict(good, tag_dropout=1.5))
+    assert "tag_dropout_percent = 1.5" in bad and "1.0" in bad, bad
+    bad = refusal(nt, **dict(good, learning_rate=-0.0001))
+    assert "lr = -0.0001" in bad, bad
     missing = refusal(nt, **dict(good, dataset_path=str(dataset / "nope")))
     assert "dataset folder" in missing and "nope" in missing
     no_repo = refusal(nt, **dict(good, model_path=str(dataset)))
@@ -330,6 +345,23 @@ def test_train_shows_the_memory_plan_it_chose(comfy_env, tiny_anima, dataset):
     env.log.clear()
     again = _train(env, config)  # a re-used run still says the plan it ran with
     assert again.ui["text"][0].startswith("re-used") and f"memory   {said}" in again.ui["text"][0].splitlines()
+
+
+def test_train_shows_the_validation_summary_and_its_verdict(comfy_env, tiny_anima, dataset):
+    env = comfy_env
+    env.mode["value"] = "validation"
+    config = _config(env, tiny_anima, dataset, run_name="validated")
+    out = _train(env, config)
+    said = "validation loss 2.120 → 1.453, margin -0.001 → -0.000 (steps 0 → 3)"
+    ws = [e[1] for e in env.log if e[0] == "ws"]
+    assert any(e["event"] == "validation" and e["step"] == 3 for e in ws)  # the chart's second line
+    lines = out.ui["text"][0].splitlines()
+    assert said in lines and any(x.startswith("warning: the text-conditioning margin did not grow") for x in lines)
+    env.log.clear()
+    again = _train(env, config)  # a re-used run still says how its validation went
+    assert again.ui["text"][0].startswith("re-used") and said in again.ui["text"][0].splitlines()
+    reused = [e[1] for e in env.log if e[0] == "ws" and e[1]["event"] == "done"]
+    assert reused[-1]["validation"] == [[3, 1.453, -0.0003]]  # the re-used chart draws the validation line too
 
 
 def test_an_unchanged_rerun_reuses_the_result_without_a_worker(comfy_env, tiny_anima, dataset):

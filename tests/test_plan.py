@@ -142,6 +142,21 @@ def test_cli_says_plainly_when_nothing_fits(tmp_path, config_file):
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_full_finetune_that_does_not_fit_is_told_about_8_bit_optimizer_state(tmp_path, config_file):
+    # measured (bench/results/fullft24_2026-12-03): the default full finetune (fp32 masters + AdamW) ran out of memory
+    # under 24 GiB, the 8-bit state peaked at 17.2 GiB; the plan said only "lower batch_size or resolution"
+    full = tmp_path / "full.toml"
+    full.write_text(config_file.read_text() + '[adapter]\nkind = "none"\n')
+    done = anima_train(tmp_path, str(full), "--vram", "24")
+    assert done.returncode == 0, done.stderr
+    assert "DOES NOT FIT" in done.stdout and 'kind = "adamw8bit", quantize_state = true' in done.stdout, done.stdout
+    lean = tmp_path / "lean.toml"
+    lean.write_text(full.read_text() + '[optimizer]\nkind = "adamw8bit"\nquantize_state = true\nuse_kahan = true\n')
+    done = anima_train(tmp_path, str(lean), "--vram", "24")
+    assert done.returncode == 0, done.stderr
+    assert "DOES NOT FIT" not in done.stdout and "AdamW state alone" not in done.stdout, done.stdout
+
+
 def test_cli_without_vram_and_without_cuda(tmp_path, config_file):
     done = anima_train(tmp_path, str(config_file), cuda_visible="")
     assert done.returncode == 2

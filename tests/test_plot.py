@@ -49,3 +49,45 @@ def test_png_and_live_chart_draw_the_same_loss_ema(tmp_path):
     out = subprocess.run([node, str(tmp_path / "ema.mjs")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert ema(losses) == pytest.approx(json.loads(out.stdout))
+
+
+def test_the_validation_loss_is_a_second_line_on_the_png(tmp_path):
+    orange = (230, 120, 20)
+    losses = [1.5 - 0.01 * i for i in range(30)]
+    def orange_columns(image):
+        pixels = image.convert("RGB").load()
+        return {x for x in range(800) for y in range(450) if pixels[x, y] == orange}
+
+    assert not orange_columns(Image.open(plot_losses(losses, tmp_path / "plain.png")))
+    xs = orange_columns(Image.open(plot_losses(losses, tmp_path / "val.png",
+                                               validation=[(0, 1.6), (15, 1.45), (30, 1.3)])))
+    assert min(xs) < 90 and max(xs) > 760  # from before the first step to the last one
+
+
+def test_the_live_chart_keeps_the_validation_points_and_shows_the_latest(tmp_path):
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs node to run the chart's js")
+    chart = Path(__file__).resolve().parents[1] / "js" / "loss_chart.js"
+    events = [{"event": "start", "total": 4}, {"event": "validation", "step": 0, "loss": 1.25, "margin": 0.001},
+              *({"event": "step", "step": s, "total": 4, "loss": 1.0} for s in range(1, 5)),
+              {"event": "validation", "step": 4, "loss": 1.125, "margin": 0.0125}]
+    script = (f"import {{ newRun, applyEvent, validationText }} from {json.dumps(chart.as_uri())};\n"
+              "let run = newRun();\n"
+              f"for (const ev of {json.dumps(events)}) run = applyEvent(run, ev);\n"
+              "const shown = [run.valSteps, run.valLoss, validationText(run)];\n"
+              "run = applyEvent(run, { event: 'done', reused: true, losses: [1, 0.9], "
+              "validation: [[0, 1.2, 0], [2, 1.1, 0.01]] });\n"  # a re-used run's chart (nodes_train.py)
+              "console.log(JSON.stringify([...shown, run.valSteps]));\n")
+    (tmp_path / "val.mjs").write_text(script)
+    out = subprocess.run([node, str(tmp_path / "val.mjs")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    steps, values, line, reused = json.loads(out.stdout)
+    assert reused == [0, 2]
+    assert steps == [0, 4] and values == [1.25, 1.125]
+    assert line == "validation 1.1250 (margin 0.0125)"  # the line's legend on the chart

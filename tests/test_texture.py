@@ -373,7 +373,7 @@ def _eval_set(model_dir, folder):
 
 def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_texture_phase(tiny_anima, images,
                                                                                            tmp_path):
-    from anima_train.training.evaluate import evaluate
+    from anima_train.training.fixed_eval import evaluate
     from anima_train.model.components import load_components
     from anima_train.training.train import train
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from anima_train.config import load_config
-from anima_train.training.evaluate import cached_eval_set, evaluate
+from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
 from anima_train.model.tiny import make_synthetic_latents
 from anima_train.training.train import train

@@ -38,6 +38,11 @@ ALIASES: dict[str, str] = {
     "precision": "train.dtype",
     "max_data_loader_n_workers": "train.num_workers",
     "save_every_n_steps": "train.save_every_steps",
+    # [validation] (sd-scripts: validation_split, validation_seed, validate_every_n_steps/epochs)
+    "validation_split": "validation.fraction",
+    "validation_seed": "validation.seed",
+    "validate_every_n_steps": "validation.every_n_steps",
+    "validate_every_n_epochs": "validation.every_n_epochs",
     "save_every_n_epochs": "train.save_every_epochs",
     "save_last_n_steps": "train.keep_last_n",
     "save_last_n_epochs": "train.keep_last_n",

@@ -165,7 +165,8 @@ def _build_config(raw: dict, p: Problems) -> Config:
                          for i, s in enumerate(subsets)]
     tables["dataset"] = _read_table(TABLES["dataset"], draw, at("dataset"), p, **inside)
 
-    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant", "sample", "logging"):
+    for name in ("flow", "optimizer", "schedule", "component_lr", "adapter", "quant", "sample", "logging",
+                 "validation"):
         tables[name] = _read_table(TABLES[name], sub(name), at(name), p)
 
     phases = raw.get("curriculum", [])

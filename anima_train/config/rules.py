@@ -401,6 +401,34 @@ def _sample_when(s, p: Problems, ctx, w) -> None:
                     f"or prompts_file = \"prompts.txt\"")
 
 
+# ------------------------------------------------------------------------------------------------ [validation]
+
+
+def _validation(v, p: Problems, ctx, w) -> None:
+    if v.folder is not None and v.fraction > 0 and p.ok("validation.folder", "validation.fraction"):
+        p.error(f"[validation] sets both folder and fraction = {as_toml(v.fraction)}; keep one: folder = a held-out "
+                f"image folder, or fraction = the share of the dataset to hold out", "validation.fraction")
+    if p.ok("validation.timesteps"):
+        bad = [t for t in v.timesteps if not 0 < t < 1]
+        if not v.timesteps or bad:
+            p.error(f"[validation] timesteps = {as_toml(v.timesteps)}: give at least one timestep, each strictly "
+                    f"between 0 and 1, e.g. [0.1, 0.5, 0.9]", "validation.timesteps")
+    if v.folder is not None and ctx.base_dir is not None and p.ok("validation.folder"):
+        path = Path(v.folder).expanduser()
+        if not path.is_absolute():
+            path = ctx.base_dir / path
+        if not path.is_dir():
+            p.error(f"[validation] folder = {as_toml(v.folder)}: no such folder ({path}); relative paths are read "
+                    f"from the config file's folder", "validation.folder")
+        else:
+            v.folder = str(path)
+    if not v.enabled and p.ok("validation.every_n_steps", "validation.every_n_epochs"):
+        when = [k for k in ("every_n_steps", "every_n_epochs") if getattr(v, k) is not None]
+        if when:
+            p.error(f"[validation] {', '.join(when)} set, but there is nothing to evaluate: add folder = "
+                    f"\"held_out/\" or fraction = 0.1")
+
+
 # (scope, rule), in the order their messages are listed; "" = across tables (run for a whole Config only)
 RULES = [
     ("", _texture_source),
@@ -424,4 +452,5 @@ RULES = [
     ("sample", _sample_prompts_file),
     ("logging", _tensorboard),
     ("sample", _sample_when),
+    ("validation", _validation),
 ]

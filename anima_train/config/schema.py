@@ -341,6 +341,27 @@ class LoggingConfig:
                                          "(needs the tensorboard package: pip install tensorboard)")
 
 
+@section
+@dataclass
+class ValidationConfig:
+    folder: str | None = _key(None, nonempty=True,
+                              help="held-out image folder (captioned and cached like the dataset, never trained "
+                                   "on); relative to the config's folder")
+    fraction: float = _key(0.0, ge=0.0, lt=1.0,
+                           help="or: this fraction of the dataset's images (at least 2) split off by `seed`, never "
+                                "trained on (their names are printed); 0 = none")
+    seed: int = _key(0, ge=0, help="seed of the split, of the fixed noise and of the shuffled captions")
+    every_n_steps: int | None = _key(None, ge=1, help="evaluate every N optimizer steps (and before the first "
+                                                      "step and at the end)")
+    every_n_epochs: int | None = _key(None, ge=1, help="evaluate every N epochs")
+    timesteps: list[float] = _key(factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
+                                  help="the fixed timesteps every held-out latent is evaluated at, each in (0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None or self.fraction > 0
+
+
 @root
 @dataclass
 class Config:
@@ -355,6 +376,8 @@ class Config:
     curriculum: list[CurriculumPhase] = _array(CurriculumPhase, "curriculum phases, sorted by at")
     sample: SampleConfig = _table(SampleConfig, "preview images rendered while training")
     logging: LoggingConfig = _table(LoggingConfig, "TensorBoard logging")
+    validation: ValidationConfig = _table(ValidationConfig, "validation loss on held-out images (off unless folder "
+                                                            "or fraction is set)")
     # Where the config came from, so the run can copy it verbatim (comments kept). Not part of equality.
     source_path: Path | None = field(default=None, compare=False, repr=False, metadata={"key": False})
     source_text: str | None = field(default=None, compare=False, repr=False, metadata={"key": False})

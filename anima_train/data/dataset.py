@@ -30,6 +30,7 @@ layout again when it reads the tensor.
 
 from __future__ import annotations
 
+import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,8 @@ class TrainingData:
     warnings: list[str]
     settings: BucketSettings
     scan: Scan = field(repr=False, default=None)
+    held_out: list[Item] = field(default_factory=list)  # [validation] fraction: one item per held-out source
+
 
     def set_epoch(self, epoch: int) -> None:
         """New batch order and new captions for this epoch (sampler and dataset)."""
@@ -320,6 +323,7 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
         entries = plan.entries
     if not entries:
         raise DatasetError("the dataset has no usable entries after scanning (all dropped or unreadable)")
+    entries, held_out = _split_off(cfg, plan, scan, entries)
 
     # expand repeats into dataset items
     items, keys = [], []
@@ -344,7 +348,40 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     lines = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)[0]
     report = startup_report(scan, plan, entries, items, sampler, mode) + lines + texture_lines
     warn += plan_warnings(plan, settings, check, vae_id) + scan.notes
-    return TrainingData(mode, plan.sources, entries, dataset, sampler, report, warn, settings, scan)
+    if held_out:
+        report.append(f"validation: {len(held_out)} image(s) held out (fraction {cfg.validation.fraction}, seed "
+                      f"{cfg.validation.seed}), never trained on: " + ", ".join(it.stem.name for it in held_out))
+    return TrainingData(mode, plan.sources, entries, dataset, sampler, report, warn, settings, scan, held_out)
+
+
+def held_out_stems(stems: Sequence[str], fraction: float, seed: int) -> set[str]:
+    """The sources `[validation] fraction` holds out: round(fraction x n) of them, at least 2 (the text-conditioning
+    margin swaps captions between images), drawn by `seed` from the names sorted, so the same folder and seed hold out
+    the same images on every machine and in every run."""
+    names = sorted(set(stems))
+    k = max(2, round(fraction * len(names)))
+    if len(names) - k < 1:
+        raise DatasetError(f"[validation] fraction = {fraction} holds out {k} of the dataset's {len(names)} image(s) "
+                           f"(at least 2 for the caption margin), leaving none to train on: add images, or use "
+                           f"[validation] folder = a separate held-out folder")
+    return set(random.Random(seed).sample(names, k))
+
+
+def _split_off(cfg, plan: Plan, scan: Scan, entries: list[Entry]) -> tuple[list[Entry], list[Item]]:
+    """The training entries without the held-out sources, and one item per held-out source (the first tier planned
+    for it). Nothing is held out unless `[validation] fraction` is set."""
+    v = getattr(cfg, "validation", None)
+    if v is None or not v.fraction:
+        return entries, []
+    stems = {str(plan.sources[e.source].stem) for e in entries}
+    out = held_out_stems(stems, v.fraction, v.seed)
+    held: dict[str, Item] = {}
+    for e in entries:
+        src = plan.sources[e.source]
+        if str(src.stem) in out and str(src.stem) not in held:
+            held[str(src.stem)] = Item(src.stem, src.image, e.cache, e.plan, e.tier, False)
+    return ([e for e in entries if str(plan.sources[e.source].stem) not in out],
+            [held[k] for k in sorted(held)])
 
 
 def _attach_texture(cfg, items: Sequence[Item], sampler: BucketBatchSampler) -> list[str]:

@@ -73,8 +73,9 @@ def flag_overrides(args) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def resolve_dataset_args(args, *, need_tiers: bool = True):
-    """(subsets, BucketSettings, model_path, tiers_given) from the flags and an optional --config."""
+def resolve_dataset_args(args, *, need_tiers: bool = True, with_validation: bool = False):
+    """(subsets, BucketSettings, model_path, tiers_given) from the flags and an optional --config; with_validation:
+    the config's `[validation] folder` too (cached with the dataset's settings, as training reads it)."""
     if args.config:
         try:
             cfg = load_config(args.config)
@@ -82,6 +83,8 @@ def resolve_dataset_args(args, *, need_tiers: bool = True):
             raise DatasetError(str(e)) from None
         dataset, model_path = cfg.dataset, cfg.train.model_path
         subsets = dataset.resolved_subsets()
+        if with_validation and cfg.validation.folder is not None and not args.dirs:
+            subsets = [*subsets, SimpleNamespace(path=cfg.validation.folder, num_repeats=1, texture=True)]
     else:
         dataset, model_path, subsets = DatasetConfig(), TrainConfig().model_path, []
     if args.dirs:
@@ -197,7 +200,7 @@ def _run(args) -> int:
     # lazy: torch (~4.6 s): see load_vae
     import torch
 
-    subsets, settings, model_path, _ = resolve_dataset_args(args)
+    subsets, settings, model_path, _ = resolve_dataset_args(args, with_validation=True)
     if args.batch_size < 1:
         raise DatasetError("--batch-size must be >= 1")
     device = _device(args.device)  # before the scan: a typo must not wait for it

@@ -44,24 +44,29 @@ def nice_ticks(lo: float, hi: float, target: int = 5) -> tuple[list[float], int]
 
 
 def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "training loss",
-                size: tuple[int, int] = (800, 450), first_step: int = 1) -> Path:
-    """Write a PNG chart of `losses` (one value per optimizer step, the first being step `first_step`).
-    Atomic write."""
+                size: tuple[int, int] = (800, 450), first_step: int = 1,
+                validation: list[tuple[int, float]] = ()) -> Path:
+    """Write a PNG chart of `losses` (one value per optimizer step, the first being step `first_step`) and the
+    `[validation]` loss as a second line, orange (`validation`: (optimizer step, loss) pairs; step 0 = before the
+    first step). Atomic write."""
     if not losses:
         raise ValueError("no losses to plot")
     w, h = size
     left, right, top, bottom = 70, 20, 40, 45
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
-    lo, hi = min(losses), max(losses)
+    val_losses = [v for _, v in validation]
+    lo, hi = min(losses + val_losses), max(losses + val_losses)
     if hi - lo < 1e-12:
         lo, hi = lo - 0.5, hi + 0.5
     pad = 0.05 * (hi - lo)
     lo, hi = lo - pad, hi + pad
     n = len(losses)
 
-    def xy(i: int, v: float) -> tuple[float, float]:
-        x = left + (w - left - right) * (i / max(1, n - 1))
+    x_lo = min([0] + [s - first_step for s, _ in validation])  # a validation point may precede the first step
+
+    def xy(i: float, v: float) -> tuple[float, float]:
+        x = left + (w - left - right) * ((i - x_lo) / max(1, n - 1 - x_lo))
         y = top + (h - top - bottom) * (1 - (v - lo) / (hi - lo))
         return x, y
 
@@ -79,7 +84,8 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
         label = str(first_step + i)
         d.line([x, h - bottom, x, h - bottom + 4], fill="black")
         d.text((x - d.textlength(label) / 2, h - bottom + 8), label, fill="black")
-    d.text((left, 12), f"{title}  ({n} steps; grey: per step, blue: EMA)", fill="black")
+    legend = "grey: per step, blue: EMA" + (", orange: validation" if validation else "")
+    d.text((left, 12), f"{title}  ({n} steps; {legend})", fill="black")
     d.text((w // 2 - 30, h - 18), "optimizer step", fill="black")
     d.text((5, top - 16), "loss", fill="black")
 
@@ -89,6 +95,11 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "trai
         d.line([xy(i, v) for i, v in enumerate(ema(losses))], fill=(30, 90, 200), width=3)
     for x, y in raw:
         d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(120, 120, 120))
+    val = [xy(s - first_step, v) for s, v in validation]
+    if len(val) > 1:
+        d.line(val, fill=(230, 120, 20), width=3)
+    for x, y in val:
+        d.ellipse([x - 4, y - 4, x + 4, y + 4], fill=(230, 120, 20))
 
     with atomic_path(path) as tmp:
         img.save(tmp, format="PNG")

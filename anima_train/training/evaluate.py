@@ -1,99 +1,181 @@
-"""Fixed-quantile evaluation loss: the honest way to tell whether a run learned anything.
+"""`anima-train evaluate CFG [--checkpoint FILE]`: a config's validation numbers for the base model or a trained file.
 
-A single training loss value says little (each step draws a different timestep; loss at t = 0.95 is ~2.5x loss at
-t = 0.05). Here every latent is evaluated at the same fixed timesteps with the same fixed noise, before and after
-training, so the difference is the model's. The *text-conditioning margin* — eval loss with the captions shuffled
-across images minus eval loss with the true captions — measures how much the prediction depends on the caption;
-it should widen when a run learns from its captions.
+    anima-train evaluate run.toml                                   # the base model of run.toml
+    anima-train evaluate run.toml --checkpoint out/run/run-step000400.safetensors
+
+The numbers are the ones training prints (training/validation.py): the `[validation]` set of the config (its `folder`,
+or the `fraction` of the dataset its seed holds out), the fixed timesteps and noise, the text-conditioning margin.
+So the checkpoints of one run can be compared and the best one picked.
+
+A checkpoint is applied to the base model as the weights it changes: a LoRA (peft or kohya layout), LoKr or LoHa file
+is merged as its ΔW = what ComfyUI applies, a full-finetune native single file replaces the DiT and the LLM adapter;
+a `<stem>_te.safetensors` beside an adapter (the Qwen3 LoRA) is merged too. A file whose modules or shapes are not
+those of the config's model is refused with one line naming the file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from anima_train.training.flow import noisy_latents, velocity_target
-from anima_train.model.prompts import encode_prompts
-from anima_train.data.captions import read_caption_files
-from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL, load_latents
+from anima_train import errors
+from anima_train.adapters.export import (DIFFUSION_PREFIX, KOHYA_TE_PREFIX, KOHYA_UNET_PREFIX, native_key,
+                                         text_encoder_lora_path)
+from anima_train.config import load_config
+from anima_train.data.dataset import build_training_data
+from anima_train.model import keymaps
+from anima_train.model.components import DTYPES, load_components
+from anima_train.training.validation import Validation, ValidationSet, describe, validation_items
 
-DEFAULT_TIMESTEPS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
-@dataclass
-class EvalResult:
-    true_captions: float
-    shuffled_captions: float
-
-    @property
-    def margin(self) -> float:
-        return self.shuffled_captions - self.true_captions
+# the file's tensor names after the module: LoRA (peft, kohya), LoKr, LoHa
+FACTOR_NAMES = ("lora_A.weight", "lora_B.weight", "lora_down.weight", "lora_up.weight", "alpha",
+                "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
+                "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
 
-def cached_eval_set(folder: str | Path) -> tuple[list[torch.Tensor], list[str]]:
-    """Every latent cache in `folder` (sorted by name) with the tag caption of its source (`<stem>.txt`)."""
-    latents, captions = [], []
-    for path in sorted(Path(folder).glob("*" + CACHE_TAIL)):
-        match = CACHE_NAME.match(path.name)
-        if match is None:
-            continue
-        latents.append(load_latents(path))
-        captions.append(read_caption_files(path.with_name(match["stem"]))[0].strip())
-    return latents, captions
+class CheckpointError(errors.UserError):
+    """A checkpoint that does not fit the config's model."""
 
 
-def derangement(n: int, seed: int = 0) -> list[int]:
-    """A permutation with no fixed point (every image gets another image's caption)."""
-    if n < 2:
-        raise ValueError("the text-conditioning margin needs at least 2 samples")
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        perm = torch.randperm(n, generator=g).tolist()
-        if all(i != p for i, p in enumerate(perm)):
-            return perm
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="the run's TOML config (its [validation] table and model_path)")
+    parser.add_argument("--checkpoint", metavar="FILE",
+                        help="a LoRA / LoKr / LoHa or full-finetune .safetensors trained for this model; omitted: "
+                             "the base model")
+    parser.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is visible")
 
 
-@torch.no_grad()
-def fixed_quantile_loss(parts, latents: list[torch.Tensor], captions: list[str],
-                        timesteps=DEFAULT_TIMESTEPS, seed: int = 1234) -> float:
-    """Mean velocity MSE over every latent x every fixed timestep, with noise fixed by `seed`.
+def run(args) -> int:
+    cfg = load_config(args.config)
+    if not cfg.validation.enabled:
+        raise errors.UserError(f"{args.config}: no [validation] set to evaluate on: add [validation] folder = "
+                               f"\"held_out/\" or fraction = 0.1 (docs/config.md lists the keys)")
+    # what can be refused without the model first: an unreadable file, a held-out set without captions or caches
+    tensors = _read(Path(args.checkpoint)) if args.checkpoint else None
+    data = None if cfg.validation.folder else build_training_data(cfg, cfg.train.model_path)
+    items = validation_items(cfg, data, cfg.train.model_path)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    parts = load_components(cfg.train.model_path, dtype=DTYPES[cfg.train.dtype], device=device,
+                            load_vae=any(it.cache is None for it in items))
+    what = "the base model"
+    if args.checkpoint:
+        what = apply_checkpoint(parts, Path(args.checkpoint), tensors)
+    vset = ValidationSet.build(cfg, items, vae=parts.vae)
+    print(f"validation: {len(vset.names)} image(s): " + ", ".join(vset.names))
+    point = Validation(cfg, vset, parts).at(0)
+    print(f"{what}: " + describe(point, len(vset.names), len(cfg.validation.timesteps)).split(": ", 1)[1])
+    return 0
 
-    `parts`: anything with transformer, text_conditioner, text_encoder, tokenizer, t5_tokenizer (models.AnimaComponents);
-    latents: normalised [16,1,h,w] tensors (sizes may differ: each is evaluated on its own)."""
-    transformer = parts.transformer
-    device = next(transformer.parameters()).device
-    dtype = next(transformer.parameters()).dtype
-    was_training = transformer.training
-    transformer.eval()
-    total, count = 0.0, 0
-    g = torch.Generator().manual_seed(seed)
+
+# -- applying a checkpoint --------------------------------------------------------------------------------------
+
+def apply_checkpoint(parts, path: Path, tensors: dict | None = None) -> str:
+    """Change `parts`' weights as the checkpoint at `path` (its `tensors`, when read already) says; returns what it
+    was ("LoRA file X", ...)."""
+    tensors = _read(path) if tensors is None else tensors
+    if any(k.startswith(keymaps.NATIVE_PREFIXES) for k in tensors):
+        _load_full(parts, tensors, path)
+        return f"full finetune {path.name}"
+    kind = _merge_adapter(tensors, _modules(parts), path)
+    te = text_encoder_lora_path(path)
+    if te.is_file():
+        _merge_adapter(_read(te), _modules(parts), te)
+    return f"{kind} {path.name}" + (f" (+ {te.name})" if te.is_file() else "")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_dir():
+        raise CheckpointError(f"--checkpoint {path}: a folder; give the .safetensors file (a full finetune saved "
+                              f"as diffusers folders: set [train] save_native = true, or load the folder as "
+                              f"model_path)")
     try:
-        for x0, caption in zip(latents, captions):
-            x0 = x0.to(device, dtype)[None]
-            context = encode_prompts([caption], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
-                                     text_encoder=parts.text_encoder, conditioner=parts.text_conditioner,
-                                     device=device)
-            _, _, _, h, w = x0.shape
-            pad = x0.new_zeros(1, 1, 8 * h, 8 * w)
-            for t_value in timesteps:
-                noise = torch.randn(x0.shape, generator=g).to(device, dtype)
-                t = torch.full((1,), float(t_value), device=device)
-                x_t = noisy_latents(x0, noise, t)
-                pred = transformer(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
-                                   padding_mask=pad, return_dict=False)[0]
-                total += torch.mean((pred.float() - velocity_target(x0, noise).float()) ** 2).item()
-                count += 1
-    finally:
-        transformer.train(was_training)
-    return total / count
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"--checkpoint {path}: file not found") from None
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"--checkpoint {path}: not a readable .safetensors file ({exc})") from None
 
 
-def evaluate(parts, latents: list[torch.Tensor], captions: list[str], timesteps=DEFAULT_TIMESTEPS,
-             seed: int = 1234) -> EvalResult:
-    perm = derangement(len(captions), seed)
-    return EvalResult(
-        true_captions=fixed_quantile_loss(parts, latents, captions, timesteps, seed),
-        shuffled_captions=fixed_quantile_loss(parts, latents, [captions[p] for p in perm], timesteps, seed),
-    )
+def _modules(parts) -> dict[str, torch.nn.Linear]:
+    """Every Linear the files can name, under each name a file uses for it (peft/LyCORIS, kohya, Qwen3 kohya)."""
+    out = {}
+    for part, model in (("transformer", parts.transformer), ("text_conditioner", parts.text_conditioner)):
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                try:
+                    key = native_key(part, name)
+                except (KeyError, ValueError):
+                    continue
+                out[key] = module
+                out[KOHYA_UNET_PREFIX + key.removeprefix(DIFFUSION_PREFIX).replace(".", "_")] = module
+    for name, module in parts.text_encoder.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            out[KOHYA_TE_PREFIX + name.removeprefix("model.").replace(".", "_")] = module
+    return out
+
+
+def _merge_adapter(tensors: dict, modules: dict, path: Path) -> str:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        factor = next((f for f in FACTOR_NAMES if key.endswith("." + f)), None)
+        if factor is None:
+            raise CheckpointError(f"--checkpoint {path}: tensor {key!r} is not an adapter factor this trainer "
+                                  f"writes (LoRA, LoKr, LoHa) nor a native full-finetune key")
+        groups.setdefault(key[: -len(factor) - 1], {})[factor] = value.float()
+    kinds = set()
+    deltas = []
+    for stem, factors in groups.items():
+        module = modules.get(stem)
+        if module is None:
+            raise CheckpointError(f"--checkpoint {path}: made for another model: it adapts {stem}, which the "
+                                  f"model of this config does not have")
+        kind, delta = _delta(factors)
+        if delta.shape != module.weight.shape:
+            raise CheckpointError(f"--checkpoint {path}: made for another model: {stem} changes a "
+                                  f"{tuple(delta.shape)} weight, this config's model has {tuple(module.weight.shape)}")
+        kinds.add(kind)
+        deltas.append((module, delta))
+    with torch.no_grad():  # only after every module fitted: a refused file changes nothing
+        for module, delta in deltas:
+            module.weight += delta.to(module.weight.device, module.weight.dtype)
+    return "/".join(sorted(kinds)) + " file"
+
+
+def _delta(f: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    """ΔW of one module's factors, as ComfyUI applies them."""
+    if "lora_A.weight" in f:
+        return "LoRA", f["lora_B.weight"] @ f["lora_A.weight"]
+    if "lora_down.weight" in f:
+        down = f["lora_down.weight"]
+        scale = f["alpha"].item() / down.shape[0] if "alpha" in f else 1.0
+        return "LoRA", (f["lora_up.weight"] @ down) * scale
+    if "hada_w1_a" in f:
+        scale = f["alpha"].item() / f["hada_w1_b"].shape[0] if "alpha" in f else 1.0
+        return "LoHa", (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]) * scale
+    w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+    w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+    dim = f["lokr_w2_b"].shape[0] if "lokr_w2_b" in f else f["lokr_w1_b"].shape[0] if "lokr_w1_b" in f else None
+    scale = f["alpha"].item() / dim if "alpha" in f and dim else 1.0
+    return "LoKr", torch.kron(w1, w2) * scale
+
+
+def _load_full(parts, tensors: dict, path: Path) -> None:
+    try:
+        dit, adapter = keymaps.split_anima_native(tensors)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"--checkpoint {path}: made for another model ({exc})") from None
+    for model, sd, what in ((parts.transformer, dit, "DiT"), (parts.text_conditioner, adapter, "LLM adapter")):
+        own = model.state_dict()
+        missing, extra = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
+        wrong = [k for k in own if k in sd and own[k].shape != sd[k].shape]
+        if missing or extra or wrong:
+            detail = (f"{len(missing)} weight(s) missing, e.g. {missing[0]}" if missing else
+                      f"{len(extra)} unknown weight(s), e.g. {extra[0]}" if extra else
+                      f"{wrong[0]} is {tuple(sd[wrong[0]].shape)}, this config's model has "
+                      f"{tuple(own[wrong[0]].shape)}")
+            raise CheckpointError(f"--checkpoint {path}: made for another model: its {what} does not fit ({detail})")
+    for model, sd in ((parts.transformer, dit), (parts.text_conditioner, adapter)):
+        model.load_state_dict(sd, strict=True)

@@ -112,7 +112,7 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
     resident, keep, predicted = decide_plan(n_blocks=n, act=measure.act, peak=peak, steady=steady, start=measure.start,
                                             scale=scale, budget=budget, expandable=expandable_segments_on(),
-                                            parked_bytes=host)
+                                            parked_bytes=host, backward_peak=measure.backward_peak)
     block_ckpt.set_recomputed(n - keep)
     if resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
@@ -124,18 +124,21 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
 
 
 def decide_plan(*, n_blocks: int, act: int, peak: int, steady: int, start: int | None, scale: float, budget: int,
-                expandable: bool, parked_bytes: int) -> tuple[bool, int, int]:
+                expandable: bool, parked_bytes: int, backward_peak: int | None = None) -> tuple[bool, int, int]:
     """(Qwen3 resident, blocks that keep their activations, predicted peak) from the first step's measurements (or
     their static prediction: training/plan.py). `parked_bytes` = the parked Qwen3's weights (0: nothing parks).
     Qwen3 goes on the GPU if the all-checkpointed step fits beside it; then the blocks share what is left."""
+    def plus(value):
+        return None if value is None else value + parked_bytes
+
     resident = parked_bytes > 0 and recompute.fits(
         peak=peak + parked_bytes, steady=steady + parked_bytes, scale=scale, budget=budget, expandable=expandable,
-        start=None if start is None else start + parked_bytes)
+        start=plus(start), backward_peak=plus(backward_peak))
     if resident:
-        steady, peak = steady + parked_bytes, peak + parked_bytes
-        start = None if start is None else start + parked_bytes
+        steady, peak, start, backward_peak = steady + parked_bytes, peak + parked_bytes, plus(start), plus(backward_peak)
     keep, predicted = recompute.plan_unchecked(n_blocks=n_blocks, act=act, peak=peak, steady=steady, scale=scale,
-                                               budget=budget, expandable=expandable, start=start)
+                                               budget=budget, expandable=expandable, start=start,
+                                               backward_peak=backward_peak)
     return resident, keep, predicted
 
 

@@ -55,6 +55,7 @@ from anima_train.training.previews import Previewer
 from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
 from anima_train.training.stopping import StopRequests
+from anima_train.training.validation import Validation, ValidationSet, validation_items
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainResult:
     trainable_digest: str = ""  # sha256 over this process's trainable tensors: equal on every rank under DDP
     batches_seen: list[list[int]] = field(default_factory=list)  # dataset indices per micro-batch, this rank
     total_steps: int = 0  # the run's horizon in optimizer steps (max_steps capped by the epochs)
+    validation: list = field(default_factory=list)  # [validation]: validation.Point per evaluation (every rank)
 
 
 def add_arguments(parser) -> None:
@@ -150,6 +152,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                      stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
     data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
+    held_out = validation_items(cfg, data, cfg.train.model_path) if cfg.validation.enabled else []
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
     for text in settings_not_followed(cfg, data.sampler, per_epoch):
@@ -204,7 +207,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                                                    model.text_encoder)),
         keep_vae_on_device=model.vae is not None, enabled=not dry_run, on_images=tracker.images)
 
-    epoch, batch_index = _loop(run, model, data, loader, tracker, previews, StopRequests(stop_file),
+    validation = _validation(cfg, model, held_out, progress, tracker, enabled=not dry_run)
+    epoch, batch_index = _loop(run, model, data, loader, tracker, previews, validation, StopRequests(stop_file),
                                start_epoch=start_epoch, skip_batches=skip_batches, no_save=no_save)
 
     # -- the end: last previews, final checkpoint, loss plot ---------------------------------------------------
@@ -212,6 +216,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run.grad_norms.log(tracker)
     if not result.stopped:
         previews.at_end(result.global_step)
+    if validation is not None:
+        if not result.stopped:  # a stop saves and exits at once, as the previews do
+            validation.at_end(result.global_step)
+        result.validation = validation.points
     if not no_save and not cfg.train.skip_final_save and not result.stopped:
         epoch_finished = batch_index >= len(loader)  # then a resume starts at the next epoch's first batch
         result.final = saving.save(run, epoch=epoch + (1 if epoch_finished else 0),
@@ -219,11 +227,14 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not no_save and result.losses:
         plot_losses(run.earlier_losses + result.losses, run_dir / LOSS_PLOT_NAME,
-                    title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step)
+                    title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step,
+                    validation=[(p.step, p.loss) for p in result.validation])
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
     result.trainable_digest = resume_state.digest(accelerator.unwrap_model(m) for m in trainable)
     result.components = model.parts
+    for line in validation.summary(run.earlier_losses + result.losses) if validation is not None else ():
+        (progress.warning if line.startswith("warning:") else progress.message)(line.removeprefix("warning: "))
     _report_done(progress, result, start_step=start_step, total=total, t_start=t_start)
     # every rank tears the process group down together: a rank that leaves while the main one is still plotting has
     # been seen to abort the other at exit (gloo, "terminate called without an active exception", exit -6)
@@ -234,10 +245,11 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
 
 # -- the loop ---------------------------------------------------------------------------------------------------
 
-def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, stops: StopRequests, *,
-          start_epoch: int, skip_batches: int, no_save: bool) -> tuple[int, int]:
+def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, validation: Validation | None,
+          stops: StopRequests, *, start_epoch: int, skip_batches: int, no_save: bool) -> tuple[int, int]:
     """For epoch, for batch: a micro-step; after each optimizer step: the memory plan, the checks, the report, the
-    previews, then stop, save or go on. Returns the epoch (0-based) and its batches done where it ended."""
+    previews and validation, then stop, save or go on. Returns the epoch (0-based) and its batches done where it
+    ended."""
     cfg, accelerator, result, say = run.cfg, run.accelerator, run.result, run.progress.message
     world, total = accelerator.num_processes, result.total_steps
     totals = readout.StepTotals()
@@ -246,6 +258,8 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
     epoch, batch_index = start_epoch, skip_batches
     if result.global_step < total:
         previews.before_training(result.global_step)
+        if validation is not None:
+            validation.before_training(result.global_step)
     while result.global_step < total and epoch < cfg.train.epochs:
         batches = accelerator.skip_first_batches(loader, skip_batches) if skip_batches else loader
         # Accelerate's loader re-applies its own iteration counter to the sampler/dataset when iterated, so it
@@ -280,6 +294,8 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
                          images=totals.images * world)
             totals.images = 0
             previews.after_step(step)
+            if validation is not None:
+                validation.after_step(step, total)
             if step >= total:
                 return epoch, batch_index
             if stops.agreed(stop_votes, world):
@@ -293,6 +309,8 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, st
                 saving.save(run, epoch=epoch, batch_index=batch_index, step=step)
         epoch += 1
         previews.after_epoch(epoch, result.global_step)
+        if validation is not None:
+            validation.after_epoch(epoch, result.global_step, total)
         if saving.every_epochs_due(cfg, epoch) and not no_save:
             saving.save(run, epoch=epoch, batch_index=0, epoch_tag=epoch)
     return epoch, batch_index
@@ -320,6 +338,8 @@ def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: read
             for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr()):
                 group["lr"] = lr * phase.lr_mul
         used_lrs = [group["lr"] for group in run.optimizer.param_groups]  # what this step really used
+        if accelerator.sync_gradients and model.block_ckpt.measure is not None:
+            model.block_ckpt.measure.before_optimizer_step(accelerator.device)  # "auto": the backward's own peak
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
@@ -337,6 +357,24 @@ def _report_step(run: Run, model: Model, tracker, stats: list[float], *, step: i
 
 
 # -- setup ------------------------------------------------------------------------------------------------------
+
+def _validation(cfg: Config, model: Model, held_out: list, progress: Progress, tracker, *,
+                enabled: bool) -> Validation | None:
+    """`[validation]`: the held-out images' latents and fixed captions, and what evaluates and reports them (None:
+    validation off, or a dry run)."""
+    if not cfg.validation.enabled or not enabled:
+        return None
+    progress.event("status", message="loading the validation set")
+    vset = ValidationSet.build(cfg, held_out, vae=model.vae)
+    v = cfg.validation
+    if v.folder:
+        progress.message(f"validation: {len(vset.names)} image(s) from {v.folder}, timesteps {list(v.timesteps)}: "
+                         + ", ".join(vset.names))
+    else:  # the dataset's report named the held-out images already (build_training_data)
+        progress.message(f"validation: the {len(vset.names)} held-out image(s) above, timesteps {list(v.timesteps)}")
+    return Validation(cfg, vset, model.parts, progress=progress, tracker=tracker, parked=model.parked,
+                      block_ckpt=model.block_ckpt)
+
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,
                   stop_file: str | None, overwrite: bool,

@@ -30,14 +30,25 @@ async function main() {
       app.canvas.setDirty(true, true);
       return { nodes: app.graph.nodes.length };
     });
-    await page.evaluate((substitute) => {
-      for (const node of window.comfyAPI.app.app.graph.nodes) {
+    // `substitute` sets values as a loaded workflow does; `typed` enters them as a user typing into a number widget
+    // does: the value prompt hands the number to the widget's own setValue (which applies the widget's min/max)
+    result.typed = await page.evaluate(({ substitute, typed }) => {
+      const app = window.comfyAPI.app.app;
+      const seen = {};
+      for (const node of app.graph.nodes) {
         for (const [name, value] of Object.entries(substitute[node.type] ?? {})) {
           const widget = node.widgets?.find((w) => w.name === name);
           if (widget) { widget.value = value; widget.callback?.(widget.value); }
         }
+        for (const [name, value] of Object.entries(typed[node.type] ?? {})) {
+          const widget = node.widgets?.find((w) => w.name === name);
+          if (!widget) continue;
+          widget.setValue(value, { e: undefined, node, canvas: app.canvas });
+          seen[name] = widget.value;
+        }
       }
-    }, { AnimaTrainConfig: cfg.substitute ?? {} });
+      return seen;
+    }, { substitute: { AnimaTrainConfig: cfg.substitute ?? {} }, typed: { AnimaTrainConfig: cfg.typed ?? {} } });
     result.run = await page.evaluate(async (waitMs) => {
       const { app } = window.comfyAPI.app;
       const { api } = window.comfyAPI.api;

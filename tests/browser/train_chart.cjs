@@ -28,6 +28,17 @@ function syntheticSteps(total, upto, withHf) {
   return events;
 }
 
+// [validation] as the trainer reports it: before the first step and every 20 steps (held-out loss, caption margin)
+function syntheticValidation(from, to) {
+  const events = [];
+  for (let step = from; step <= to; step++) {
+    if (step % 20) continue;
+    events.push({ event: "validation", step, loss: 0.12 + 0.27 * Math.exp(-step / 50), shuffled: null,
+                  margin: 0.001 + 0.0002 * step, seconds: 3.1 });
+  }
+  return events;
+}
+
 async function main() {
   const result = { console: [], pageErrors: [] };
   const browser = await launch(cfg, { width: 1280, height: 900 });
@@ -79,7 +90,7 @@ async function main() {
       const canvas = root.querySelector("canvas");
       const { data } = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height);
       const bg = [data[0], data[1], data[2]];
-      let differs = 0, orange = 0, blue = 0, green = 0, magenta = 0;
+      let differs = 0, orange = 0, blue = 0, green = 0, magenta = 0, yellow = 0;
       for (let i = 0; i < data.length; i += 4) {
         const [r, g, b] = [data[i], data[i + 1], data[i + 2]];
         if (Math.abs(r - bg[0]) + Math.abs(g - bg[1]) + Math.abs(b - bg[2]) > 24) differs++;
@@ -87,12 +98,13 @@ async function main() {
         if (b > 110 && b - r > 40 && b - g > 20) blue++;
         if (g > 100 && g - r > 40 && g - b > 20) green++;
         if (r > 110 && b > 110 && r - g > 50 && b - g > 50) magenta++;
+        if (r > 200 && g > 200 && b < 130) yellow++;
       }
       const status = root.querySelector(".anima-train-chart-status");
       const rect = canvas.getBoundingClientRect();
       return { width: canvas.width, height: canvas.height, cssWidth: rect.width, cssHeight: rect.height,
                visible: rect.width > 0 && rect.height > 0 && getComputedStyle(root).display !== "none",
-               background: bg, differs, orange, blue, green, magenta,
+               background: bg, differs, orange, blue, green, magenta, yellow,
                status: status.innerText, phase: root.dataset.phase, step: root.dataset.step };
     });
 
@@ -123,9 +135,13 @@ async function main() {
                    run_dir: "/runs/x", resumed_step: 0 }].concat(steps.slice(0, 60)));
     await waitPhase("running", "60");
     result.relayed = await measure();
+    const vals = (from, to) => syntheticValidation(from, to).map((e) => ({ node: id, ...e }));
+    await send(vals(0, 60));
     await send(steps.slice(60, 100));
+    await send(vals(61, 100));
     await send([{ node: id, event: "checkpoint", path: "/runs/x/anima-step00100.safetensors", step: 100 }]);
     await send(steps.slice(100));
+    await send(vals(101, 120));
     await settle();
     result.midRun = await measure();
     result.lastStep = steps[steps.length - 1];
