@@ -15,7 +15,7 @@ training step on a full-size random Anima (prints one JSON line per run), SEED_B
 (the seed) from its unmodified source tarball SEED-*.tar.gz. Without them only our runs are measured.
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
-lean full finetune); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
+smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, foreach steps); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
 `NAME:off` with its own `gradient_checkpointing = false`. Compare with the seed's best at the same memory
 (`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
 memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
@@ -62,7 +62,10 @@ FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[op
 # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
 FULL_8BIT = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
              'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n')
-KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT,
+# the lean full finetune without SDNQ: bf16 moments + Kahan residual, foreach steps (training/adamw_kahan.py)
+FULL_KAHAN = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
+              'kind = "adamw"\nlr = 1e-5\nuse_kahan = true\n')
+KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT, "fullkahan": FULL_KAHAN,
          # on images: the extra TOML starts inside [dataset]
          "encode": 'source = "encode"\n' + LORA,
          "texture": ('source = "encode"\n[dataset.texture]\ncanvases = [[1024, 1024]]\n[[curriculum]]\nat = 0.0\n'
@@ -73,9 +76,10 @@ BASELINE_NAMES = {"lora": "lora_b{b}_ckpt", "full": "full_b{b}_ckpt"}
 
 
 def parse_run(name: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(lora|full|full8bit|encode|texture)_b(\d+)", name)
+    m = re.fullmatch(r"(lora|full|full8bit|fullkahan|encode|texture)_b(\d+)", name)
     if not m:
-        raise SystemExit(f"--only: unknown run {name!r}; use lora_bN, full_bN, full8bit_bN, encode_bN or texture_bN")
+        raise SystemExit(f"--only: unknown run {name!r}; use lora_bN, full_bN, full8bit_bN, fullkahan_bN, encode_bN "
+                         "or texture_bN")
     return m.group(1), int(m.group(2))
 
 
@@ -350,7 +354,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/anima-bench")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--only", default="lora_b8,full_b4", help="runs: lora_bN, full_bN, full8bit_bN")
+    ap.add_argument("--only", default="lora_b8,full_b4", help="runs: lora_bN, full_bN, full8bit_bN, fullkahan_bN")
     ap.add_argument("--compile", default=None, help="our train.compile (default: what compile = \"auto\" picks)")
     ap.add_argument("--checkpoint-blocks", default=None, help="our train.checkpoint_blocks (default: auto)")
     ap.add_argument("--cap-gib", type=float, default=None, help="cap every process's CUDA memory to this many GiB")

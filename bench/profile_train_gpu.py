@@ -119,7 +119,7 @@ def summarise(prof, active: int, cuda: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", default="lora_b8", help="lora_bN, full_bN or full8bit_bN")
+    ap.add_argument("--run", default="lora_b8", help="lora_bN, full_bN, full8bit_bN or fullkahan_bN")
     ap.add_argument("--checkpoint-blocks", default=None, help="train.checkpoint_blocks (default: auto)")
     ap.add_argument("--compile", default=None, help="train.compile = MODE (e.g. default)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the profiler's active window)")

@@ -64,3 +64,13 @@ def synthetic_dataset(tmp_path_factory):
     from tests import fixtures_tiny
 
     return fixtures_tiny.synthetic_dataset(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def latents_dir(tmp_path_factory):
+    """12 synthetic latent caches (the tiny model's), made once per test module: a module may add files to it."""
+    from anima_train.model.tiny import make_synthetic_latents
+
+    out = tmp_path_factory.mktemp("latents")
+    make_synthetic_latents(out, n=12, seed=0)
+    return out

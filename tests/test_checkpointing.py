@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from test_train import latents_dir, make_cfg  # noqa: F401 (a fixture)
 
 from anima_train.training import recompute
 from anima_train.training.recompute import GIB, plan_unchecked, predicted_peak
 from anima_train.training.compiling import COMPILE_MIN_STEPS, resolve_compile
 from anima_train.training.train import train
+from tests.test_train import make_cfg
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

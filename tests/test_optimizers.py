@@ -99,7 +99,8 @@ def test_kahan_and_offload_run_on_bf16():
 
 def test_bf16_tensors_get_fp32_masters_that_resume_exactly():
     # every kind but SDNQ-with-Kahan steps fp32 masters of bf16 tensors, rounded into the model after each step
-    for kind, options, masters in (("adamw", {}, True), ("lion", {}, True), ("adamw8bit", {"use_kahan": True}, False)):
+    for kind, options, masters in (("adamw", {}, True), ("lion", {}, True), ("adamw8bit", {"use_kahan": True}, False),
+                                   ("adamw", {"use_kahan": True}, False)):
         opt, _ = train(kind, steps=2, dtype=torch.bfloat16, **options)
         pairs = getattr(opt, "master_pairs", [])
         assert bool(pairs) == masters, kind

@@ -155,6 +155,12 @@ def test_a_full_finetune_that_does_not_fit_is_told_about_8_bit_optimizer_state(t
     done = anima_train(tmp_path, str(lean), "--vram", "24")
     assert done.returncode == 0, done.stderr
     assert "DOES NOT FIT" not in done.stdout and "AdamW state alone" not in done.stdout, done.stdout
+    # adamw + use_kahan: bf16 moments and residual, 6 bytes per parameter instead of fp32 AdamW's 8 (+ 4 of masters)
+    kahan = tmp_path / "kahan.toml"
+    kahan.write_text(full.read_text() + '[optimizer]\nuse_kahan = true\n')
+    done = anima_train(tmp_path, str(kahan), "--vram", "24")
+    assert done.returncode == 0, done.stderr
+    assert "DOES NOT FIT" not in done.stdout and "AdamW state alone" not in done.stdout, done.stdout
 
 
 def test_cli_without_vram_and_without_cuda(tmp_path, config_file):

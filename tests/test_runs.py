@@ -14,19 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.model.tiny import make_synthetic_latents
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="module")
-def latents_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("latents")
-    make_synthetic_latents(out, n=12, seed=0)
-    return out
 
 
 

@@ -19,12 +19,6 @@ from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli
 
 
-@pytest.fixture(scope="module")
-def latents_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("latents")
-    make_synthetic_latents(out, n=12, seed=0)
-    return out
-
 
 def make_cfg(model: Path, data: Path, out: Path, extra: str = "", **train_keys):
     keys = dict(epochs=1000, batch_size=4, dtype='"float32"', num_workers=0, progress='"off"',

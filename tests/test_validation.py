@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +19,6 @@ from anima_train.model.tiny import make_synthetic_latents
 from anima_train.training.train import train
 from tests.test_train import make_cfg
 
-
-@pytest.fixture(scope="module")
-def latents_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("latents")
-    make_synthetic_latents(out, n=12, seed=0)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -341,10 +341,20 @@ def _optimizer(o, p: Problems, ctx, w) -> None:
         elif any(not 0.0 <= b < 1.0 for b in betas):
             p.error(f"[optimizer] betas = {as_toml(list(betas))}: every beta must be in [0, 1)")
     if p.ok("optimizer.kind") and o.kind == "adamw":
-        sdnq_only = [k for k in ("use_kahan", "quantize_state", "offload_state") if getattr(o, k)]
+        sdnq_only = [k for k in ("quantize_state", "offload_state") if getattr(o, k)]
         if sdnq_only:
             p.error(f'[optimizer] {", ".join(sdnq_only)} = true only works with an SDNQ optimizer, but kind = '
-                    f'"adamw" (torch, fp32 state); use e.g. kind = "adamw8bit", or remove the key(s)')
+                    f'"adamw" (torch); use e.g. kind = "adamw8bit", or remove the key(s)')
+
+
+
+def _kahan_adamw_dtype(cfg, p: Problems, ctx, w) -> None:
+    o = cfg.optimizer
+    if p.ok("optimizer.kind", "optimizer.use_kahan", "train.dtype") and o.kind == "adamw" and o.use_kahan \
+            and cfg.train.dtype == "float16":
+        p.error('[optimizer] use_kahan = true with kind = "adamw" keeps the moments in the weights\' dtype, where '
+                'float16 under- and overflows: set [train] dtype = "bfloat16", or use kind = "adamw8bit" with '
+                "use_kahan = true")
 
 
 # ------------------------------------------------------------------------------------------------ [sample], [logging]
@@ -448,6 +458,7 @@ RULES = [
     ("curriculum", _phase),
     ("", _phase_order),
     ("optimizer", _optimizer),
+    ("", _kahan_adamw_dtype),
     ("sample", _sample_size),
     ("sample", _sample_prompts_file),
     ("logging", _tensorboard),

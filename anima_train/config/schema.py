@@ -229,7 +229,8 @@ class OptimizerConfig:
     max_grad_norm: float = _key(1.0, ge=0.0, help="gradient clip on sync steps; 0 disables")
     quantize_state: bool = _key(False, help="SDNQ only: uint8 optimizer state (~4x smaller)")
     offload_state: bool = _key(False, help="SDNQ only: optimizer state in pinned host RAM")
-    use_kahan: bool = _key(False, help="SDNQ only: a bf16 Kahan residual instead of fp32 master weights (less memory)")
+    use_kahan: bool = _key(False, help="a bf16 Kahan residual instead of fp32 master weights (less memory); with "
+                                          "adamw also bf16 moments: the lean full finetune")
 
 
 @section

@@ -55,6 +55,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Optimizer state bytes per trainable parameter: AdamW two fp32 moments; the SDNQ optimizers keep quantised state
 # (an estimate: 8-bit moments, or one for lion / muon).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "adafactor": 2, "came": 2, "lion": 1, "muon": 1}
+KAHAN_ADAMW_STATE_BYTES = 6  # adamw + use_kahan: bf16 moments and residual (adamw_kahan.py)
 
 NOT_AVAILABLE = "not available in this version"
 
@@ -140,14 +141,18 @@ def predict_inputs(cfg: Config) -> Inputs:
     if cfg.dataset.source == "encode":
         start += int(VAE_BYTES_BF16 * weight_scale)
     growth = trainable * trainable_bytes + int(tokens * GROWTH_BYTES_PER_TOKEN * weight_scale)
-    steady = start + trainable * OPTIMIZER_STATE_BYTES[cfg.optimizer.kind] + STEADY_EXTRA_BYTES
+    state_bytes = OPTIMIZER_STATE_BYTES[cfg.optimizer.kind]
+    if cfg.optimizer.kind == "adamw" and cfg.optimizer.use_kahan:
+        state_bytes = KAHAN_ADAMW_STATE_BYTES
+    steady = start + trainable * state_bytes + STEADY_EXTRA_BYTES
     act = int(tokens * BLOCK_ACT_BYTES_PER_TOKEN * weight_scale)
     parks = not cfg.quant.quantize_text_encoder and not cfg.adapter.train_text_encoder
     qwen3 = int(QWEN3_BYTES_BF16 * weight_scale)
     if not parks:
         start, steady = start + qwen3, steady + qwen3
         qwen3 = 0
-    fp32_full_state = trainable * OPTIMIZER_STATE_BYTES["adamw"] if full and cfg.optimizer.kind == "adamw" else 0
+    fp32_state = full and cfg.optimizer.kind == "adamw" and not cfg.optimizer.use_kahan
+    fp32_full_state = trainable * OPTIMIZER_STATE_BYTES["adamw"] if fp32_state else 0
     return Inputs(tokens=tokens, batch=batch, trainable=trainable, start=start, peak=start + growth, steady=steady,
                   act=act, qwen3=qwen3, estimate=estimate, fp32_full_state=fp32_full_state)
 
