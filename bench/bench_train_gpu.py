@@ -15,7 +15,7 @@ training step on a full-size random Anima (prints one JSON line per run), SEED_B
 (the seed) from its unmodified source tarball SEED-*.tar.gz. Without them only our runs are measured.
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
-smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, foreach steps); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
+smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, one compiled kernel per tensor); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
 `NAME:off` with its own `gradient_checkpointing = false`. Compare with the seed's best at the same memory
 (`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
 memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
@@ -62,7 +62,7 @@ FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[op
 # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
 FULL_8BIT = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
              'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n')
-# the lean full finetune without SDNQ: bf16 moments + Kahan residual, foreach steps (training/adamw_kahan.py)
+# the lean full finetune without SDNQ: bf16 moments + Kahan residual, compiled per-tensor steps (training/adamw_kahan.py)
 FULL_KAHAN = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
               'kind = "adamw"\nlr = 1e-5\nuse_kahan = true\n')
 KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT, "fullkahan": FULL_KAHAN,

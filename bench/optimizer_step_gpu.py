@@ -11,7 +11,8 @@ the numbers are the optimizer's share of a training step and nothing else.
 | adamw_masters | ours by default: fp32 masters, torch AdamW (fused) on them | 12 (+4 up-cast gradient) |
 | adamw8bit_kahan | ours `full8bit`: SDNQ AdamW, uint8 moments, bf16 Kahan residual, stochastic rounding | ~4.3 |
 | adamw8bit_sr | ours `adamw8bit` + `quantize_state` without `use_kahan`: fp32 masters, SDNQ AdamW on them, uint8 moments | ~6.3 (+4 up-cast gradient) |
-| adamw_kahan | ours `adamw` + `use_kahan` (anima_train/training/adamw_kahan.py): bf16 moments, bf16 Kahan residual, foreach steps | 6 |
+| adamw_kahan | ours `adamw` + `use_kahan` (anima_train/training/adamw_kahan.py): bf16 moments, bf16 Kahan residual, one compiled kernel per tensor on CUDA (as the trainer runs it when torch.compile works) | 6 |
+| adamw_kahan_eager | the same, its eager fallback (compile off or not working) | 6 |
 
 Prints one JSON line per optimizer (median seconds per step after --warmup steps, peak GiB, kernels launched per
 step from a profiled step) and writes them to --out when given.
@@ -42,7 +43,9 @@ KINDS = {
     "adamw8bit_kahan": OptimizerConfig(kind="adamw8bit", quantize_state=True, use_kahan=True),
     "adamw8bit_sr": OptimizerConfig(kind="adamw8bit", quantize_state=True, use_kahan=False),
     "adamw_kahan": OptimizerConfig(kind="adamw", use_kahan=True),
+    "adamw_kahan_eager": OptimizerConfig(kind="adamw", use_kahan=True),
 }
+EAGER = {"adamw_kahan_eager"}  # the others run as the trainer runs them on CUDA with torch.compile working
 
 
 def shapes(size: str) -> list[torch.Size]:
@@ -62,7 +65,7 @@ def one(name: str, dims: list[torch.Size], device: torch.device, steps: int, war
         optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.01,
                                       fused=device.type == "cuda" or None)
     else:
-        optimizer = build_optimizer(groups, KINDS[name])
+        optimizer = build_optimizer(groups, KINDS[name], compiled=device.type == "cuda" and name not in EAGER)
 
     def step():
         for p, g in zip(params, grads):

@@ -45,8 +45,9 @@ into a bf16 tensor rounds away whenever it is below half an ulp (~0.4 % of |p|):
   the gradient is up-cast one tensor at a time during the step (+2 B), and torch AdamW's two moments are fp32 (+4 B).
   The masters are part of the optimizer's state_dict, so resume stays bit-exact.
 - adamw with use_kahan = true: no masters; AdamWKahan keeps bf16 moments (stochastically rounded) and a bf16 Kahan
-  residual per tensor (+6 B), stepped in fp32 chunks with foreach ops: the lean full finetune that is also fast
-  (SDNQ's per-tensor eager step below launches ~49 kernels a tensor: 0.81 s a step for a full finetune on an H200).
+  residual per tensor (+6 B), each tensor stepped by one compiled kernel when torch.compile works on the GPU: the
+  lean full finetune that is also fast (SDNQ's per-tensor eager step below launches ~49 kernels a tensor: 0.81 s a
+  step for a full finetune on an H200).
 - SDNQ kinds with use_kahan = true: no masters; SDNQ keeps a bf16 Kahan residual per tensor (+2 B, 1.25 B with
   quantize_state) on top of its stochastic rounding — the realised update equals the fp32 one to ~16 bits.
 - SDNQ-quantized weights (quant.mode = "training") and fp32 tensors get no masters (nothing to correct / SDNQ
@@ -69,8 +70,10 @@ def _is_sdnq_tensor(p: torch.Tensor) -> bool:
     return type(p).__name__ == "SDNQTensor" or type(getattr(p, "data", None)).__name__ == "SDNQTensor"
 
 
-def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer of `cfg.kind` over `param_groups` (dicts with params, lr, weight_decay, optional name)."""
+def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig, *, compiled: bool = False
+                    ) -> torch.optim.Optimizer:
+    """The optimizer of `cfg.kind` over `param_groups` (dicts with params, lr, weight_decay, optional name);
+    `compiled`: torch.compile works on the parameters' device (AdamWKahan compiles its per-tensor step)."""
     if not param_groups or not any(g["params"] for g in param_groups):
         raise ValueError("build_optimizer: no parameters to optimize (every component is frozen)")
     betas = tuple(float(b) for b in cfg.betas)
@@ -80,7 +83,8 @@ def build_optimizer(param_groups: list[dict], cfg: OptimizerConfig) -> torch.opt
             raise ValueError('[optimizer] kind = "adamw" (torch) cannot update SDNQ-quantized weights ([quant] mode '
                              '= "training"); use an SDNQ optimizer, e.g. kind = "adamw8bit"')
         if cfg.use_kahan:
-            return AdamWKahan(param_groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+            return AdamWKahan(param_groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                              compiled=compiled)
         # fused kernels only on CUDA; on CPU torch picks foreach/for-loop by itself
         fused = all(p.is_cuda for p in params) or None
         groups = [dict(g) for g in param_groups]

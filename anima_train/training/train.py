@@ -165,7 +165,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         say("speed    CUDA allocator: expandable segments")
     model = _build_model(cfg, data, device, dtype, say)
 
-    optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer)
+    optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer,
+                                           compiled=compiling.mode is not None and device.type == "cuda")
     loader = _loader(cfg, data, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
