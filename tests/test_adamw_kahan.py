@@ -116,14 +116,30 @@ def test_state_dict_round_trip_continues_bit_exactly():
 
 
 def test_the_compiled_step_matches_the_eager_one():
-    # the trainer compiles the per-tensor step on CUDA; here Inductor's CPU backend compiles the same function.
-    # Fused, the fp32 roundings may differ in order: the held weight (weight + residual) the same to fp32 precision,
-    # the moments within a bf16 ulp (rounded stochastically from values a rounding apart)
+    # the trainer compiles the step on CUDA; here Inductor's CPU backend compiles the same functions. The tensors
+    # make buckets that are cut into every chunk length (21 alike: 16 + 4 + 1; two shapes of one length among
+    # them), an fp32 tensor takes the other function. Fused, the fp32 roundings may differ in order: the held
+    # weight (weight + residual) the same to fp32 precision, the moments within a bf16 ulp (rounded
+    # stochastically from values a rounding apart)
+    shapes = [(8, 16)] * 11 + [(16, 8)] * 10 + [(32,), (64, 32)]
+    torch.manual_seed(0)
+    start = [(torch.randn(s) * 0.02).to(torch.bfloat16) for s in shapes] + [torch.randn(24) * 0.02]
     options = dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01)
-    eager, fused = weights(torch.bfloat16), weights(torch.bfloat16)
-    a, b = AdamWKahan(eager, **options), AdamWKahan(fused, compiled=True, **options)
-    steps(a, eager, 3)
-    steps(b, fused, 3)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runs = []
+    for compiled in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = AdamWKahan(params, compiled=compiled, **options)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.dtype)
+            optimizer.step()
+        runs.append((optimizer, params))
+    # bf16: three chunk lengths of rank 2, one of rank 1; fp32: one. Past dynamo's recompile limit (8 per
+    # function) it would step eagerly, and a graph per tensor (as before the buckets held their rank) gets there
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 5
+    (a, eager), (b, fused) = runs
     for p, q in zip(eager, fused):
         # atol: 0.03 % of the ~3e-4 each element moved in 3 steps
         torch.testing.assert_close(held(b, q), held(a, p), rtol=1e-5, atol=1e-7)

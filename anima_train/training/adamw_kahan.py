@@ -1,14 +1,15 @@
 """AdamW for bf16 weights with no fp32 copy of them: `[optimizer] kind = "adamw"` with `use_kahan = true`.
 
 Per bf16 tensor it keeps the two moments in the tensor's dtype and a Kahan residual (what rounding the last
-update into the weight left out), 6 bytes per element instead of the 12 of fp32 masters with fp32 moments. Each
-tensor is stepped by one function (`_step_tensor`) that reads weight, gradient, moments and residual once and
-writes them back: compiled (the trainer passes `compiled=True` when torch.compile works on its CUDA device), it
-is one fused kernel per tensor, about 570 launches for a full finetune; eager, about 40 kernels per tensor. (SDNQ's
-per-tensor eager step launches ~49 per tensor: 0.81 s per step for its adamw8bit with Kahan over the DiT's 1.96 B
-parameters on an H200, against 0.02 s for torch's fused AdamW; bench/results/optimizer_step_2026-12-03. An
-earlier version of this class stepped fp32 chunks with `_foreach_*` ops and drew its rounding noise from a
-torch.Generator: 0.148 s per step there, host-bound, bench/results/fullkahan24_2026-12-03.)
+update into the weight left out), 6 bytes per element instead of the 12 of fp32 masters with fp32 moments. Tensors
+of one length are stepped together, up to 16 in one call of one function (`_step_bf16`) that reads weight,
+gradient, moments and residual once and writes them back: compiled (the trainer passes `compiled=True` when
+torch.compile works on its CUDA device), that is one fused kernel per tensor and about 80 calls for a full
+finetune's 567 tensors; eager, about 40 kernels per tensor. History, all on an H200 over the DiT's 1.96 B
+parameters: SDNQ's eager adamw8bit with Kahan launches ~49 kernels per tensor, 0.81 s per step, against 0.02 s for
+torch's fused AdamW (bench/results/optimizer_step_2026-12-03); this class's first version, fp32 chunks through
+`_foreach_*` ops with noise from a torch.Generator, 0.148 s; then one compiled call per tensor, 0.053 s, of which
+11 ms on the GPU and the rest the host calling 567 times (bench/results/fullkahan24_2026-12-03).
 
 The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps outside the square root):
 
@@ -36,12 +37,18 @@ LOW32 = 0xFFFFFFFF
 STEP_SALT = 0x2545F491  # spreads the step count over the 32-bit element ids: each step gets other noise
 
 
+# tensors per call, largest first: graphs per function = lengths x ranks (a DiT's are 1 and 2), under dynamo's limit of 8
+CHUNKS = (16, 4, 1)
+
+
 class AdamWKahan(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        # dynamic: one graph for every tensor length (the tensors are stepped flattened), no recompile per size
-        self._step_tensor = torch.compile(_step_tensor, dynamic=True) if compiled else _step_tensor
+        # dynamic: the tensors are stepped flattened, and one graph serves every length (a bucket's tensors share
+        # theirs, so one size symbol); two functions, so bf16 and fp32 graphs do not share dynamo's recompile limit
+        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
+        self._step_bf16, self._step_fp32 = wrap(_step_bf16), wrap(_step_fp32)
         self._first = {}  # param -> 0-d int64 tensor on its device: its first element's place among all elements
         start = 0
         for group in self.param_groups:
@@ -59,9 +66,11 @@ class AdamWKahan(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            scalars = {}  # (step, device) -> the step's numbers as one device tensor: no recompile when lr moves
+        # tensors bucketed by what one call can share: their numbers for this step (group, step count) and their
+        # kind (device, dtype, length, and rank: dynamo guards the flattened views' bases, whose rank it keys on);
+        # a full finetune's 28 alike blocks make about 20 buckets of 28 tensors
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -73,16 +82,19 @@ class AdamWKahan(torch.optim.Optimizer):
                     if p.dtype == torch.bfloat16:
                         state["residual"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["step"] += 1
-                n = float(state["step"])
-                key = (n, p.device)
-                if key not in scalars:
-                    scalars[key] = torch.tensor(
-                        [group["lr"], 1 - group["lr"] * group["weight_decay"], 1 - beta1, beta2, 1 - beta2,
-                         group["lr"] / (1 - beta1 ** n), (1 - beta2 ** n) ** 0.5, group["eps"], n % 2**24],
-                        dtype=torch.float32).to(p.device)
-                residual = state.get("residual")
-                self._step_tensor(_flat(p), _flat(p.grad), _flat(state["exp_avg"]), _flat(state["exp_avg_sq"]),
-                                  None if residual is None else _flat(residual), scalars[key], self._first[p])
+                key = (index, float(state["step"]), p.device, p.dtype, p.numel(), p.dim())
+                buckets.setdefault(key, []).append(p)
+        for (index, n, device, dtype, _, _), params in buckets.items():
+            scalars = _scalars(self.param_groups[index], n, device)
+            for chunk in _chunks(params):
+                states = [self.state[p] for p in chunk]
+                tensors = ([_flat(p) for p in chunk], [_flat(p.grad) for p in chunk],
+                           [_flat(s["exp_avg"]) for s in states], [_flat(s["exp_avg_sq"]) for s in states])
+                if dtype == torch.bfloat16:
+                    self._step_bf16(*tensors, [_flat(s["residual"]) for s in states], scalars,
+                                    [self._first[p] for p in chunk])
+                else:
+                    self._step_fp32(*tensors, scalars)
         return loss
 
     def load_state_dict(self, state_dict) -> None:
@@ -93,31 +105,61 @@ class AdamWKahan(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
 
+def _scalars(group: dict, n: float, device) -> torch.Tensor:
+    """A step's numbers as one fp32 tensor on the device, read by the kernels: a moving learning rate is data, not a
+    constant baked into a graph, so it never recompiles."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    return torch.tensor([lr, 1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** n),
+                         (1 - beta2 ** n) ** 0.5, group["eps"], n % 2**24], dtype=torch.float32).to(device)
+
+
+def _chunks(items: list) -> list[list]:
+    """`items` cut into lists whose lengths are in CHUNKS (28 -> 16, 4, 4, 4)."""
+    out, at = [], 0
+    for size in CHUNKS:
+        while len(items) - at >= size:
+            out.append(items[at:at + size])
+            at += size
+    return out
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """`t` as one dimension, the same storage (written in place); parameters, their gradients and this class's state
     are contiguous."""
     return t.view(-1)
 
 
-def _step_tensor(w, g, m, v, residual, scalars, first) -> None:
-    """One AdamW step of one tensor, in place (see the module's note); `scalars` as built in step()."""
+def _step_bf16(ws, gs, ms, vs, residuals, scalars, firsts) -> None:
+    """One AdamW step of bf16 tensors, in place (see the module's note); `scalars` as built by _scalars."""
     lr, keep, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, n = scalars.unbind()
-    g32 = g.float()
-    m32 = m.float().lerp(g32, one_minus_beta1)
-    v32 = v.float() * beta2 + one_minus_beta2 * g32 * g32
-    update = m32 / (v32.sqrt() / bc2_sqrt + eps)
-    if residual is None:  # fp32: moments and weight in place, as torch AdamW
+    for w, g, m, v, residual, first in zip(ws, gs, ms, vs, residuals, firsts):
+        m32, v32, update = _moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps)
+        held = (w.float() + residual.float()) * keep - step_size * update
+        rounded = _round_nearest(held)
+        residual.copy_(held - rounded)  # what the rounding left out
+        w.copy_(rounded)
+        noise = _noise(w.numel(), first, n, w.device)
+        m.copy_(_round_stochastic(m32, noise & 0xFFFF))
+        v.copy_(_round_stochastic(v32, noise >> 16))
+
+
+def _step_fp32(ws, gs, ms, vs, scalars) -> None:
+    """One AdamW step of fp32 tensors, in place, as torch AdamW: nothing to round, no residual."""
+    lr, keep, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, n = scalars.unbind()
+    for w, g, m, v in zip(ws, gs, ms, vs):
+        m32, v32, update = _moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps)
         m.copy_(m32)
         v.copy_(v32)
         w.copy_(w * keep - step_size * update)
-        return
-    held = (w.float() + residual.float()) * keep - step_size * update
-    rounded = _round_nearest(held)
-    residual.copy_(held - rounded)  # what the rounding left out
-    w.copy_(rounded)
-    noise = _noise(w.numel(), first, n, w.device)
-    m.copy_(_round_stochastic(m32, noise & 0xFFFF))
-    v.copy_(_round_stochastic(v32, noise >> 16))
+
+
+def _moments(g, m, v, one_minus_beta1, beta2, one_minus_beta2, bc2_sqrt, eps):
+    """The moments' new values in fp32 and the update they give (before the step size)."""
+    g32 = g.float()
+    m32 = m.float().lerp(g32, one_minus_beta1)
+    v32 = v.float() * beta2 + one_minus_beta2 * g32 * g32
+    return m32, v32, m32 / (v32.sqrt() / bc2_sqrt + eps)
 
 
 def _noise(numel: int, first: torch.Tensor, n: torch.Tensor, device) -> torch.Tensor:
