@@ -3,6 +3,7 @@
 # .comfygpu/whl, after AdamWKahan stepped tensors of one length together (up to 16 per compiled call): the optimizer
 # step alone (beside torch's fused AdamW on bf16), then a full finetune under a 24 GiB cap, ours at batch 8 and 4
 # (`fullkahan_bN`: adamw + use_kahan, checkpoint_blocks auto) and the seed's best there (b8, its checkpointing on:
+# call 1) in the same call.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri
 W=/tmp/b; B=bench/bench_train_gpu.py; S=$(date +%s)
 el() { echo "=== $(( $(date +%s) - S )) s: $*"; }
