@@ -230,9 +230,12 @@ def render(plan: Plan, cfg_name: str) -> str:
                      f"{plan.predicted / gib:.1f} GiB; lower [train] batch_size or [dataset] resolution "
                      f"(activations grow with images x pixels), or use a card with more memory")
         if i.fp32_full_state:
-            lines.append(f"  a full finetune's AdamW state alone is {i.fp32_full_state / gib:.1f} GiB in fp32: "
-                         "[optimizer] kind = \"adamw8bit\", quantize_state = true, use_kahan = true keeps it in 8 bits "
-                         "(a full finetune at batch 4 peaked at 17.2 GiB under a 24 GiB cap on an H200)")
+            # measured under a 24 GiB cap on an H200, batch 4, 1024²: bench/results/fullkahan24_2026-12-03 (L2),
+            # bench/results/fullft24_2026-12-03
+            lines.append(f"  a full finetune's AdamW state alone is {i.fp32_full_state / gib:.1f} GiB in fp32 (with its "
+                         "fp32 master weights): [optimizer] use_kahan = true keeps bf16 moments and a residual instead "
+                         "(21.3 GiB peak at batch 4, 0.165 s/image); kind = \"adamw8bit\", quantize_state = true, "
+                         "use_kahan = true keeps 8-bit moments (17.2 GiB, but half as fast)")
     return "\n".join(lines)
 
 
