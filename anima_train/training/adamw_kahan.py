@@ -9,7 +9,9 @@ finetune's 567 tensors; eager, about 40 kernels per tensor. History, all on an H
 parameters: SDNQ's eager adamw8bit with Kahan launches ~49 kernels per tensor, 0.81 s per step, against 0.02 s for
 torch's fused AdamW (bench/results/optimizer_step_2026-12-03); this class's first version, fp32 chunks through
 `_foreach_*` ops with noise from a torch.Generator, 0.148 s; then one compiled call per tensor, 0.053 s, of which
-11 ms on the GPU and the rest the host calling 567 times (bench/results/fullkahan24_2026-12-03).
+11 ms on the GPU; in 48 calls, 0.055-0.058 s: the host's cost is launching 567 kernels, not the calls (on a 2-core
+CPU with Inductor's C++ backend and small tensors the calls were the cost: 96 ms per step, 45 in 48 calls); see
+bench/results/fullkahan24_2026-12-03.
 
 The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps outside the square root):
 
@@ -47,6 +49,9 @@ class AdamWKahan(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         # dynamic: the tensors are stepped flattened, and one graph serves every length (a bucket's tensors share
         # theirs, so one size symbol); two functions, so bf16 and fp32 graphs do not share dynamo's recompile limit
+        # Inductor's combo kernels (a call's per-tensor kernels launched as one, up to 8 each) took the step from
+        # 0.058 to 0.032 s on an H200 (bench/results/fullkahan24_2026-12-03, Q1 and R1), but are not on: their
+        # check against the eager step on the GPU (bench/optimizer_check_gpu.py --combo) has not passed yet
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
         self._step_bf16, self._step_fp32 = wrap(_step_bf16), wrap(_step_fp32)
         self._first = {}  # param -> 0-d int64 tensor on its device: its first element's place among all elements
