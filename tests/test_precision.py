@@ -56,10 +56,10 @@ def run_captured(cfg, monkeypatch):
     seen = {}
     build = optimizers.build_optimizer
 
-    def capture(groups, ocfg):
+    def capture(groups, ocfg, **options):
         params = [p for g in groups for p in g["params"]]
         seen["params"], seen["start"] = params, [p.detach().float().clone() for p in params]
-        seen["opt"] = build(groups, ocfg)
+        seen["opt"] = build(groups, ocfg, **options)
         return seen["opt"]
 
     monkeypatch.setattr(optimizers, "build_optimizer", capture)
