@@ -97,3 +97,21 @@ def test_a_bf16_full_finetune_with_kahan_keeps_the_ranks_identical(kind, tiny_an
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["steps"] == r1["steps"] == 3
     assert r0["digest"] == r1["digest"]
+
+
+@pytest.mark.slow
+def test_two_processes_with_swapped_blocks_keep_identical_adapters(tiny_anima, tmp_path):
+    """[train] swap_blocks under DDP: DDP's start-up broadcast of the module's state meets the swapped blocks'
+    empty placeholders on every rank; the ranks still train the same adapter."""
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=8, seed=3)
+    cfg = tmp_path / "swap.toml"
+    text = small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out", train="max_steps = 2\nbatch_size = 2\n"
+                          "swap_blocks = 2", tables='[optimizer]\nlr = 1e-2\n')
+    cfg.write_text(text.replace("gradient_checkpointing = false", "gradient_checkpointing = true"))
+    out = torchrun([ROOT / "tests" / "ddp_worker.py", cfg, tmp_path, "save"], cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 of 2 DiT blocks swapped" in out.stdout + out.stderr
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["steps"] == r1["steps"] == 2
+    assert r0["digest"] == r1["digest"] and r0["losses"] == r1["losses"]

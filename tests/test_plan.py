@@ -107,6 +107,39 @@ def test_fixed_count_is_kept_and_qwen3_stays_parked():
     assert (p.recomputed, p.resident, p.auto, p.fits) == (28, False, False, True)
 
 
+def test_block_parameters_is_the_full_size_block():
+    import torch
+    from diffusers import CosmosTransformer3DModel
+
+    from anima_train.model.tiny import TRANSFORMER_FULL
+
+    with torch.device("meta"):
+        block = CosmosTransformer3DModel(**dict(TRANSFORMER_FULL, num_layers=1)).transformer_blocks[0]
+    assert sum(p.numel() for p in block.parameters()) == plan.BLOCK_PARAMETERS
+
+
+def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would():
+    """6 GiB, LoRA r32 at batch 1, 1024x1024: the resident model does not fit; the plan names a swap_blocks with
+    which it does, and that plan swaps those blocks' weights (1 block on the GPU), all of them recomputing."""
+    small = 6 * GIB
+    resident = plan.make_plan(config_for(1), small, expandable=True)
+    assert not resident.fits and resident.swap_fix is not None
+    count = resident.swap_fix
+    swapped = plan.make_plan(load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = 1\n'
+                                         f'swap_blocks = {count}\n'), small, expandable=True)
+    fewer = plan.make_plan(load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = 1\n'
+                                       f'swap_blocks = {count - 1}\n'), small, expandable=True)
+    assert swapped.fits and not fewer.fits
+    assert swapped.recomputed >= count
+    block = plan.BLOCK_PARAMETERS * 2
+    assert swapped.inputs.steady == resident.inputs.steady - (count - 1) * block
+    text = plan.render(swapped, "run.toml")
+    rows = [line for line in text.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert [line.split()[-1] for line in rows] == ["swapped"] * count + ["resident"] * (28 - count)
+    assert f"weights: {count} blocks swapped ({count * block / GIB:.2f} GiB in host memory" in text
+    assert f"[train] swap_blocks = {count} would fit" in plan.render(resident, "run.toml")
+
+
 def anima_train(tmp_path, *args, cuda_visible=None):
     env = dict(os.environ)
     if cuda_visible is not None:

@@ -75,6 +75,25 @@ def _checkpoint_blocks(t, p: Problems, ctx, w) -> None:
                 "train.checkpoint_blocks")
 
 
+def _swap_blocks(cfg, p: Problems, ctx, w) -> None:
+    t = cfg.train
+    if t.swap_blocks == 0 or not p.ok("train.swap_blocks", "adapter.kind", "quant.mode"):
+        return
+    head = f"[train] swap_blocks = {t.swap_blocks}"
+    if adapters.method(cfg.adapter.kind).trains_base:
+        p.error(f"{head} swaps frozen weights, but [adapter] kind = \"none\" trains them all (full finetune); "
+                "set swap_blocks = 0, or train an adapter (e.g. kind = \"lora\")", "train.swap_blocks")
+    elif cfg.quant.mode != "none":
+        p.error(f"{head}: not available with a quantized base ([quant] mode = {as_toml(cfg.quant.mode)}) in this "
+                "version; set swap_blocks = 0 or [quant] mode = \"none\"", "train.swap_blocks")
+    elif not t.gradient_checkpointing:
+        p.error(f"{head}: a swapped block recomputes in backward, but gradient_checkpointing = false; set "
+                "gradient_checkpointing = true or swap_blocks = 0", "train.swap_blocks")
+    elif not t.compile_regional:
+        p.error(f"{head}: the swap runs between compiled blocks, but compile_regional = false compiles the whole "
+                "trunk; set compile_regional = true or swap_blocks = 0", "train.swap_blocks")
+
+
 def _batch_size(t, p: Problems, ctx, w) -> None:
     bs = t.batch_size
     if isinstance(bs, dict) and p.ok("train.batch_size"):
@@ -444,6 +463,7 @@ RULES = [
     ("", _texture_source),
     ("dataset", _tiers),
     ("train", _checkpoint_blocks),
+    ("", _swap_blocks),
     ("train", _batch_size),
     ("", _batch_size_tiers),
     ("dataset", _sources),

@@ -75,6 +75,9 @@ class TrainConfig:
         "auto", ge=0, help="with gradient_checkpointing: DiT blocks that recompute: auto = the fewest that fit the "
         "card (measured on the first step; all off CUDA), all, or a number",
         type_desc='"auto", "all" or an integer >= 0')
+    swap_blocks: int = _key(
+        0, ge=0, help="an adapter on a small card: the frozen weights of the first N DiT blocks stay in host memory "
+        "and are copied to the GPU one block at a time (these blocks always recompute); 0 = all weights on the GPU")
     dtype: str = _key("bfloat16", choices=DTYPE_NAMES,
                       help="the only precision control: modules load in this dtype")
     seed: int = _key(42, ge=0, help="seeds batch sampler, caption RNG, noise and timesteps")

@@ -24,6 +24,7 @@ there. tests/test_plan.py checks the prediction against the committed logs.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import torch
 from anima_train.config import load_config
 from anima_train.config.schema import Config
 from anima_train.errors import UserError
-from anima_train.training import memory, recompute
+from anima_train.training import memory, recompute, weight_swap
 
 GIB = recompute.GIB
 
@@ -47,6 +48,7 @@ TOKEN_PIXELS = 16  # the VAE's 8x and the DiT's 2x2 patches: one token per 16x16
 # Calibration (the numbers above, from bench/results/caps_2026-12-02b A1/B1/B3/D1).
 FROZEN_BYTES_BF16 = int(3.98 * GIB)  # DiT + LLM adapter weights in bf16, before the first step, less the LoRA
 QWEN3_BYTES_BF16 = int(1.11 * GIB)  # Qwen3-0.6B
+BLOCK_PARAMETERS = 69_206_528  # one DiT block's weights (the full-size block counted on the meta device): 0.129 GiB bf16
 VAE_BYTES_BF16 = int(0.24 * GIB)  # Wan2.1 VAE (127M parameters), on the GPU only under source = "encode"
 GROWTH_BYTES_PER_TOKEN = 258_240  # the first step's growth per token x batch, beyond the gradients
 BLOCK_ACT_BYTES_PER_TOKEN = 92_540  # activations one DiT block keeps for its backward, per token x batch
@@ -81,6 +83,8 @@ class Inputs:
     qwen3: int  # Qwen3's weights when parked (0 when it cannot park: trained or quantised)
     estimate: list
     fp32_full_state: int = 0  # a full finetune's fp32 optimizer state (bytes; 0 otherwise): what 8-bit state saves
+    swapped: int = 0  # [train] swap_blocks: blocks whose frozen weights wait in host memory
+    host_bytes: int = 0  # their weights
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Plan:
     fits: bool
     auto: bool  # checkpoint_blocks = "auto" (else the config fixed the count)
     expandable: bool
+    swap_fix: int | None = None  # does not fit: the fewest swap_blocks with which it would (an adapter), if any
 
 
 def lora_parameters(rank: int) -> int:
@@ -138,6 +143,12 @@ def predict_inputs(cfg: Config) -> Inputs:
         estimate.append(f"{cfg.train.dtype}: measured in bfloat16 only")
     tokens, batch = largest_batch(cfg)
     start = frozen + trainable * trainable_bytes
+    swapped = 0 if full else min(cfg.train.swap_blocks, N_BLOCKS)
+    host_bytes = swapped * BLOCK_PARAMETERS * dtype
+    if swapped:  # on the GPU: the placeholders, and the blocks running (training/weight_swap.py)
+        start -= host_bytes - min(swapped, weight_swap.RESIDENT_SLOTS) * BLOCK_PARAMETERS * dtype
+        estimate.append(f"swap_blocks = {swapped}: never measured on a GPU; counted as the resident model less the "
+                        "swapped weights")
     if cfg.dataset.source == "encode":
         start += int(VAE_BYTES_BF16 * weight_scale)
     growth = trainable * trainable_bytes + int(tokens * GROWTH_BYTES_PER_TOKEN * weight_scale)
@@ -154,7 +165,8 @@ def predict_inputs(cfg: Config) -> Inputs:
     fp32_state = full and cfg.optimizer.kind == "adamw" and not cfg.optimizer.use_kahan
     fp32_full_state = trainable * OPTIMIZER_STATE_BYTES["adamw"] if fp32_state else 0
     return Inputs(tokens=tokens, batch=batch, trainable=trainable, start=start, peak=start + growth, steady=steady,
-                  act=act, qwen3=qwen3, estimate=estimate, fp32_full_state=fp32_full_state)
+                  act=act, qwen3=qwen3, estimate=estimate, fp32_full_state=fp32_full_state, swapped=swapped,
+                  host_bytes=host_bytes)
 
 
 def expandable_segments_default() -> bool:
@@ -165,8 +177,9 @@ def expandable_segments_default() -> bool:
     return sys.platform.startswith("linux")
 
 
-def make_plan(cfg: Config, budget: int, expandable: bool | None = None) -> Plan:
-    """The plan the runtime would choose under `budget` bytes, from the predicted first-step measurements."""
+def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_for_swap: bool = True) -> Plan:
+    """The plan the runtime would choose under `budget` bytes, from the predicted first-step measurements. When it
+    does not fit and an adapter trains, also the fewest `swap_blocks` with which it would."""
     inputs = predict_inputs(cfg)
     expandable = expandable_segments_default() if expandable is None else expandable
     setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, N_BLOCKS,
@@ -180,8 +193,20 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None) -> Plan:
         resident, keep = False, N_BLOCKS - setting
         base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
         predicted = recompute.predicted_peak(base, inputs.act, keep)
-    return Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
+    if keep > N_BLOCKS - inputs.swapped:  # swapped blocks always recompute (recompute.BlockCheckpointing.floor)
+        allowed = N_BLOCKS - inputs.swapped
+        predicted -= (max(keep - 1, 0) - max(allowed - 1, 0)) * inputs.act
+        keep = allowed
+    plan = Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
                 predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable)
+    if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
+        for count in range(inputs.swapped + 1, N_BLOCKS + 1):
+            trial = copy.deepcopy(cfg)
+            trial.train.swap_blocks = count
+            if make_plan(trial, budget, expandable, look_for_swap=False).fits:
+                plan.swap_fix = count
+                break
+    return plan
 
 
 def step_time_class(plan: Plan) -> str:
@@ -213,10 +238,13 @@ def render(plan: Plan, cfg_name: str) -> str:
     ]
     for index in range(plan.n_blocks):
         kept = index >= plan.recomputed  # the first blocks recompute, the last ones keep (recompute.set_recomputed)
-        lines.append(f"  {index:>5}   {'kept' if kept else 'recomputed in backward':<28} {'-':<11} {'-':<19} resident")
+        weights = "swapped" if index < i.swapped else "resident"
+        lines.append(f"  {index:>5}   {'kept' if kept else 'recomputed in backward':<28} {'-':<11} {'-':<19} {weights}")
     lines += [
         f"  summary: {plan.recomputed} of {plan.n_blocks} blocks recompute, {keep} keep their activations",
-        f"  offload / selective saving / weight swapping: {NOT_AVAILABLE} (weights always resident)",
+        f"  offload / selective saving: {NOT_AVAILABLE}",
+        "  weights: " + (f"{i.swapped} blocks swapped ({i.host_bytes / gib:.2f} GiB in host memory, copied to the GPU "
+                         "one block at a time)" if i.swapped else "all on the GPU ([train] swap_blocks = 0)"),
         "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
                                     "in host memory, copied to the GPU for each step's encode (parked)"
                                     if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"),
@@ -229,6 +257,9 @@ def render(plan: Plan, cfg_name: str) -> str:
         lines.append(f"  DOES NOT FIT: even with every block recomputing and Qwen3 parked the step needs about "
                      f"{plan.predicted / gib:.1f} GiB; lower [train] batch_size or [dataset] resolution "
                      f"(activations grow with images x pixels), or use a card with more memory")
+        if plan.swap_fix is not None:
+            lines.append(f"  or keep frozen weights in host memory: [train] swap_blocks = {plan.swap_fix} would fit "
+                         "(predicted, never measured on a GPU; each swapped block is copied in twice per step)")
         if i.fp32_full_state:
             # measured under a 24 GiB cap on an H200, batch 4, 1024²: bench/results/fullkahan24_2026-12-03 (L2),
             # bench/results/fullft24_2026-12-03

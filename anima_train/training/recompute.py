@@ -71,6 +71,7 @@ class BlockCheckpointing:
     recompute: set = field(default_factory=set)  # ids of the blocks that recompute
     measure: Measure | None = None
     retries: int | None = None  # the allocator's retry count when the auto plan was made (then watched)
+    floor: int = 0  # blocks that recompute whatever the plan says (the swapped ones: training/weight_swap.py)
 
     def __call__(self, block, *args):
         if id(block) not in self.recompute:
@@ -95,8 +96,9 @@ class BlockCheckpointing:
         return run
 
     def set_recomputed(self, count: int) -> None:
-        """The first `count` blocks recompute (which ones does not matter for memory: all are alike)."""
-        self.recompute = {id(b) for b in self.blocks[:count]}
+        """The first `count` blocks recompute (which ones does not matter for memory: all are alike), and never
+        fewer than `floor`."""
+        self.recompute = {id(b) for b in self.blocks[:max(count, self.floor)]}
 
     @property
     def recomputed(self) -> int:

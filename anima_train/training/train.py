@@ -56,6 +56,7 @@ from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
 from anima_train.training.stopping import StopRequests
 from anima_train.training.validation import Validation, ValidationSet, validation_items
+from anima_train.training.weight_swap import WeightSwap
 
 
 @dataclass
@@ -232,6 +233,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                     validation=[(p.step, p.loss) for p in result.validation])
     if model.parked is not None:
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
+    if model.swap is not None:
+        model.swap.restore()
     result.trainable_digest = resume_state.digest(accelerator.unwrap_model(m) for m in trainable)
     result.components = model.parts
     for line in validation.summary(run.earlier_losses + result.losses) if validation is not None else ():
@@ -433,6 +436,7 @@ class Model:
     block_ckpt: recompute.BlockCheckpointing
     recompute: int | None  # DiT blocks that recompute from the start; None = "auto", decided after step one
     parked: ParkedWeights | None  # the frozen Qwen3, when it waits in host memory between steps
+    swap: WeightSwap | None  # [train] swap_blocks: the blocks whose frozen weights wait in host memory
     vae: object  # source = "encode": the VAE encodes each batch in the step; else None (latents are cached)
     transformer: torch.nn.Module
     conditioner: torch.nn.Module
@@ -446,9 +450,11 @@ class Model:
 
 
 def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say) -> Model:
-    """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing
-    and the parked Qwen3 set up."""
-    parts = load_components(cfg.train.model_path, dtype=dtype, device=device)
+    """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing,
+    the swapped blocks (swap_blocks) and the parked Qwen3 set up."""
+    # swapped blocks: the model loads into host memory, so that its weights never all sit on a small card at once
+    swapping = cfg.train.swap_blocks > 0
+    parts = load_components(cfg.train.model_path, dtype=dtype, device="cpu" if swapping else device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
 
     if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
@@ -458,6 +464,15 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
         for line in report.summary().splitlines():
             say(line)
     inject_adapters(transformer, conditioner, text_encoder, cfg)
+    blocks = list(transformer.transformer_blocks)
+    swap = None
+    if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
+        swap = WeightSwap(blocks[:cfg.train.swap_blocks], device)
+        say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / recompute.GIB:.2f} "
+            f"GiB of frozen weights in host memory, copied in one block at a time (they always recompute)")
+        for module in (transformer, conditioner, text_encoder):
+            module.to(device)
+        parts.device = device
     groups, table = build_param_groups({"transformer": transformer, "text_conditioner": conditioner,
                                         "text_encoder": text_encoder}, cfg)
     for line in table.splitlines():
@@ -465,10 +480,9 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
     train_conditioner = any(p.requires_grad for p in conditioner.parameters())
     train_text_encoder = any(p.requires_grad for p in text_encoder.parameters())
     # which DiT blocks recompute their activations in backward: a count, or "auto" = measured on the first step
-    blocks = list(transformer.transformer_blocks)
     recomputed = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks,
                                             len(blocks), device)
-    block_ckpt = recompute.BlockCheckpointing(blocks)
+    block_ckpt = recompute.BlockCheckpointing(blocks, floor=len(swap.blocks) if swap is not None else 0)
     block_ckpt.set_recomputed(len(blocks) if recomputed is None else recomputed)
     if recomputed is None:
         block_ckpt.measure = recompute.Measure(tokens=0)
@@ -487,6 +501,7 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
         parked = ParkedWeights(text_encoder, device)
     return Model(parts=parts, device=device, dtype=dtype, groups=groups, train_conditioner=train_conditioner,
                  train_text_encoder=train_text_encoder, block_ckpt=block_ckpt, recompute=recomputed, parked=parked,
+                 swap=swap,
                  vae=parts.vae if cfg.dataset.source == "encode" else None,
                  transformer=transformer, conditioner=conditioner, text_encoder=text_encoder)
 

@@ -1,0 +1,121 @@
+"""Frozen-weight block swap (`[train] swap_blocks`, training/weight_swap.py) on the tiny model.
+
+The tiny DiT has 2 blocks and the swap keeps one on the device, so every step drops each block's weights and copies
+them in again (forward, then the backward's recompute). A weight used while dropped is an empty tensor: a shape error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anima_train.config import ConfigError
+from anima_train.training import weight_swap
+from anima_train.training.train import train
+from tests.test_train import make_cfg
+
+STEPS = 3
+
+
+def _watch(monkeypatch) -> list:
+    """The swaps made in the run, and at every block call how many elements each block's frozen weights hold."""
+    seen = []
+    init, arrive = weight_swap.WeightSwap.__init__, weight_swap.WeightSwap.arrive
+
+    def watching_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append((self, []))
+
+    def watching_arrive(self, index):
+        arrive(self, index)
+        sizes = [sum(t.numel() for t, _ in pairs) for pairs in self.tensors]
+        next(calls for swap, calls in seen if swap is self).append((index, sizes))
+
+    monkeypatch.setattr(weight_swap.WeightSwap, "__init__", watching_init)
+    monkeypatch.setattr(weight_swap.WeightSwap, "arrive", watching_arrive)
+    return seen
+
+
+def _run(tiny_anima, latents_dir, out, **keys):
+    return train(make_cfg(tiny_anima.diffusers_dir, latents_dir, out, max_steps=STEPS, gradient_checkpointing="true",
+                          **keys), cpu=True, no_save=True)
+
+
+@pytest.mark.parametrize("checkpoint_blocks", ['"all"', "0"])
+def test_swapped_blocks_train_to_the_bits_of_the_resident_run(tiny_anima, latents_dir, tmp_path, monkeypatch,
+                                                              checkpoint_blocks):
+    """Losses and LoRA weights equal bit for bit to the all-checkpointed resident run, with each block's weights
+    really dropped between its calls. With checkpoint_blocks = 0 the swapped blocks must still recompute (a kept
+    block's backward would read its dropped weights): this case failed before the floor in BlockCheckpointing."""
+    resident = _run(tiny_anima, latents_dir, tmp_path / "resident", checkpoint_blocks='"all"')
+    seen = _watch(monkeypatch)
+    swapped = _run(tiny_anima, latents_dir, tmp_path / "swapped", checkpoint_blocks=checkpoint_blocks,
+                   swap_blocks=2)
+
+    assert swapped.losses == resident.losses and len(swapped.losses) == STEPS
+    assert swapped.trainable_digest == resident.trainable_digest
+    (swap, calls), = seen
+    n_blocks = len(swap.blocks)
+    assert n_blocks == 2
+    # forward 0, 1 then the recompute 1, 0: the first step copies 3 blocks in, every later one 2 (block 0 stays)
+    assert swap.uploads == 1 + 2 * STEPS
+    assert [index for index, _ in calls] == [0, 1, 1, 0] * STEPS
+    for index, sizes in calls:  # only the block running holds its weights
+        assert sizes[index] > 0 and all(size == 0 for other, size in enumerate(sizes) if other != index)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_swap_outside_their_graph(tiny_anima, latents_dir, tmp_path):
+    """Regional torch.compile (Inductor's CPU backend here) with the swap around each compiled block: the run trains
+    to the bits of the compiled resident run (the swap changes each weight's storage at every call: a graph that
+    had taken a weight as a constant, or a guard on it, would show here)."""
+    runs = {}
+    for swap in (0, 2):
+        torch.compiler.reset()
+        result = _run(tiny_anima, latents_dir, tmp_path / str(swap), checkpoint_blocks='"all"', swap_blocks=swap,
+                      compile='"default"')
+        runs[swap] = (result.losses, result.trainable_digest)
+    assert runs[0] == runs[2]
+
+
+def test_validation_without_gradients_runs_the_swapped_blocks_too(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    """Validation runs the DiT under no_grad, where diffusers calls each block directly (no checkpoint function):
+    the swapped blocks' own __call__ still brings their weights in, and the losses are the resident run's."""
+    extra = "[validation]\nfraction = 0.25\nseed = 3\nevery_n_steps = 1\n"
+    resident = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "resident", extra, max_steps=2,
+                              gradient_checkpointing="true", checkpoint_blocks='"all"'), cpu=True, no_save=True)
+    seen = _watch(monkeypatch)
+    swapped = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "swapped", extra, max_steps=2,
+                             gradient_checkpointing="true", swap_blocks=2), cpu=True, no_save=True)
+    (swap, calls), = seen
+    assert len(calls) > 4 * 2  # the training calls and the validation's
+    assert [(p.step, p.loss) for p in swapped.validation] == [(p.step, p.loss) for p in resident.validation]
+    assert len(swapped.validation) >= 2 and swapped.losses == resident.losses
+
+
+def test_the_run_gives_the_model_back_whole(tiny_anima, latents_dir, tmp_path):
+    """After the run every block has its own class and its weights again (in-process callers: eval, the demo)."""
+    result = _run(tiny_anima, latents_dir, tmp_path, checkpoint_blocks='"all"', swap_blocks=1)
+    blocks = result.components.transformer.transformer_blocks
+    assert not any(hasattr(block, "_weight_swap") for block in blocks)
+    assert type(blocks[0]) is type(blocks[1])
+    assert all(p.numel() > 0 for p in blocks[0].parameters())
+    assert type(blocks[0]).__call__ is torch.nn.Module.__call__  # the swapping subclass is gone
+
+
+@pytest.mark.parametrize("extra, key_text", [
+    ('kind = "none"\n', 'kind = "none" trains them all'),
+    ('[quant]\nmode = "frozen"\n', "quantized base"),
+])
+def test_swap_blocks_refused_where_it_cannot_work(tiny_anima, latents_dir, tmp_path, extra, key_text):
+    with pytest.raises(ConfigError) as exc:
+        make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, extra, gradient_checkpointing="true",
+                 swap_blocks=4)
+    text = str(exc.value)
+    assert "[train] swap_blocks = 4" in text and key_text in text and text.count("swap_blocks = 4") == 1
+
+
+def test_swap_blocks_needs_checkpointing(tiny_anima, latents_dir, tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, gradient_checkpointing="false", swap_blocks=4)
+    assert "gradient_checkpointing = false; set gradient_checkpointing = true or swap_blocks = 0" in str(exc.value)
