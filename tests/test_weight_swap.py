@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from anima_train.config import ConfigError
 from anima_train.training import weight_swap
@@ -93,9 +94,17 @@ def test_validation_without_gradients_runs_the_swapped_blocks_too(tiny_anima, la
     assert len(swapped.validation) >= 2 and swapped.losses == resident.losses
 
 
-def test_the_run_gives_the_model_back_whole(tiny_anima, latents_dir, tmp_path):
-    """After the run every block has its own class and its weights again (in-process callers: eval, the demo)."""
-    result = _run(tiny_anima, latents_dir, tmp_path, checkpoint_blocks='"all"', swap_blocks=1)
+def test_the_saved_lora_is_the_resident_runs_and_the_model_comes_back_whole(tiny_anima, latents_dir, tmp_path):
+    """The LoRA file written while blocks are swapped out holds the resident run's tensors (and no placeholder);
+    after the run every block has its own class and its weights again (in-process callers: eval, the demo)."""
+    files = {}
+    for swap in (0, 1):
+        result = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / str(swap), max_steps=2,
+                                gradient_checkpointing="true", checkpoint_blocks='"all"', swap_blocks=swap),
+                       cpu=True)
+        files[swap] = load_file(str(result.final))
+    assert files[1].keys() == files[0].keys() and len(files[0]) > 0
+    assert all(torch.equal(files[1][k], files[0][k]) for k in files[0])
     blocks = result.components.transformer.transformer_blocks
     assert not any(hasattr(block, "_weight_swap") for block in blocks)
     assert type(blocks[0]) is type(blocks[1])
