@@ -159,6 +159,23 @@ def test_auto_plan_after_the_first_step(monkeypatch):
                     f"Qwen3 stays on the GPU"]
 
 
+def test_auto_plan_keeps_no_swapped_block_and_says_so(monkeypatch):
+    """The same card with the first 20 blocks swapped ([train] swap_blocks: they always recompute): 11 blocks would
+    fit, only the 8 unswapped ones keep, and the message and predicted peak are those of 20 recomputed blocks (it
+    said 17 while 20 recomputed, before the floor went into the decision)."""
+    from anima_train.training.memory import plan_checkpointing
+
+    StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=36 * GIB, fraction=2 / 3)  # cap 24 GiB
+    plan = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)], floor=20)
+    plan.set_recomputed(28)
+    plan.measure = recompute.Measure(tokens=4096 * 8, act=GIB, start=int(5.5 * GIB))
+    said = []
+    plan_checkpointing(plan, 4096 * 8, Parked(GIB), torch.device("cuda"), said.append)
+    assert plan.recomputed == 20
+    assert said == ["checkpointing auto: 20 of 28 blocks recompute (a block keeps 1.00 GiB at the largest batch; "
+                    f"predicted peak {(11.5 * GIB + 7 * GIB) / GIB:.1f} of 24.0 GiB); Qwen3 stays on the GPU"]
+
+
 def test_auto_plan_at_8_gib_batch_2(monkeypatch):
     """8 GiB cap, LoRA b2 as measured on the H200 (4.15 GiB before the first step, its peak 6.27, steady 4.56 after,
     a block 0.71 GiB, Qwen3 1.11 GiB): a later step peaks at 6.68 GiB with Qwen3 parked, 7.79 with it resident.

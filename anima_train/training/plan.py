@@ -48,7 +48,7 @@ TOKEN_PIXELS = 16  # the VAE's 8x and the DiT's 2x2 patches: one token per 16x16
 # Calibration (the numbers above, from bench/results/caps_2026-12-02b A1/B1/B3/D1).
 FROZEN_BYTES_BF16 = int(3.98 * GIB)  # DiT + LLM adapter weights in bf16, before the first step, less the LoRA
 QWEN3_BYTES_BF16 = int(1.11 * GIB)  # Qwen3-0.6B
-BLOCK_PARAMETERS = 69_206_528  # one DiT block's weights (the full-size block counted on the meta device): 0.129 GiB bf16
+BLOCK_PARAMETERS = 69_206_528  # one DiT block's weights (the full-size block counted on the meta device), 0.129 GiB
 VAE_BYTES_BF16 = int(0.24 * GIB)  # Wan2.1 VAE (127M parameters), on the GPU only under source = "encode"
 GROWTH_BYTES_PER_TOKEN = 258_240  # the first step's growth per token x batch, beyond the gradients
 BLOCK_ACT_BYTES_PER_TOKEN = 92_540  # activations one DiT block keeps for its backward, per token x batch
@@ -186,17 +186,13 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
                                       torch.device("cuda"))
     usable = budget - recompute.margin(budget, expandable)
     if setting is None:
-        resident, keep, predicted = memory.decide_plan(
-            n_blocks=N_BLOCKS, act=inputs.act, peak=inputs.peak, steady=inputs.steady, start=inputs.start,
-            scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3)
+        resident, keep, predicted = memory.decide_plan(  # the swapped blocks always recompute: they never keep
+            n_blocks=N_BLOCKS - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,
+            start=inputs.start, scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3)
     else:  # a fixed count: the runtime makes no plan and Qwen3 stays parked
-        resident, keep = False, N_BLOCKS - setting
+        resident, keep = False, min(N_BLOCKS - setting, N_BLOCKS - inputs.swapped)
         base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
         predicted = recompute.predicted_peak(base, inputs.act, keep)
-    if keep > N_BLOCKS - inputs.swapped:  # swapped blocks always recompute (recompute.BlockCheckpointing.floor)
-        allowed = N_BLOCKS - inputs.swapped
-        predicted -= (max(keep - 1, 0) - max(allowed - 1, 0)) * inputs.act
-        keep = allowed
     plan = Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
                 predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable)
     if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":

@@ -542,7 +542,7 @@ def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, 
         compile_transformer(model.transformer, cfg, compile_mode)
     n_blocks = len(model.block_ckpt.blocks)
     ckpt_text = ("auto (decided after the first step)" if model.recompute is None
-                 else f"{model.recompute} of {n_blocks} blocks")
+                 else f"{model.block_ckpt.recomputed} of {n_blocks} blocks")  # with the swapped ones
     say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}")
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from anima_train.training.memory import host_copy
+
 RESIDENT_SLOTS = 1  # swapped blocks on the GPU at once: the one running (the copy does not overlap compute)
 
 
@@ -46,7 +48,7 @@ class WeightSwap:
         pin = self.device.type == "cuda"
         for index, block in enumerate(self.blocks):
             frozen = [p for p in block.parameters() if not p.requires_grad] + list(block.buffers())
-            self.tensors.append([(t, _host_copy(t, pin)) for t in frozen])
+            self.tensors.append([(t, host_copy(t, pin)) for t in frozen])
             self.classes.append(type(block))
             block.__class__ = _swapped_class(type(block))
             block._weight_swap = (self, index)  # a plain attribute (not a module): no state-dict key
@@ -81,11 +83,6 @@ class WeightSwap:
             block.__class__ = self.classes[index]
             del block._weight_swap
         self.resident = []
-
-
-def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    host = tensor.detach().to("cpu", copy=True)
-    return host.pin_memory() if pin else host
 
 
 _SWAPPED_CLASSES: dict[type, type] = {}
