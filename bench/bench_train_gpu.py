@@ -16,7 +16,8 @@ training step on a full-size random Anima (prints one JSON line per run), SEED_B
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
 smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, one compiled kernel per tensor); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
-`NAME:off` with its own `gradient_checkpointing = false`. Compare with the seed's best at the same memory
+`NAME:off` with its own `gradient_checkpointing = false`; `NAME@K` (ours) runs it with `swap_blocks = K`
+(`lora_b4:auto@11`). Compare with the seed's best at the same memory
 (`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
 memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
 configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
@@ -132,7 +133,7 @@ def prepare_images(work: Path) -> Path:
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
                     checkpoint_blocks: str | None = None, previews: int = 0,
-                    preview_steps: int = 20) -> tuple[str, str]:
+                    preview_steps: int = 20, swap_blocks: int = 0) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
     kind, batch = parse_run(name)
@@ -141,7 +142,7 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
             or "off"
     label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
                                                                        if checkpoint_blocks else "") \
-        + (f"_previews{previews}" if previews else "")
+        + (f"_previews{previews}" if previews else "") + (f"_swap{swap_blocks}" if swap_blocks else "")
     extra = KINDS[kind]
     if previews:
         extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
@@ -163,6 +164,7 @@ gradient_checkpointing = true
 save_every_epochs = 0
 skip_final_save = true
 compile = "{compile_mode}"
+swap_blocks = {swap_blocks}
 [dataset]
 path = "{data}"
 resolution = {resolution}
@@ -173,13 +175,14 @@ resolution = {resolution}
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
           preview_steps: int = 20) -> dict:
+    name, _, swap = name.partition("@")  # lora_b4@11 = this run with swap_blocks = 11
     name, _, own_blocks = name.partition(":")  # lora_b2:all = this run with checkpoint_blocks = "all"
     checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
     if kind in IMAGE_KINDS:
         data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
-                                  previews=previews, preview_steps=preview_steps)
+                                  previews=previews, preview_steps=preview_steps, swap_blocks=int(swap or 0))
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = load_config(text)
@@ -380,7 +383,7 @@ def main() -> int:
                       "setup_s": round(time.perf_counter() - t0, 1), "cap_gib": args.cap_gib}), flush=True)
     names = args.only.split(",")
     for n in names:
-        parse_run(n.partition(":")[0])
+        parse_run(n.partition("@")[0].partition(":")[0])
     if args.diag:
         install_diag()
     for item in args.torch_set:

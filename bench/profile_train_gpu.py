@@ -119,7 +119,9 @@ def summarise(prof, active: int, cuda: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", default="lora_b8", help="lora_bN, full_bN, full8bit_bN or fullkahan_bN")
+    ap.add_argument("--run", default="lora_b8",
+                    help="lora_bN, full_bN, full8bit_bN or fullkahan_bN; NAME@K with swap_blocks = K")
+    ap.add_argument("--cap-gib", type=float, default=None, help="cap this process's CUDA memory to this many GiB")
     ap.add_argument("--checkpoint-blocks", default=None, help="train.checkpoint_blocks (default: auto)")
     ap.add_argument("--compile", default=None, help="train.compile = MODE (e.g. default)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the profiler's active window)")
@@ -130,6 +132,7 @@ def main() -> int:
     ap.add_argument("--no-trace", action="store_true", help="skip the chrome trace")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test of this script)")
     args = ap.parse_args()
+    run, _, swap = args.run.partition("@")
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = not args.tiny
@@ -143,12 +146,14 @@ def main() -> int:
             build_tiny_anima(work / "repo")
         if not data.exists():
             make_synthetic_latents(data, n=16, latent_hw=(16, 16))  # 128x128 buckets
-        label, text = run_config_text(args.run, repo, data, work, total, args.compile, resolution=128,
+        label, text = run_config_text(run, repo, data, work, total, args.compile, resolution=128,
                                       dtype="float32", num_workers=0)
     else:
         repo, data = prepare(work)
-        label, text = run_config_text(args.run, repo, data, work, total, args.compile,
-                                      checkpoint_blocks=args.checkpoint_blocks)
+        label, text = run_config_text(run, repo, data, work, total, args.compile,
+                                      checkpoint_blocks=args.checkpoint_blocks, swap_blocks=int(swap or 0))
+        if args.cap_gib:
+            torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     setup_s = round(time.perf_counter() - t0, 1)
     cfg = load_config(text)
 
@@ -159,6 +164,9 @@ def main() -> int:
     def on_ready(prof) -> None:  # called once, when the active window closes
         (out / f"{label}_ops.txt").write_text(prof.key_averages().table(sort_by=sort_key, row_limit=40,
                                                                          max_name_column_width=90))
+        if cuda:  # where the host's time goes (a host-bound step: the device waits for it)
+            (out / f"{label}_cpu_ops.txt").write_text(prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
         summary.update(summarise(prof, args.steps, cuda))
         if args.no_trace:
             return
@@ -188,7 +196,7 @@ def main() -> int:
             result = train(cfg, cpu=not cuda, no_save=True)
     finally:
         Progress.step = original_step
-    summary = dict(name=label, run=args.run, compile=args.compile, batch=parse_run(args.run)[1], tiny=args.tiny,
+    summary = dict(name=label, run=args.run, compile=args.compile, batch=parse_run(run)[1], tiny=args.tiny,
                    torch=torch.__version__, setup_s=setup_s, train_wall_s=round(time.perf_counter() - t1, 1),
                    steps_trained=result.global_step, wait=wait,
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None, **summary)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from anima_train.config import load_config
-from anima_train.training import plan
+from anima_train.training import plan, weight_swap
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPS = ROOT / "bench" / "results" / "caps_2026-12-02b"
@@ -132,7 +132,7 @@ def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would()
     assert swapped.fits and not fewer.fits
     assert swapped.recomputed >= count
     block = plan.BLOCK_PARAMETERS * 2
-    assert swapped.inputs.steady == resident.inputs.steady - (count - 1) * block
+    assert swapped.inputs.steady == resident.inputs.steady - (count - weight_swap.RESIDENT_SLOTS) * block
     text = plan.render(swapped, "run.toml")
     rows = [line for line in text.splitlines() if re.match(r"\s+\d+\s", line)]
     assert [line.split()[-1] for line in rows] == ["swapped"] * count + ["resident"] * (28 - count)

@@ -29,7 +29,7 @@ def _watch(monkeypatch) -> list:
 
     def watching_arrive(self, index):
         arrive(self, index)
-        sizes = [sum(t.numel() for t, _ in pairs) for pairs in self.tensors]
+        sizes = [self.held_elements(i) for i in range(len(self.blocks))]
         next(calls for swap, calls in seen if swap is self).append((index, sizes))
 
     monkeypatch.setattr(weight_swap.WeightSwap, "__init__", watching_init)
@@ -128,3 +128,84 @@ def test_swap_blocks_needs_checkpointing(tiny_anima, latents_dir, tmp_path):
     with pytest.raises(ConfigError) as exc:
         make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, gradient_checkpointing="false", swap_blocks=4)
     assert "gradient_checkpointing = false; set gradient_checkpointing = true or swap_blocks = 0" in str(exc.value)
+
+
+class _Block(torch.nn.Module):
+    """A frozen Linear, a norm's buffer and a trainable low-rank pair: what a LoRA'd DiT block holds, small."""
+
+    def __init__(self, width: int, seed: int):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.base = torch.nn.Linear(width, width).requires_grad_(False)
+        with torch.no_grad():
+            self.base.weight.copy_(torch.randn(width, width, generator=gen) / width ** 0.5)
+            self.base.bias.copy_(torch.randn(width, generator=gen) * 0.1)
+        self.register_buffer("scale", torch.rand(width, generator=gen) + 0.5)
+        self.down = torch.nn.Parameter(torch.randn(3, width, generator=gen) * 0.1)
+        self.up = torch.nn.Parameter(torch.randn(width, 3, generator=gen) * 0.1)
+
+    def forward(self, x):
+        return x + torch.tanh(self.base(x) * self.scale + x @ self.down.T @ self.up.T)
+
+
+def _stack_step(blocks, swapped: int, swap=None):
+    """One forward and backward through the stack: the first `swapped` blocks under non-reentrant checkpointing
+    (as BlockCheckpointing runs them). Returns the loss and every trainable gradient."""
+    x = torch.randn(4, 7, 10, generator=torch.Generator().manual_seed(5))
+    for index, block in enumerate(blocks):
+        x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if index < swapped else block(x)
+    loss = x.square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for b in blocks for p in (b.down, b.up)]
+    for b in blocks:
+        b.down.grad = b.up.grad = None
+    return loss.detach(), grads
+
+
+def test_a_deeper_stack_swaps_block_by_block_to_the_resident_bits(monkeypatch):
+    """Five blocks, four swapped (the tiny DiT has two): the forward runs 0..3, the backward's recompute 3..0; at
+    every call only the running block holds weights, every block's weights (a weight, a bias and a buffer, moved
+    as one flat copy per dtype) come back in place, and the gradients equal the resident stack's bit for bit.
+    Written to fail first: with the views assigned one tensor off (offsets shifted) the gradients differ."""
+    resident = [_Block(10, seed) for seed in range(5)]
+    expected = [_stack_step(resident, 4) for _ in range(3)]
+    blocks = [_Block(10, seed) for seed in range(5)]
+    swap = weight_swap.WeightSwap(blocks[:4], torch.device("cpu"))
+    seen = []
+    arrive = swap.arrive
+
+    def watching(index):
+        arrive(index)
+        seen.append(([swap.held_elements(i) for i in range(4)], index))
+
+    monkeypatch.setattr(swap, "arrive", watching)
+    got = [_stack_step(blocks, 4) for _ in range(3)]
+    for (loss, grads), (loss_r, grads_r) in zip(got, expected):
+        assert torch.equal(loss, loss_r) and all(torch.equal(g, r) for g, r in zip(grads, grads_r))
+    assert [index for _, index in seen] == [0, 1, 2, 3, 3, 2, 1, 0] * 3
+    for sizes, index in seen:
+        assert sizes[index] > 0 and all(size == 0 for other, size in enumerate(sizes) if other != index)
+    # 0 and 3 stay between their calls (3 at the turn, 0 into the next step): 1 + 6 copies per step
+    assert swap.uploads == 1 + 6 * 3 and len(swap.layout[0]) == 1  # one dtype: one flat copy per block
+    swap.restore()
+    assert torch.equal(_stack_step(blocks, 4)[0], _stack_step(resident, 4)[0])
+
+
+def test_restore_falls_back_to_host_memory_when_the_card_is_full(monkeypatch):
+    """After a run that needed the swap, the card may not hold the whole model: restore() must not end the run with
+    an out-of-memory traceback (the files are written by then). The device copy is made to fail here."""
+    blocks = [_Block(10, seed) for seed in range(3)]
+    want = [b.base.weight.clone() for b in blocks]
+    swap = weight_swap.WeightSwap(blocks, torch.device("cpu"))
+    real = weight_swap.WeightSwap._restore_to
+
+    def full_card(self, device):
+        if device == self.device and device.type == "cpu" and not getattr(self, "_failed", False):
+            self._failed = True
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, device)
+
+    monkeypatch.setattr(weight_swap.WeightSwap, "_restore_to", full_card)
+    swap.restore()
+    assert swap._failed and all(torch.equal(b.base.weight, w) for b, w in zip(blocks, want))
+    assert all(type(b) is _Block for b in blocks)

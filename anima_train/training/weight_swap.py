@@ -17,9 +17,14 @@ Why this is exact, and when it would not be:
   backward has finished. Were a weight ever used while dropped, it is an empty tensor: a shape error, never a
   silent wrong number (tests/test_weight_swap.py runs the tiny model with one slot, where every block is dropped
   and copied in again each step, and compares with the resident run bit for bit);
+- each block's weights travel as one copy per dtype (a flat pinned buffer; the parameters become views of its
+  device copy, each starting on an aligned address) instead of one small copy per tensor;
 - the copies run on the compute stream, in order, so the caching allocator may reuse a dropped block's memory only
-  after every kernel that read it. The cost: the copy does not overlap compute (a block of Anima is 0.14 GiB in
-  bf16, about 6 ms over PCIe 4.0 x16, twice per step with its recompute).
+  after every kernel that read it. A block of Anima is 0.129 GiB in bf16: 2.5 ms from pinned memory on an H200
+  (55 GB/s), about 5 ms over PCIe 4.0 x16. A copy of the next block on a side stream, overlapping the running
+  block, was built and measured on the H200 (bench/results/swap_2026-12-04): at batch 4 under 8 GiB no faster
+  (0.1595 s/image against 0.158), at batch 1 under 6 GiB slower (host-bound: 0.67 s per profiled step against
+  0.63), so the copies stay in order.
 
 The block's class is replaced by a subclass whose __call__ copies the weights in and then calls nn.Module.__call__:
 a regional torch.compile (`module.compile()`, compiling.compile_transformer) sits inside that call, so the swap
@@ -30,9 +35,11 @@ from __future__ import annotations
 
 import torch
 
-from anima_train.training.memory import host_copy
 
-RESIDENT_SLOTS = 1  # swapped blocks on the GPU at once: the one running (the copy does not overlap compute)
+RESIDENT_SLOTS = 1  # swapped blocks on the GPU at once: the one running
+# Where each tensor starts in its flat buffer: compiled kernels assume aligned inputs (Inductor copies, or guards
+# on, an input whose address is not 16-byte aligned), as the allocator's own tensors are.
+ALIGN_BYTES = 256
 
 
 class WeightSwap:
@@ -43,12 +50,13 @@ class WeightSwap:
         self.blocks = list(blocks)
         self.uploads = 0  # blocks copied in so far (the tests read it)
         self.resident: list[int] = []  # indices into self.blocks, the least recently called first
-        self.tensors: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per block: (parameter or buffer, host copy)
+        # per block, per dtype: (host flat buffer, [(parameter or buffer, offset, shape)])
+        self.layout: list[list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Size]]]]] = []
         self.classes: list[type] = []
         pin = self.device.type == "cuda"
         for index, block in enumerate(self.blocks):
             frozen = [p for p in block.parameters() if not p.requires_grad] + list(block.buffers())
-            self.tensors.append([(t, host_copy(t, pin)) for t in frozen])
+            self.layout.append(_flat_layout(frozen, pin))
             self.classes.append(type(block))
             block.__class__ = _swapped_class(type(block))
             block._weight_swap = (self, index)  # a plain attribute (not a module): no state-dict key
@@ -56,7 +64,11 @@ class WeightSwap:
 
     @property
     def host_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for pairs in self.tensors for _, h in pairs)
+        return sum(host.numel() * host.element_size() for groups in self.layout for host, _ in groups)
+
+    def held_elements(self, index: int) -> int:
+        """Elements block `index`'s frozen tensors hold on the device now (0 while dropped)."""
+        return sum(t.numel() for _, members in self.layout[index] for t, _, _ in members)
 
     def arrive(self, index: int) -> None:
         """Block `index` is about to run: its weights onto the device, dropping the least recently run block's."""
@@ -66,23 +78,59 @@ class WeightSwap:
             return
         while len(self.resident) >= self.slots:
             self._drop(self.resident.pop(0))  # first: the memory is free for the copy in
-        for t, host in self.tensors[index]:
-            t.data = host.to(self.device, non_blocking=True)
+        flats = [host.to(self.device, non_blocking=True, copy=True) for host, _ in self.layout[index]]
+        self._assign(index, flats)
         self.resident.append(index)
         self.uploads += 1
 
+    def _assign(self, index: int, flats: list[torch.Tensor]) -> None:
+        for flat, (_, members) in zip(flats, self.layout[index]):
+            for t, offset, shape in members:
+                t.data = flat[offset:offset + shape.numel()].view(shape)
+
     def _drop(self, index: int) -> None:
-        for t, _ in self.tensors[index]:
-            t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        for _, members in self.layout[index]:
+            for t, _, _ in members:
+                t.data = torch.empty(0, dtype=t.dtype, device=self.device)
 
     def restore(self) -> None:
-        """Every block resident again, with its own class (in-process callers get a normal model back)."""
+        """Every block with its own class and its weights again (in-process callers get a normal model back): on
+        the device when they fit there, else all of them in host memory (a card that needed the swap to train may
+        not hold the whole model beside what the run still holds; the run's files are written by then)."""
+        self.resident = []
+        try:
+            self._restore_to(self.device)
+        except torch.OutOfMemoryError:
+            self._restore_to(torch.device("cpu"))
         for index, block in enumerate(self.blocks):
-            for t, host in self.tensors[index]:
-                t.data = host.to(self.device)
             block.__class__ = self.classes[index]
             del block._weight_swap
-        self.resident = []
+
+    def _restore_to(self, device: torch.device) -> None:
+        for groups in self.layout:
+            for host, members in groups:
+                for t, offset, shape in members:
+                    t.data = host[offset:offset + shape.numel()].view(shape).to(device, copy=True)
+
+
+def _flat_layout(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Size]]]]:
+    """The tensors grouped by dtype, each group's values in one flat host buffer (pinned when `pin`): one copy per
+    dtype moves a whole block, instead of one small copy per tensor."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    layout = []
+    for dtype, members in groups.items():
+        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        offsets, at = [], 0
+        for t in members:
+            offsets.append((t, at, t.shape))
+            at += -(-t.numel() // align) * align
+        host = torch.zeros(at, dtype=dtype)
+        for t, offset, shape in offsets:
+            host[offset:offset + t.numel()] = t.detach().reshape(-1).to("cpu")
+        layout.append((host.pin_memory() if pin else host, offsets))
+    return layout
 
 
 _SWAPPED_CLASSES: dict[type, type] = {}
