@@ -216,7 +216,7 @@ def test_a_step_that_does_not_fit_the_gpu_is_a_user_error_with_what_to_change(tm
     assert line.startswith("anima-train oom: error: the GPU ran out of memory (Tried to allocate 16.00 MiB; "
                            "this process has 24.74 GiB memory in use; 24.00 GiB allowed)"), line
     for fix in ("anima-train plan CONFIG --vram", "batch_size", "checkpoint_blocks = \"all\"", "use_kahan = true",
-                "adamw8bit"):
+                "adamw8bit", "swap_blocks"):  # swap_blocks: the one way a LoRA trains on a 6 GiB card
         assert fix in line, (fix, line)
     assert "bug" not in line and "expandable_segments" not in line
 
