@@ -84,6 +84,15 @@ def parse_run(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+def split_name(name: str) -> tuple[str, str, int]:
+    """(run, its own checkpoint_blocks or "", its swap_blocks) of `RUN[:BLOCKS][@SWAP]` (lora_b4:auto@11), the run
+    checked."""
+    name, _, swap = name.partition("@")
+    run, _, own_blocks = name.partition(":")
+    parse_run(run)
+    return run, own_blocks, int(swap or 0)
+
+
 
 
 def build_repo(repo: Path) -> None:
@@ -175,14 +184,13 @@ resolution = {resolution}
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
           preview_steps: int = 20) -> dict:
-    name, _, swap = name.partition("@")  # lora_b4@11 = this run with swap_blocks = 11
-    name, _, own_blocks = name.partition(":")  # lora_b2:all = this run with checkpoint_blocks = "all"
+    name, own_blocks, swap = split_name(name)  # lora_b2:all@11: checkpoint_blocks = "all", swap_blocks = 11
     checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
     if kind in IMAGE_KINDS:
         data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
-                                  previews=previews, preview_steps=preview_steps, swap_blocks=int(swap or 0))
+                                  previews=previews, preview_steps=preview_steps, swap_blocks=swap)
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = load_config(text)
@@ -383,7 +391,7 @@ def main() -> int:
                       "setup_s": round(time.perf_counter() - t0, 1), "cap_gib": args.cap_gib}), flush=True)
     names = args.only.split(",")
     for n in names:
-        parse_run(n.partition("@")[0].partition(":")[0])
+        split_name(n)
     if args.diag:
         install_diag()
     for item in args.torch_set:

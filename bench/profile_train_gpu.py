@@ -31,7 +31,7 @@ from anima_train.config import load_config  # noqa: E402
 from anima_train.outputs.progress import Progress  # noqa: E402
 from anima_train.model.tiny import build_tiny_anima, make_synthetic_latents  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
-from bench.bench_train_gpu import parse_run, prepare, run_config_text  # noqa: E402
+from bench.bench_train_gpu import parse_run, prepare, run_config_text, split_name  # noqa: E402
 
 TRACE_LIMIT = 16 * 2**20
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -120,7 +120,8 @@ def summarise(prof, active: int, cuda: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="lora_b8",
-                    help="lora_bN, full_bN, full8bit_bN or fullkahan_bN; NAME@K with swap_blocks = K")
+                    help="lora_bN, full_bN, full8bit_bN or fullkahan_bN; NAME:BLOCKS with that checkpoint_blocks, "
+                         "NAME@K with swap_blocks = K")
     ap.add_argument("--cap-gib", type=float, default=None, help="cap this process's CUDA memory to this many GiB")
     ap.add_argument("--checkpoint-blocks", default=None, help="train.checkpoint_blocks (default: auto)")
     ap.add_argument("--compile", default=None, help="train.compile = MODE (e.g. default)")
@@ -132,7 +133,7 @@ def main() -> int:
     ap.add_argument("--no-trace", action="store_true", help="skip the chrome trace")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test of this script)")
     args = ap.parse_args()
-    run, _, swap = args.run.partition("@")
+    run, own_blocks, swap = split_name(args.run)
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = not args.tiny
@@ -151,7 +152,7 @@ def main() -> int:
     else:
         repo, data = prepare(work)
         label, text = run_config_text(run, repo, data, work, total, args.compile,
-                                      checkpoint_blocks=args.checkpoint_blocks, swap_blocks=int(swap or 0))
+                                      checkpoint_blocks=own_blocks or args.checkpoint_blocks, swap_blocks=swap)
         if args.cap_gib:
             torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     setup_s = round(time.perf_counter() - t0, 1)

@@ -148,7 +148,7 @@ class _Block(torch.nn.Module):
         return x + torch.tanh(self.base(x) * self.scale + x @ self.down.T @ self.up.T)
 
 
-def _stack_step(blocks, swapped: int, swap=None):
+def _stack_step(blocks, swapped: int):
     """One forward and backward through the stack: the first `swapped` blocks under non-reentrant checkpointing
     (as BlockCheckpointing runs them). Returns the loss and every trainable gradient."""
     x = torch.randn(4, 7, 10, generator=torch.Generator().manual_seed(5))

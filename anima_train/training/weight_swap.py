@@ -107,10 +107,8 @@ class WeightSwap:
             del block._weight_swap
 
     def _restore_to(self, device: torch.device) -> None:
-        for groups in self.layout:
-            for host, members in groups:
-                for t, offset, shape in members:
-                    t.data = host[offset:offset + shape.numel()].view(shape).to(device, copy=True)
+        for index, groups in enumerate(self.layout):
+            self._assign(index, [host.to(device, copy=True) for host, _ in groups])
 
 
 def _flat_layout(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Size]]]]:
@@ -121,7 +119,7 @@ def _flat_layout(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Ten
         groups.setdefault(t.dtype, []).append(t)
     layout = []
     for dtype, members in groups.items():
-        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        align = max(1, ALIGN_BYTES // dtype.itemsize)
         offsets, at = [], 0
         for t in members:
             offsets.append((t, at, t.shape))
