@@ -142,7 +142,7 @@ def prepare_images(work: Path) -> Path:
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
                     checkpoint_blocks: str | None = None, previews: int = 0,
-                    preview_steps: int = 20, swap_blocks: int = 0) -> tuple[str, str]:
+                    preview_steps: int = 20, swap_blocks: int = 0, recompute: str | None = None) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
     kind, batch = parse_run(name)
@@ -151,7 +151,8 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
             or "off"
     label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
                                                                        if checkpoint_blocks else "") \
-        + (f"_previews{previews}" if previews else "") + (f"_swap{swap_blocks}" if swap_blocks else "")
+        + (f"_previews{previews}" if previews else "") + (f"_swap{swap_blocks}" if swap_blocks else "") \
+        + (f"_recompute-{recompute}" if recompute else "")
     extra = KINDS[kind]
     if previews:
         extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
@@ -174,6 +175,7 @@ save_every_epochs = 0
 skip_final_save = true
 compile = "{compile_mode}"
 swap_blocks = {swap_blocks}
+{f'recompute = "{recompute}"' if recompute else ''}
 [dataset]
 path = "{data}"
 resolution = {resolution}
@@ -183,14 +185,15 @@ resolution = {resolution}
 
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
-          preview_steps: int = 20) -> dict:
+          preview_steps: int = 20, recompute: str | None = None) -> dict:
     name, own_blocks, swap = split_name(name)  # lora_b2:all@11: checkpoint_blocks = "all", swap_blocks = 11
     checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
     if kind in IMAGE_KINDS:
         data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
-                                  previews=previews, preview_steps=preview_steps, swap_blocks=swap)
+                                  previews=previews, preview_steps=preview_steps, swap_blocks=swap,
+                                  recompute=recompute)
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = load_config(text)
@@ -215,6 +218,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
                first_step_s=round(times[0] - stamps[0]["time"], 1) if times else None, wall_s=round(wall, 1),
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4),
+               losses=[round(loss, 4) for loss in result.losses],
                **allocator_stats())
     rounds = [r for r in stamps if r["event"] == "samples"]
     if rounds:
@@ -368,6 +372,9 @@ def main() -> int:
     ap.add_argument("--only", default="lora_b8,full_b4", help="runs: lora_bN, full_bN, full8bit_bN, fullkahan_bN")
     ap.add_argument("--compile", default=None, help="our train.compile (default: what compile = \"auto\" picks)")
     ap.add_argument("--checkpoint-blocks", default=None, help="our train.checkpoint_blocks (default: auto)")
+    ap.add_argument("--recompute", default=None, choices=("block", "graph"),
+                    help="our train.recompute (default: the config's default): block = torch.utils.checkpoint, "
+                         "graph = inside the compiled backward")
     ap.add_argument("--cap-gib", type=float, default=None, help="cap every process's CUDA memory to this many GiB")
     ap.add_argument("--baseline", default=None, help="gpu_baseline.py: run it in this call (same steps and cap)")
     ap.add_argument("--seed-bench", default=None, help="seed_bench.py: run the seed in this call (needs --seed-tar)")
@@ -403,7 +410,7 @@ def main() -> int:
         for attempt in range(2 if args.twice else 1):
             try:
                 ours.append(bench(name, repo, data, work, args.steps, args.compile, args.checkpoint_blocks,
-                                  args.cap_gib, args.previews, args.preview_steps))
+                                  args.cap_gib, args.previews, args.preview_steps, args.recompute))
             except Exception as exc:  # report and go on with the next configuration
                 print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
                 torch.cuda.empty_cache()

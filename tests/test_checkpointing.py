@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from anima_train.training import recompute
@@ -438,3 +439,107 @@ def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
     assert not expandable_segments_on()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert expandable_segments_on()
+
+
+def test_in_graph_recompute_is_charged_its_extra_and_given_up_where_only_whole_blocks_fit(monkeypatch):
+    """recompute = "graph": the plan charges the backward graph's extra (half a block's activations) while any block
+    recomputes; where that does not fit beside the all-recomputed step but whole-block recompute does, the plan
+    keeps whole-block recompute rather than not fitting."""
+    from anima_train.training.memory import decide_plan
+
+    kw = dict(n_blocks=28, act=2 * GIB, steady=6 * GIB, start=5 * GIB, scale=1.0, expandable=True,
+              parked_bytes=0)
+    block = decide_plan(peak=10 * GIB, budget=24 * GIB, **kw)
+    graph = decide_plan(peak=10 * GIB, budget=24 * GIB, in_graph=True, **kw)
+    assert graph[3] and not block[3]
+    # usable 22.8 GiB, base 11 GiB: whole blocks keep 1 + 5 = 6 (peak 21); in-graph base 12 keeps 1 + 5 = 6 too
+    # (peak 22), its extra under the usable budget
+    assert block[1:3] == (6, 21 * GIB) and graph[1:3] == (6, 22 * GIB)
+    # all-recomputed base 22.5 GiB: whole-block recompute fits 22.8 usable, in-graph (23.5) does not: given up
+    tight = decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, in_graph=True, **kw)
+    assert tight == decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, **kw)[:3] + (False,)
+    assert tight[1] == 1
+    # every block kept: nothing recomputes, nothing extra
+    roomy = decide_plan(peak=10 * GIB, budget=140 * GIB, in_graph=True, **kw)
+    assert roomy[1:3] == (28, 11 * GIB + 27 * 2 * GIB)
+
+
+@pytest.mark.slow
+def test_in_graph_recompute_saves_the_block_inputs_only_and_gives_the_same_gradients():
+    """recompute = "graph" (Inductor's CPU backend here): a recomputed block saves for its backward about what
+    torch.utils.checkpoint saves, a fraction of what a kept block saves (a path that fell back to keeping the
+    activations would fail here), and the gradients are the whole-block recompute's."""
+    from anima_train.model.tiny import build_models
+
+    torch.compiler.reset()
+    transformer = build_models("tiny", dtype=torch.float32)["transformer"].train()
+    blocks = list(transformer.transformer_blocks)
+    for param in transformer.parameters():
+        param.requires_grad_(False)
+    trained = [block.ff.net[0].proj.weight for block in blocks]
+    for weight in trained:
+        weight.requires_grad_(True)
+    for block in blocks:
+        block.compile(mode="default", dynamic=True)
+    weights = {param.untyped_storage().data_ptr() for param in transformer.parameters()}
+    x = torch.randn(2, 16, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+    context = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(1))
+
+    def step(how: str):
+        ckpt = recompute.BlockCheckpointing(blocks)
+        ckpt.set_recomputed(0 if how == "kept" else len(blocks))
+        if how == "graph":
+            ckpt.in_graph = recompute.in_graph_recompute("default", True)
+        transformer.enable_gradient_checkpointing(ckpt)
+        saved = [0]
+
+        def pack(tensor):  # the weights (a compiled graph's inputs, saved by reference) cost nothing
+            if tensor.untyped_storage().data_ptr() not in weights:
+                saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = transformer(x, timestep=torch.tensor([0.3, 0.7]), encoder_hidden_states=context,
+                              padding_mask=x.new_zeros(1, 1, 256, 256), return_dict=False)[0]
+        out.square().mean().backward()
+        grads = [weight.grad for weight in trained]
+        for weight in trained:
+            weight.grad = None
+        return saved[0], out.detach(), grads
+
+    kept, block, graph = step("kept"), step("block"), step("graph")
+    assert graph[0] < kept[0] / 3 and block[0] < kept[0] / 3, (kept[0], block[0], graph[0])
+    assert torch.allclose(graph[1], block[1], rtol=1e-5, atol=1e-6)
+    assert all(torch.allclose(g, b, rtol=1e-4, atol=1e-7) for g, b in zip(graph[2], block[2]))
+    assert all(torch.allclose(k, b, rtol=1e-4, atol=1e-7) for k, b in zip(kept[2], block[2]))
+
+
+@pytest.mark.slow
+def test_a_compiled_run_recomputes_in_graph_by_default_and_says_so(tiny_anima, latents_dir, tmp_path, monkeypatch,
+                                                                    capsys):
+    """The default recompute = "graph" in a regionally compiled run: every recomputed block goes through the
+    in-graph function (none through torch.utils.checkpoint), the log says so, and the losses are "block"'s."""
+    checkpointed = _count_recomputes(monkeypatch)
+    made = []
+    real = recompute.in_graph_recompute
+
+    def counting(mode, dynamic):
+        run = real(mode, dynamic)
+
+        def counted(block, *args):
+            made.append(block)
+            return run(block, *args)
+
+        return counted
+
+    monkeypatch.setattr(recompute, "in_graph_recompute", counting)
+    kw = dict(max_steps=2, gradient_checkpointing="true", checkpoint_blocks='"all"', compile='"default"')
+    torch.compiler.reset()
+    graph = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "g", **kw), cpu=True, no_save=True)
+    n_blocks = len(graph.components.transformer.transformer_blocks)
+    assert len(made) == 2 * n_blocks and checkpointed == []
+    assert "recompute inside the compiled graph" in capsys.readouterr().out
+    block = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", **kw, recompute='"block"'),
+                  cpu=True, no_save=True)
+    assert len(checkpointed) == 2 * n_blocks and len(made) == 2 * n_blocks
+    assert graph.losses == pytest.approx(block.losses, abs=1e-5)

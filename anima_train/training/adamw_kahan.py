@@ -50,9 +50,11 @@ class AdamWKahan(torch.optim.Optimizer):
         # dynamic: the tensors are stepped flattened, and one graph serves every length (a bucket's tensors share
         # theirs, so one size symbol); two functions, so bf16 and fp32 graphs do not share dynamo's recompile limit
         # Inductor's combo kernels (a call's per-tensor kernels launched as one, up to 8 each) took the step from
-        # 0.058 to 0.032 s on an H200 (bench/results/fullkahan24_2026-12-03, Q1 and R1), but are not on: their
-        # check against the eager step on the GPU (bench/optimizer_check_gpu.py --combo) has not passed yet
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
+        # 0.058 to 0.032 s on an H200 (bench/results/fullkahan24_2026-12-03, Q1 and R1) and step to the same bits as
+        # without them (H200, 3 steps of the DiT's 30 tensor shapes: bench/results/optimizer_check_2026-12-04);
+        # Inductor's C++ backend (CPU) has none and ignores the option
+        wrap = ((lambda f: torch.compile(f, dynamic=True, options={"combo_kernels": True})) if compiled
+                else (lambda f: f))
         self._step_bf16, self._step_fp32 = wrap(_step_bf16), wrap(_step_fp32)
         self._first = {}  # param -> 0-d int64 tensor on its device: its first element's place among all elements
         start = 0

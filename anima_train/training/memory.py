@@ -118,37 +118,54 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     steady, peak, budget = recompute.memory_now(device)
     scale = max(1.0, largest_tokens / max(measure.tokens, 1))
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
-    resident, keep, predicted = decide_plan(n_blocks=keepable, act=measure.act, peak=peak, steady=steady,
-                                            start=measure.start, scale=scale, budget=budget,
-                                            expandable=expandable_segments_on(), parked_bytes=host,
-                                            backward_peak=measure.backward_peak)
+    resident, keep, predicted, in_graph = decide_plan(
+        n_blocks=keepable, act=measure.act, peak=peak, steady=steady, start=measure.start, scale=scale,
+        budget=budget, expandable=expandable_segments_on(), parked_bytes=host, backward_peak=measure.backward_peak,
+        in_graph=block_ckpt.in_graph is not None)
     block_ckpt.set_recomputed(n - keep)
+    where = ""
+    if block_ckpt.in_graph is not None:
+        if in_graph:
+            where = " inside the compiled graph"
+        else:  # its backward holds more than whole-block recompute, and only that fits
+            block_ckpt.in_graph = None
+            where = ' whole (recompute = "graph" would not fit)'
     if resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
     block_ckpt.retries = alloc_retries(device)  # from now on a step that makes the allocator retry relieves it
     gib = recompute.GIB
-    say(f"{PLAN_PREFIX} {n - keep} of {n} blocks recompute (a block keeps {measure.act * scale / gib:.2f} GiB "
-        f"at the largest batch; predicted peak {predicted / gib:.1f} of {budget / gib:.1f} GiB)"
-        + ("; Qwen3 stays on the GPU" if resident else ""))
+    say(f"{PLAN_PREFIX} {n - keep} of {n} blocks recompute{where if keep < n else ''} (a block keeps "
+        f"{measure.act * scale / gib:.2f} GiB at the largest batch; predicted peak {predicted / gib:.1f} of "
+        f"{budget / gib:.1f} GiB)" + ("; Qwen3 stays on the GPU" if resident else ""))
 
 
 def decide_plan(*, n_blocks: int, act: int, peak: int, steady: int, start: int | None, scale: float, budget: int,
-                expandable: bool, parked_bytes: int, backward_peak: int | None = None) -> tuple[bool, int, int]:
-    """(Qwen3 resident, blocks that keep their activations, predicted peak) from the first step's measurements (or
-    their static prediction: training/plan.py). `parked_bytes` = the parked Qwen3's weights (0: nothing parks).
-    Qwen3 goes on the GPU if the all-checkpointed step fits beside it; then the blocks share what is left."""
-    def plus(value):
-        return None if value is None else value + parked_bytes
+                expandable: bool, parked_bytes: int, backward_peak: int | None = None,
+                in_graph: bool = False) -> tuple[bool, int, int, bool]:
+    """(Qwen3 resident, blocks that keep their activations, predicted peak, recompute inside the compiled graph)
+    from the first step's measurements (or their static prediction: training/plan.py). `parked_bytes` = the parked
+    Qwen3's weights (0: nothing parks); `in_graph` = recompute = "graph" is on.
 
-    resident = parked_bytes > 0 and recompute.fits(
-        peak=peak + parked_bytes, steady=steady + parked_bytes, scale=scale, budget=budget, expandable=expandable,
-        start=plus(start), backward_peak=plus(backward_peak))
+    The in-graph recompute first: it is kept if every block recomputing that way fits (else the blocks recompute
+    whole: that fits where it does not). Then Qwen3 goes on the GPU if that all-recomputed step fits beside it; then
+    the blocks share what is left."""
+    def plus(value, add=parked_bytes):
+        return None if value is None else value + add
+
+    def fits(add: int, extra: int) -> bool:
+        return recompute.fits(peak=peak + add, steady=steady + add, scale=scale, budget=budget,
+                              expandable=expandable, start=plus(start, add),
+                              backward_peak=plus(backward_peak, add), extra=extra)
+
+    extra = recompute.in_graph_extra(max(int(act * scale), 1))
+    in_graph = in_graph and fits(0, extra)
+    resident = parked_bytes > 0 and fits(parked_bytes, extra if in_graph else 0)
     if resident:
         steady, peak, start, backward_peak = steady + parked_bytes, peak + parked_bytes, plus(start), plus(backward_peak)
     keep, predicted = recompute.plan_unchecked(n_blocks=n_blocks, act=act, peak=peak, steady=steady, scale=scale,
                                                budget=budget, expandable=expandable, start=start,
-                                               backward_peak=backward_peak)
-    return resident, keep, predicted
+                                               backward_peak=backward_peak, in_graph=in_graph)
+    return resident, keep, predicted, in_graph
 
 
 def alloc_retries(device) -> int:

@@ -63,10 +63,14 @@ NOT_AVAILABLE = "not available in this version"
 
 # Measured s/image of our trainer on one H200 (compiled, 1024x1024, LoRA r32, cached latents), the "auto" plan under
 # a cap: (batch, blocks recomputed, s/image, where). tests/test_plan.py reads the same figures from the logs.
-H200_SPEED = (
-    (2, 26, 0.1808, "8 GiB cap, bench/results/caps_2026-12-02b/A1"),
-    (4, 26, 0.1411, "12 GiB cap, bench/results/caps_2026-12-02b/B1"),
-    (8, 24, 0.1340, "24 GiB cap, bench/results/caps_2026-12-02b/B3"),
+H200_SPEED = (  # batch, blocks recomputed, recompute = "graph", s/image, where
+    (2, 26, False, 0.1808, "8 GiB cap, bench/results/caps_2026-12-02b/A1"),
+    (4, 26, False, 0.1411, "12 GiB cap, bench/results/caps_2026-12-02b/B1"),
+    (8, 24, False, 0.1340, "24 GiB cap, bench/results/caps_2026-12-02b/B3"),
+    (2, 27, True, 0.1538, "8 GiB cap, bench/results/recompute_graph_2026-12-04/C2"),
+    (4, 27, True, 0.1335, "12 GiB cap, bench/results/recompute_graph_2026-12-04/A2"),
+    (8, 27, True, 0.1286, "16 GiB cap, bench/results/recompute_graph_2026-12-04/B2"),
+    (8, 25, True, 0.1269, "24 GiB cap, bench/results/recompute_graph_2026-12-04/B1"),
 )
 
 
@@ -99,6 +103,7 @@ class Plan:
     auto: bool  # checkpoint_blocks = "auto" (else the config fixed the count)
     expandable: bool
     swap_fix: int | None = None  # does not fit: the fewest swap_blocks with which it would (an adapter), if any
+    in_graph: bool = False  # recompute = "graph" (and compiled): the recomputed blocks recompute inside the graph
 
 
 def lora_parameters(rank: int) -> int:
@@ -186,16 +191,22 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
     setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, N_BLOCKS,
                                       torch.device("cuda"))
     usable = budget - recompute.margin(budget, expandable)
+    # recompute = "graph" needs compiled blocks: "auto" compiles on CUDA (plans are for CUDA) a long run
+    in_graph = cfg.train.recompute == "graph" and cfg.train.compile != "off" and cfg.train.compile_regional
     if setting is None:
-        resident, keep, predicted = memory.decide_plan(  # the swapped blocks always recompute: they never keep
+        resident, keep, predicted, in_graph = memory.decide_plan(  # the swapped blocks always recompute whole
             n_blocks=N_BLOCKS - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,
-            start=inputs.start, scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3)
+            start=inputs.start, scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3,
+            in_graph=in_graph)
     else:  # a fixed count: the runtime makes no plan and Qwen3 stays parked
         resident, keep = False, min(N_BLOCKS - setting, N_BLOCKS - inputs.swapped)
         base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
+        in_graph = in_graph and keep < N_BLOCKS - inputs.swapped
+        base += recompute.in_graph_extra(inputs.act) if in_graph else 0
         predicted = recompute.predicted_peak(base, inputs.act, keep)
     plan = Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
-                predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable)
+                predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable,
+                in_graph=in_graph and keep < N_BLOCKS - inputs.swapped)
     if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
         for count in range(inputs.swapped + 1, N_BLOCKS + 1):
             trial = copy.deepcopy(cfg)
@@ -213,10 +224,12 @@ def step_time_class(plan: Plan) -> str:
         kind = "all blocks recompute (slowest: about a third more compute per step)"
     else:
         kind = f"partial: {plan.recomputed} of {plan.n_blocks} blocks recompute"
-    batch, recomputed, s_per_image, where = min(
-        H200_SPEED, key=lambda row: (abs(row[0] - plan.inputs.batch), abs(row[1] - plan.recomputed)))
-    return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of 28 recomputed, {s_per_image:.4f} "
-            f"s/image ({where}; an H200, not your card)")
+    batch, recomputed, in_graph, s_per_image, where = min(
+        H200_SPEED, key=lambda row: (row[2] != plan.in_graph, abs(row[0] - plan.inputs.batch),
+                                     abs(row[1] - plan.recomputed)))
+    return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of 28 recomputed"
+            f"{' in the compiled graph' if in_graph else ''}, {s_per_image:.4f} s/image ({where}; an H200, not your "
+            "card)")
 
 
 def render(plan: Plan, cfg_name: str) -> str:
@@ -236,9 +249,13 @@ def render(plan: Plan, cfg_name: str) -> str:
     for index in range(plan.n_blocks):
         kept = index >= plan.recomputed  # the first blocks recompute, the last ones keep (recompute.set_recomputed)
         weights = "swapped" if index < i.swapped else "resident"
-        lines.append(f"  {index:>5}   {'kept' if kept else 'recomputed in backward':<28} {'-':<11} {'-':<19} {weights}")
+        how = "kept" if kept else ("recomputed in compiled graph" if plan.in_graph and index >= i.swapped
+                                   else "recomputed in backward")
+        lines.append(f"  {index:>5}   {how:<28} {'-':<11} {'-':<19} {weights}")
     lines += [
-        f"  summary: {plan.recomputed} of {plan.n_blocks} blocks recompute, {keep} keep their activations",
+        f"  summary: {plan.recomputed} of {plan.n_blocks} blocks recompute, {keep} keep their activations"
+        + (" (recompute = \"graph\": inside the compiled backward" + (", the swapped ones whole)" if i.swapped else ")")
+           if plan.in_graph else ""),
         f"  offload / selective saving: {NOT_AVAILABLE}",
         "  weights: " + (f"{i.swapped} blocks swapped ({i.host_bytes / gib:.2f} GiB in host memory, copied to the GPU "
                          "one block at a time)" if i.swapped else "all on the GPU ([train] swap_blocks = 0)"),

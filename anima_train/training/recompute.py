@@ -12,16 +12,30 @@ checkpoints all 28 blocks or none. Here `train.checkpoint_blocks` picks how many
   peak and the steady memory after the step (weights, gradients' end state, optimizer state). From then on
   `plan_unchecked` decides. Off CUDA, "all".
 
-Which blocks recompute never changes the numbers: a recomputed forward is the same computation (the same compiled
-graph, when compiled), so losses and weights are identical to the all-checkpointed run and resume stays bit-exact.
+How a block recomputes is `train.recompute`:
+
+- "block" (torch.utils.checkpoint): the backward re-runs the block's whole forward, the same compiled graph when
+  compiled. Which blocks recompute never changes the numbers: losses and weights are identical to the
+  all-checkpointed run, and resume stays bit-exact.
+- "graph" (the default; compiled runs): the block runs through a second compiled graph of it, partitioned with
+  torch.compile's `activation_memory_budget` = 0, whose backward recomputes inside itself only what the gradients
+  need, fused with the backward kernels, instead of torch.utils.checkpoint re-running every kernel of the forward
+  through Python. On an H200 under 8 GiB (LoRA r32 b2, 1024x1024, one call) the step ran 0.1538 s/image against
+  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (IN_GRAPH_EXTRA),
+  and it is not exact: that graph's forward fuses differently from the kept blocks' graph, so the bf16 roundings
+  move with the plan (the losses by up to 0.0012 over those 12 steps). Swapped blocks (training/weight_swap.py)
+  and the first, measured step of "auto" still use torch.utils.checkpoint. Eager runs and a whole-trunk compile
+  (compile_regional = false) have no compiled block to swap in: there "graph" is "block".
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config as functorch_config
 from torch.utils.checkpoint import checkpoint
 
 GIB = 2**30
@@ -32,6 +46,11 @@ MARGIN_BYTES = 1 * GIB
 # 8 and 12 GiB caps; fixed segments: 1.25 GiB): a smaller margin holds.
 EXPANDABLE_MARGIN_FRACTION = 0.05
 EXPANDABLE_MARGIN_BYTES = GIB // 2
+# recompute = "graph": what its backward holds while it recomputes beyond whole-block recompute, in blocks'
+# activations (H200, LoRA r32, every block or all but one recomputed: +0.27 GiB at b2 for 0.706 per block, +0.63 at
+# b4 for 1.41, caps_2026-12-02b C1 and C2; +1.14 at b8 for 2.82, recompute_graph_2026-12-04 B2). Charged on top of
+# the kept blocks', which it need not be: their backward frees theirs before the in-graph blocks' runs (B1).
+IN_GRAPH_EXTRA = 0.5
 
 
 def margin(budget: int, expandable: bool) -> int:
@@ -72,13 +91,16 @@ class BlockCheckpointing:
     measure: Measure | None = None
     retries: int | None = None  # the allocator's retry count when the auto plan was made (then watched)
     floor: int = 0  # blocks that recompute whatever the plan says (the swapped ones: training/weight_swap.py)
+    in_graph: Callable | None = None  # recompute = "graph": in_graph_recompute(); None = torch.utils.checkpoint
 
     def __call__(self, block, *args):
         if id(block) not in self.recompute:
             return block(*args)
-        if self.measure is None:
-            return checkpoint(block.__call__, *args, use_reentrant=False)
-        return checkpoint(self._measured(block), *args, use_reentrant=False)
+        if self.measure is not None:
+            return checkpoint(self._measured(block), *args, use_reentrant=False)
+        if self.in_graph is not None and block not in self.blocks[:self.floor]:
+            return self.in_graph(block, *args)
+        return checkpoint(block.__call__, *args, use_reentrant=False)
 
     def _measured(self, block):
         # Runs outside the compiled region (checkpoint calls it eagerly, in forward and again in backward). In the
@@ -103,6 +125,26 @@ class BlockCheckpointing:
     @property
     def recomputed(self) -> int:
         return sum(id(b) in self.recompute for b in self.blocks)
+
+
+def _block_forward(block, *args):
+    # not block(): its own compiled call would nest a compile in this one (and a block's hooks would run: only a
+    # swapped block has any, and it never comes here)
+    return block.forward(*args)
+
+
+def in_graph_recompute(mode: str, dynamic: bool | None) -> Callable:
+    """recompute = "graph": a function (block, *args) -> block's output through a compiled graph of the block that
+    saves nothing but its inputs for the backward and recomputes the rest inside the backward graph. One graph
+    serves every block (their parameters are its inputs); the budget is read when the graph is partitioned, on
+    its first call and on each recompile."""
+    compiled = torch.compile(_block_forward, mode=mode, dynamic=dynamic)
+
+    def run(block, *args):
+        with functorch_config.patch(activation_memory_budget=0.0):
+            return compiled(block, *args)
+
+    return run
 
 
 def parse_setting(gradient_checkpointing: bool, checkpoint_blocks: int | str, n_blocks: int,
@@ -152,9 +194,14 @@ def step_base(*, start: int | None, peak: int, steady: int, scale: float, backwa
     return max(steady + int(max(backward_peak - start, 0) * scale), peak)
 
 
+def in_graph_extra(per_block: int) -> int:
+    """recompute = "graph": bytes its recomputing backward holds at the step's peak beyond whole-block recompute."""
+    return int(IN_GRAPH_EXTRA * per_block)
+
+
 def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: float, budget: int,
                    expandable: bool = False, start: int | None = None,
-                   backward_peak: int | None = None) -> tuple[int, int]:
+                   backward_peak: int | None = None, in_graph: bool = False) -> tuple[int, int]:
     """(blocks that may keep their activations, predicted peak in bytes) for the largest batch.
 
     The all-checkpointed peak of a later step is `step_base`; its growth and a block's activations grow linearly
@@ -162,13 +209,19 @@ def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: fl
     backward of the last block, while its recomputed activations are alive, so keeping that block's activations
     (the kept blocks are the last ones) adds nothing to it; each further kept block adds its activations (all kept
     ones are alive when backward starts). Measured on an H200, 1024x1024 LoRA r32 (tests/test_checkpointing.py,
-    H200_RUNS): with the first step's growth charged, this predicts every measured peak 0.05-0.13 GiB high."""
+    H200_RUNS): with the first step's growth charged, this predicts every measured peak 0.05-0.13 GiB high.
+
+    `in_graph` (recompute = "graph"): while any block recomputes, the peak holds in_graph_extra() more; with every
+    block kept nothing recomputes, and nothing is added."""
     usable = budget - margin(budget, expandable)
     base = step_base(start=start, peak=peak, steady=steady, scale=scale, backward_peak=backward_peak)
     per_block = max(int(act * scale), 1)
     if base > usable:
         return 0, base
     keep = min(n_blocks, 1 + math.floor((usable - base) / per_block))
+    if in_graph and keep < n_blocks:
+        base += in_graph_extra(per_block)
+        keep = min(n_blocks, 1 + math.floor((usable - base) / per_block)) if base <= usable else 0
     return keep, predicted_peak(base, per_block, keep)
 
 
@@ -178,7 +231,8 @@ def predicted_peak(base: int, per_block: int, keep: int) -> int:
 
 
 def fits(*, peak: int, steady: int, scale: float, budget: int, expandable: bool = False,
-         start: int | None = None, backward_peak: int | None = None) -> bool:
-    """The all-checkpointed step at the largest batch fits under the budget (with the margin)."""
+         start: int | None = None, backward_peak: int | None = None, extra: int = 0) -> bool:
+    """The all-checkpointed step at the largest batch, plus `extra` bytes at its peak, fits under the budget (with
+    the margin)."""
     return step_base(start=start, peak=peak, steady=steady, scale=scale,
-                     backward_peak=backward_peak) <= budget - margin(budget, expandable)
+                     backward_peak=backward_peak) + extra <= budget - margin(budget, expandable)

@@ -540,10 +540,13 @@ def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, 
     compile_mode = decision.mode
     if compile_mode:
         compile_transformer(model.transformer, cfg, compile_mode)
+        if cfg.train.recompute == "graph" and cfg.train.compile_regional:  # whole-model compile: nothing to swap in
+            model.block_ckpt.in_graph = recompute.in_graph_recompute(compile_mode, cfg.train.compile_dynamic)
     n_blocks = len(model.block_ckpt.blocks)
     ckpt_text = ("auto (decided after the first step)" if model.recompute is None
                  else f"{model.block_ckpt.recomputed} of {n_blocks} blocks")  # with the swapped ones
-    say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}")
+    how = " (recompute inside the compiled graph)" if model.block_ckpt.in_graph is not None else ""
+    say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}{how}")
 
 
 def _prepare(accelerator, model: Model, optimizer, loader, scheduler):
