@@ -543,3 +543,36 @@ def test_a_compiled_run_recomputes_in_graph_by_default_and_says_so(tiny_anima, l
                   cpu=True, no_save=True)
     assert len(checkpointed) == 2 * n_blocks and len(made) == 2 * n_blocks
     assert graph.losses == pytest.approx(block.losses, abs=1e-5)
+
+
+def test_auto_plan_with_in_graph_recompute_says_so_or_falls_back_to_whole_blocks(monkeypatch):
+    """recompute = "graph" after the first step, the 24 GiB card above: the plan charges the backward graph's extra
+    half block (predicted 0.5 GiB higher than whole blocks' 21.5), says "inside the compiled graph" and keeps the
+    in-graph function; on a
+    card where only whole-block recompute fits it drops the function (the blocks recompute whole) and says that."""
+    from anima_train.training.memory import plan_checkpointing
+
+    def in_graph(block, *args):
+        return block(*args)
+
+    StrictCuda(monkeypatch, allocated=6 * GIB, peak=10 * GIB, total=36 * GIB, fraction=2 / 3)  # cap 24 GiB
+    plan = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)], in_graph=in_graph)
+    plan.set_recomputed(28)
+    plan.measure = recompute.Measure(tokens=4096 * 8, act=GIB, start=int(5.5 * GIB))
+    said = []
+    plan_checkpointing(plan, 4096 * 8, Parked(GIB), torch.device("cuda"), said.append)
+    # usable 22.08 GiB; all recomputed with Qwen3 resident 11.5, + 0.5 in the graph: 1 + 10 kept, peak 12 + 10
+    assert plan.recomputed == 17 and plan.in_graph is in_graph
+    assert said == ["checkpointing auto: 17 of 28 blocks recompute inside the compiled graph (a block keeps 1.00 GiB "
+                    "at the largest batch; predicted peak 22.0 of 24.0 GiB); Qwen3 stays on the GPU"]
+
+    # all recomputed, Qwen3 parked: 6 + (20.8 - 5.5) = 21.3 GiB fits 22.08 whole, not with the graph's 0.5 + 0.5
+    StrictCuda(monkeypatch, allocated=6 * GIB, peak=int(20.8 * GIB), total=36 * GIB, fraction=2 / 3)
+    plan = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)], in_graph=in_graph)
+    plan.set_recomputed(28)
+    plan.measure = recompute.Measure(tokens=4096 * 8, act=2 * GIB, start=int(5.5 * GIB))
+    said = []
+    plan_checkpointing(plan, 4096 * 8, Parked(GIB), torch.device("cuda"), said.append)
+    assert plan.recomputed == 27 and plan.in_graph is None
+    assert said == ['checkpointing auto: 27 of 28 blocks recompute whole (recompute = "graph" would not fit) (a '
+                    "block keeps 2.00 GiB at the largest batch; predicted peak 21.3 of 24.0 GiB)"]
