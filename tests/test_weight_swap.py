@@ -124,6 +124,17 @@ def test_swap_blocks_refused_where_it_cannot_work(tiny_anima, latents_dir, tmp_p
     assert "[train] swap_blocks = 4" in text and key_text in text and text.count("swap_blocks = 4") == 1
 
 
+def test_swap_blocks_and_a_whole_trunk_compile_are_refused_but_not_without_compiling(tiny_anima, latents_dir,
+                                                                                      tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, gradient_checkpointing="true", swap_blocks=4,
+                 compile_regional="false")
+    assert "compile_regional = false compiles the whole trunk; set compile_regional = true" in str(exc.value)
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, gradient_checkpointing="true", swap_blocks=4,
+                   compile_regional="false", compile='"off"')  # nothing compiles: nothing to refuse
+    assert cfg.train.swap_blocks == 4
+
+
 def test_swap_blocks_needs_checkpointing(tiny_anima, latents_dir, tmp_path):
     with pytest.raises(ConfigError) as exc:
         make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, gradient_checkpointing="false", swap_blocks=4)

@@ -89,9 +89,9 @@ def _swap_blocks(cfg, p: Problems, ctx, w) -> None:
     elif not t.gradient_checkpointing:
         p.error(f"{head}: a swapped block recomputes in backward, but gradient_checkpointing = false; set "
                 "gradient_checkpointing = true or swap_blocks = 0", "train.swap_blocks")
-    elif not t.compile_regional:
+    elif not t.compile_regional and t.compile != "off":  # eager: nothing compiles, the swap runs around each block
         p.error(f"{head}: the swap runs between compiled blocks, but compile_regional = false compiles the whole "
-                "trunk; set compile_regional = true or swap_blocks = 0", "train.swap_blocks")
+                "trunk; set compile_regional = true, compile = \"off\" or swap_blocks = 0", "train.swap_blocks")
 
 
 def _batch_size(t, p: Problems, ctx, w) -> None:
