@@ -21,7 +21,7 @@ import argparse
 import json
 
 import torch
-import torch._inductor.config
+import torch._dynamo
 
 from anima_train.training import adamw_kahan
 from anima_train.training.adamw_kahan import AdamWKahan

@@ -191,8 +191,8 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
     setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, N_BLOCKS,
                                       torch.device("cuda"))
     usable = budget - recompute.margin(budget, expandable)
-    # recompute = "graph" needs compiled blocks: "auto" compiles on CUDA (plans are for CUDA) a long run
-    in_graph = cfg.train.recompute == "graph" and cfg.train.compile != "off" and cfg.train.compile_regional
+    # "auto" compiles a long run on CUDA, which plans are for
+    in_graph = recompute.in_graph_applies(cfg.train, compiled=cfg.train.compile != "off")
     if setting is None:
         resident, keep, predicted, in_graph = memory.decide_plan(  # the swapped blocks always recompute whole
             n_blocks=N_BLOCKS - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,

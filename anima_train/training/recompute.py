@@ -127,6 +127,12 @@ class BlockCheckpointing:
         return sum(id(b) in self.recompute for b in self.blocks)
 
 
+def in_graph_applies(train, compiled: bool) -> bool:
+    """recompute = "graph" takes effect: the run compiles (`compiled`) its blocks one by one (compile_regional);
+    eager runs and a whole-trunk compile have no compiled block to swap in and recompute whole blocks."""
+    return train.recompute == "graph" and compiled and train.compile_regional
+
+
 def _block_forward(block, *args):
     # not block(): its own compiled call would nest a compile in this one (and a block's hooks would run: only a
     # swapped block has any, and it never comes here)

@@ -540,7 +540,7 @@ def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, 
     compile_mode = decision.mode
     if compile_mode:
         compile_transformer(model.transformer, cfg, compile_mode)
-        if cfg.train.recompute == "graph" and cfg.train.compile_regional:  # whole-model compile: nothing to swap in
+        if recompute.in_graph_applies(cfg.train, compiled=True):
             model.block_ckpt.in_graph = recompute.in_graph_recompute(compile_mode, cfg.train.compile_dynamic)
     n_blocks = len(model.block_ckpt.blocks)
     ckpt_text = ("auto (decided after the first step)" if model.recompute is None
