@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -142,7 +143,8 @@ def prepare_images(work: Path) -> Path:
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
                     checkpoint_blocks: str | None = None, previews: int = 0,
-                    preview_steps: int = 20, swap_blocks: int = 0, recompute: str | None = None) -> tuple[str, str]:
+                    preview_steps: int = 20, swap_blocks: int = 0, recompute: str | None = None,
+                    base_matmul: str | None = None) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
     kind, batch = parse_run(name)
@@ -152,7 +154,7 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
     label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
                                                                        if checkpoint_blocks else "") \
         + (f"_previews{previews}" if previews else "") + (f"_swap{swap_blocks}" if swap_blocks else "") \
-        + (f"_recompute-{recompute}" if recompute else "")
+        + (f"_recompute-{recompute}" if recompute else "") + (f"_base-{base_matmul}" if base_matmul else "")
     extra = KINDS[kind]
     if previews:
         extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
@@ -176,6 +178,7 @@ skip_final_save = true
 compile = "{compile_mode}"
 swap_blocks = {swap_blocks}
 {f'recompute = "{recompute}"' if recompute else ''}
+{f'base_matmul = "{base_matmul}"' if base_matmul else ''}
 [dataset]
 path = "{data}"
 resolution = {resolution}
@@ -185,7 +188,8 @@ resolution = {resolution}
 
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
-          preview_steps: int = 20, recompute: str | None = None) -> dict:
+          preview_steps: int = 20, recompute: str | None = None, base_matmul: str | None = None,
+          save_adapter: Path | None = None) -> dict:
     name, own_blocks, swap = split_name(name)  # lora_b2:all@11: checkpoint_blocks = "all", swap_blocks = 11
     checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
@@ -193,7 +197,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
         data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
                                   previews=previews, preview_steps=preview_steps, swap_blocks=swap,
-                                  recompute=recompute)
+                                  recompute=recompute, base_matmul=base_matmul)
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = load_config(text)
@@ -220,6 +224,11 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4),
                losses=[round(loss, 4) for loss in result.losses],
                **allocator_stats())
+    if save_adapter is not None:  # the trained tensors, for an A/B of two runs (bench/compare_adapters.py)
+        save_adapter.mkdir(parents=True, exist_ok=True)
+        save_file({n: p.detach().float().cpu().contiguous() for n, p in result.components.transformer.named_parameters()
+                   if p.requires_grad}, str(save_adapter / f"{label}.safetensors"))
+        rec["adapter_file"] = str(save_adapter / f"{label}.safetensors")
     rounds = [r for r in stamps if r["event"] == "samples"]
     if rounds:
         rec.update(preview_rounds=len(rounds), preview_s=[r["seconds"] for r in rounds],
@@ -375,6 +384,10 @@ def main() -> int:
     ap.add_argument("--recompute", default=None, choices=("block", "graph"),
                     help="our train.recompute (default: the config's default): block = torch.utils.checkpoint, "
                          "graph = inside the compiled backward")
+    ap.add_argument("--base-matmul", default=None, choices=("bf16", "fp8"),
+                    help="our train.base_matmul (default: the config's default, bf16)")
+    ap.add_argument("--save-adapter", default=None, metavar="DIR",
+                    help="write each of our runs' trained tensors to DIR/<run>.safetensors (for an A/B)")
     ap.add_argument("--cap-gib", type=float, default=None, help="cap every process's CUDA memory to this many GiB")
     ap.add_argument("--baseline", default=None, help="gpu_baseline.py: run it in this call (same steps and cap)")
     ap.add_argument("--seed-bench", default=None, help="seed_bench.py: run the seed in this call (needs --seed-tar)")
@@ -410,7 +423,8 @@ def main() -> int:
         for attempt in range(2 if args.twice else 1):
             try:
                 ours.append(bench(name, repo, data, work, args.steps, args.compile, args.checkpoint_blocks,
-                                  args.cap_gib, args.previews, args.preview_steps, args.recompute))
+                                  args.cap_gib, args.previews, args.preview_steps, args.recompute,
+                                  args.base_matmul, Path(args.save_adapter) if args.save_adapter else None))
             except Exception as exc:  # report and go on with the next configuration
                 print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
                 torch.cuda.empty_cache()

@@ -94,6 +94,23 @@ def _swap_blocks(cfg, p: Problems, ctx, w) -> None:
                 "trunk; set compile_regional = true, compile = \"off\" or swap_blocks = 0", "train.swap_blocks")
 
 
+def _base_matmul(cfg, p: Problems, ctx, w) -> None:
+    t = cfg.train
+    if t.base_matmul == "bf16" or not p.ok("train.base_matmul", "adapter.kind", "quant.mode", "train.dtype"):
+        return
+    head = f"[train] base_matmul = {as_toml(t.base_matmul)}"
+    if adapters.method(cfg.adapter.kind).trains_base:
+        p.error(f"{head} multiplies frozen weights in FP8, but [adapter] kind = \"none\" trains them all (full "
+                "finetune); set base_matmul = \"bf16\", or train an adapter (e.g. kind = \"lora\")",
+                "train.base_matmul")
+    elif cfg.quant.mode != "none":
+        p.error(f"{head} and [quant] mode = {as_toml(cfg.quant.mode)} both quantize the base; choose one: "
+                "base_matmul = \"bf16\" or [quant] mode = \"none\"", "train.base_matmul")
+    elif t.dtype != "bfloat16":
+        p.error(f"{head}: the FP8 GEMMs write bfloat16, but [train] dtype = {as_toml(t.dtype)}; set dtype = "
+                "\"bfloat16\" or base_matmul = \"bf16\"", "train.base_matmul")
+
+
 def _batch_size(t, p: Problems, ctx, w) -> None:
     bs = t.batch_size
     if isinstance(bs, dict) and p.ok("train.batch_size"):
@@ -464,6 +481,7 @@ RULES = [
     ("dataset", _tiers),
     ("train", _checkpoint_blocks),
     ("", _swap_blocks),
+    ("", _base_matmul),
     ("train", _batch_size),
     ("", _batch_size_tiers),
     ("dataset", _sources),

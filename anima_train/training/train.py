@@ -35,6 +35,7 @@ from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.data.batches import EpochKeys, settings_not_followed, steps_per_epoch
 from anima_train.data.dataset import build_training_data, collate, encode_latents
 from anima_train.data.texture import check_batch_phase, refuse_multi_process
+from anima_train.model import fp8_base
 from anima_train.model.components import DTYPES, load_components
 from anima_train.model.prompts import encode_prompts
 from anima_train.model.quant import dit_tokens, quantize_models
@@ -392,6 +393,8 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     # a model, dataset, output folder or resume that cannot work must fail before minutes of model loading (a resume:
     # its state.json, the adapter it was trained with, and no newer state of its run that it would overwrite)
     preflight.check_run_paths(cfg, saving=not no_save)
+    if cfg.train.base_matmul == "fp8" and (why := fp8_base.fp8_available(accelerator.device)):
+        raise errors.UserError(f'[train] base_matmul = "fp8": {why}; set base_matmul = "bf16"')
     state_dir = resume_state.resolve_resume(cfg.train.resume_from) if cfg.train.resume_from else None
     if state_dir is not None and not dry_run:
         resume_state.refuse_finished(state_dir, cfg.train.max_steps, cfg.train.epochs)
@@ -465,6 +468,10 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
             say(line)
     inject_adapters(transformer, conditioner, text_encoder, cfg)
     blocks = list(transformer.transformer_blocks)
+    if cfg.train.base_matmul == "fp8":  # after the adapters (they wrap the frozen Linears), before swap and compile
+        converted = fp8_base.convert_blocks(blocks)
+        say(f"base     {converted} frozen Linears of the DiT blocks multiply in FP8 (e4m3, per-channel scales; "
+            f"[train] base_matmul = \"fp8\")")
     swap = None
     if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
         swap = WeightSwap(blocks[:cfg.train.swap_blocks], device)
