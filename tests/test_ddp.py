@@ -115,3 +115,25 @@ def test_two_processes_with_swapped_blocks_keep_identical_adapters(tiny_anima, t
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["steps"] == r1["steps"] == 2
     assert r0["digest"] == r1["digest"] and r0["losses"] == r1["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base", ["bf16", "fp8"])
+def test_two_processes_in_bf16_keep_identical_adapters(base, tiny_anima, tmp_path):
+    """dtype = "bfloat16" (the default) under DDP: the fp32 masters are made before DDP broadcasts rank 0's
+    parameters, so each rank must build the same adapter; they did not (the ranks seeded peft's initialisation with
+    seed + rank), and the ranks' LoRA weights differed after one step while every float32 test passed.
+    base_matmul = "fp8": the FP8 copies are buffers, which DDP would broadcast at start-up (gloo has no float8 type:
+    "Invalid scalar type") and before every forward."""
+    data = tmp_path / "data"
+    make_synthetic_latents(data, n=8, seed=3)
+    cfg = tmp_path / "bf16.toml"
+    text = small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out", train="max_steps = 2\nbatch_size = 2\n"
+                          f'base_matmul = "{base}"', tables='[optimizer]\nlr = 1e-2\n')
+    cfg.write_text(text.replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    out = torchrun([ROOT / "tests" / "ddp_worker.py", cfg, tmp_path, "save"], cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert ("multiply in FP8" in out.stdout + out.stderr) == (base == "fp8")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["steps"] == r1["steps"] == 2
+    assert r0["digest"] == r1["digest"] and r0["losses"] == r1["losses"]

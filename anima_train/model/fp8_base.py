@@ -140,3 +140,15 @@ def convert_blocks(blocks: list[torch.nn.Module]) -> int:
             setattr(parent, child, Fp8FrozenLinear(module))
             converted += 1
     return converted
+
+
+def keep_out_of_ddp(model: torch.nn.Module) -> int:
+    """Tell DDP to leave the FP8 layers' buffers alone (returns how many): every rank loads the same weights and
+    quantizes them the same way, so there is nothing to synchronise, and DDP would otherwise broadcast them from rank 0
+    when it wraps the model (gloo has no float8 type: "Invalid scalar type") and again before every forward
+    (broadcast_buffers: the whole frozen base, every step)."""
+    names = [name for name, _ in model.named_buffers()
+             if isinstance(model.get_submodule(name.rpartition(".")[0]), Fp8FrozenLinear)]
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())) | set(names)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
+    return len(names)

@@ -162,10 +162,14 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     total = 1 if dry_run else _total_steps(cfg, per_epoch)
     compiling = _decide_compile(cfg, device, total, progress)  # before the model loads: a refusal costs nothing
     progress.event("status", message="loading model")
-    gens = _seed(cfg.train.seed + rank, device)
     if use_expandable_segments(device):  # before the weights load: they are the first segments
         say("speed    CUDA allocator: expandable segments")
+    # Every rank builds the same adapters (peft's initialisation draws from the global RNG): DDP broadcasts rank 0's
+    # parameters when it wraps the model, but the fp32 masters are made from each rank's own before that, and a
+    # bf16 run on two GPUs trained a different adapter on each rank (tests/test_ddp.py). Then each rank its own seed.
+    torch.manual_seed(cfg.train.seed)
     model = _build_model(cfg, data, device, dtype, say)
+    gens = _seed(cfg.train.seed + rank, device)
 
     optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer,
                                            compiled=compiling.mode is not None and device.type == "cuda")
@@ -470,6 +474,7 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
     blocks = list(transformer.transformer_blocks)
     if cfg.train.base_matmul == "fp8":  # after the adapters (they wrap the frozen Linears), before swap and compile
         converted = fp8_base.convert_blocks(blocks)
+        fp8_base.keep_out_of_ddp(transformer)
         say(f"base     {converted} frozen Linears of the DiT blocks multiply in FP8 (e4m3, per-channel scales; "
             f"[train] base_matmul = \"fp8\")")
     swap = None
