@@ -35,7 +35,8 @@ def main() -> int:
     b = torch.cat([second[n] for n in names])
     per_layer = {n: torch.nn.functional.cosine_similarity(first[n], second[n], dim=0).item() for n in names}
     worst = min(per_layer, key=per_layer.get)
-    print(json.dumps({"layers": len(names), "cosine": round(torch.nn.functional.cosine_similarity(a, b, dim=0).item(), 5),
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    print(json.dumps({"layers": len(names), "cosine": round(cosine, 5),
                       "lowest_layer_cosine": round(per_layer[worst], 5), "lowest_layer": worst,
                       "norm_a": round(a.norm().item(), 6), "norm_b": round(b.norm().item(), 6),
                       "norm_rel_diff": round(abs(a.norm().item() - b.norm().item()) / a.norm().item(), 5)}))

@@ -101,8 +101,9 @@ def _tiny_run(tiny_anima, latents_dir, out, extra="", **keys):
 
 def test_an_fp8_base_trains_the_lora_the_bf16_base_trains(tiny_anima, latents_dir, tmp_path):
     """The tiny model's LoRA on an FP8 base against the same run on its bf16 base: the frozen block Linears but
-    the adaLN and the cross-attention's key and value multiplied in FP8; losses within 2 %, the learned update pointing the same way (cosine > 0.95),
-    and the LoRA file the same file (keys, shapes, dtypes): nothing of the FP8 base leaks into what ComfyUI loads."""
+    the adaLN and the cross-attention's key and value multiplied in FP8; losses within 2 %, the learned update
+    pointing the same way (cosine > 0.95), and the LoRA file the same file (keys, shapes, dtypes): nothing of the
+    FP8 base leaks into what ComfyUI loads."""
     runs = {m: _tiny_run(tiny_anima, latents_dir, tmp_path / m, base_matmul=f'"{m}"') for m in ("bf16", "fp8")}
     blocks = runs["fp8"].components.transformer.transformer_blocks
     fp8_layers = {n for n, m in blocks.named_modules() if isinstance(m, Fp8FrozenLinear)}
