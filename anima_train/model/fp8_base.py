@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)  # 448 (quantize_rows writes it as a literal: see there)
 ALIGN = 16  # the FP8 GEMM's size multiple (in and out features)
 # Linears left in bf16, by their name in the block (a peft layer's ".base_layer" dropped): the adaLN modulation
 # (one row per sample) and the cross-attention's key and value, which read the text (512 rows per sample): on an H200
@@ -43,8 +42,9 @@ SKIPPED = ("norm1.", "norm2.", "norm3.", "attn2.to_k", "attn2.to_v")
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D tensor in E4M3 with one fp32 scale per row: (fp8 [R, C], scale [R, 1]); t ≈ fp8 · scale."""
-    # 448.0 = E4M3_MAX spelled as a literal: a module-level float read inside the autograd.Function under
-    # torch.compile(dynamic=True) becomes a symbolic input that Dynamo cannot lift into the Function's graph
+    # 448.0 = torch.finfo(float8_e4m3fn).max, spelled as a literal: a module-level float read inside the
+    # autograd.Function under torch.compile(dynamic=True) becomes a symbolic input that Dynamo cannot lift into the
+    # Function's graph
     # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer", torch 2.14)
     amax = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
     scale = amax / 448.0
@@ -85,7 +85,6 @@ class Fp8FrozenLinear(torch.nn.Module):
         self.register_buffer("weight_t_fp8", wt)
         self.register_buffer("weight_t_scale", wt_scale.reshape(1, -1).contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.dtype = weight.dtype
         # shape and dtype only (peft's LoKr and LoHa reshape their update to base_layer.weight.shape): a meta
         # tensor, so that anything computing with the bf16 weight fails loudly instead of finding it gone
         self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
@@ -100,7 +99,7 @@ class Fp8FrozenLinear(torch.nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight the forward multiplies with, in the layer's dtype (tests, diagnostics)."""
-        return (self.weight_fp8.float() * self.weight_scale.t()).to(self.dtype)
+        return (self.weight_fp8.float() * self.weight_scale.t()).to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 (e4m3, per-channel scales)"
