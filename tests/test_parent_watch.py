@@ -131,3 +131,42 @@ def test_the_watch_notices_its_parent_end_with_and_without_the_death_signal(tmp_
     time.sleep(1.0)  # the child is up and watching
     gone_after = _kill_parent_and_time_the_worker(parent, child_pid, limit=3.0)
     assert gone_after < 3.0
+
+
+
+# A death signal arriving at each line the handler runs (how far a nested call goes: 3 levels), in the main thread
+# as a real one would be handled: the handler is called again from a trace function, as Python calls a handler
+# between any two lines of the code it interrupted — including the handler's own.
+REENTER = textwrap.dedent(r'''
+    import os, signal, sys
+    from anima_train.system import parent_watch
+    parent_watch.start(os.getppid())
+    handler = signal.getsignal(signal.SIGUSR1)
+    depth = 0
+    def on_line(frame, event, arg):
+        global depth
+        if event == "line" and depth < 3:
+            depth += 1
+            try:
+                handler(signal.SIGUSR1, frame)
+            finally:
+                depth -= 1
+        return on_line
+    sys.settrace(lambda frame, event, arg: on_line)
+    handler(signal.SIGUSR1, None)
+    sys.settrace(None)
+    print("returned", flush=True)
+''')
+
+
+def test_a_death_signal_during_the_handler_does_not_hang_the_worker():
+    """ComfyUI runs many threads. When it dies, the kernel re-parents the worker once per exiting thread and sends
+    the death signal each time: the signals come in bursts, and Python runs a handler again when a signal arrives
+    while it runs. The handler set a threading.Event; called again inside Event.set, it waited for the lock the
+    interrupted call held: the main thread and the watch thread deadlocked, and the worker outlived ComfyUI for good
+    (the CI's "the worker outlived ComfyUI by 15.0 s" under load; a stack dump showed the nested Event.set)."""
+    try:
+        run = subprocess.run([sys.executable, "-c", REENTER], env=_env(), capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the handler, called again while it ran, hung (a deadlock) for 30 s")
+    assert run.returncode == 0 and "returned" in run.stdout, run.stderr[-2000:]

@@ -22,6 +22,7 @@ Every line it prints goes to stderr, which the node points at the run's worker l
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import threading
@@ -42,7 +43,6 @@ _PR_SET_PDEATHSIG = 1
 _DEATH_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 _gone = threading.Event()  # the parent is gone: the loop stops at its next step
-_wake = threading.Event()  # a death signal arrived: check now instead of at the next poll
 _saving = threading.Event()  # the training loop will see _gone and save before exiting
 _watch: "Watch | None" = None
 
@@ -116,9 +116,17 @@ class Watch:
         self.ppid = os.getppid()  # our direct parent: the parent itself, or accelerate's launcher under DDP
         self.windows_parent = _WindowsProcess(parent_pid) if IS_WINDOWS else None
         self.death_signal = False
+        self.wake_r = self.wake_w = None
         # signal handlers can only be installed from the main thread (where `python -m anima_train` starts this)
         if death_signal and _DEATH_SIGNAL is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(_DEATH_SIGNAL, lambda *_: _wake.set())
+            # The handler writes a byte to a pipe the watch thread waits on, and takes no lock: a dying ComfyUI sends
+            # one death signal per thread it ends (the kernel re-parents us each time), and Python runs a handler
+            # again when a signal arrives while it runs. A handler that set a threading.Event waited, so called, for
+            # the lock its interrupted self held, and the worker hung for good (tests/test_parent_watch.py).
+            self.wake_r, self.wake_w = os.pipe()
+            os.set_blocking(self.wake_r, False)
+            os.set_blocking(self.wake_w, False)
+            signal.signal(_DEATH_SIGNAL, self._poke)
             self.death_signal = _set_death_signal()
         self.thread = threading.Thread(target=self._run, daemon=True, name="anima-train-parent-watch")
 
@@ -128,10 +136,26 @@ class Watch:
             return self.windows_parent.alive()
         return os.getppid() == self.ppid and _pid_alive(self.parent_pid)
 
+    def _poke(self, *_) -> None:
+        try:
+            os.write(self.wake_w, b"\0")
+        except OSError:  # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def _wait(self) -> None:
+        """Until a death signal arrives, or POLL_S."""
+        if self.wake_r is None:
+            time.sleep(POLL_S)
+            return
+        select.select([self.wake_r], [], [], POLL_S)
+        try:
+            os.read(self.wake_r, 4096)
+        except OSError:  # nothing to read (BlockingIOError): woken by the timeout
+            pass
+
     def _run(self) -> None:
         while self.parent_alive():
-            _wake.wait(POLL_S)
-            _wake.clear()
+            self._wait()
         self._parent_ended()
 
     def _parent_ended(self) -> None:
