@@ -125,6 +125,8 @@ def main() -> int:
     ap.add_argument("--cap-gib", type=float, default=None, help="cap this process's CUDA memory to this many GiB")
     ap.add_argument("--checkpoint-blocks", default=None, help="train.checkpoint_blocks (default: auto)")
     ap.add_argument("--compile", default=None, help="train.compile = MODE (e.g. default)")
+    ap.add_argument("--recompute", default=None, choices=("block", "graph"), help="train.recompute (default: graph)")
+    ap.add_argument("--base-matmul", default=None, choices=("bf16", "fp8"), help="train.base_matmul (default: bf16)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps recorded (the profiler's active window)")
     ap.add_argument("--wait", type=int, default=None,
                     help="steps skipped before the one warm-up step (default 3 eager, 4 compiled)")
@@ -148,11 +150,13 @@ def main() -> int:
         if not data.exists():
             make_synthetic_latents(data, n=16, latent_hw=(16, 16))  # 128x128 buckets
         label, text = run_config_text(run, repo, data, work, total, args.compile, resolution=128,
-                                      dtype="float32", num_workers=0)
+                                      dtype="float32", num_workers=0, recompute=args.recompute,
+                                      base_matmul=args.base_matmul)
     else:
         repo, data = prepare(work)
         label, text = run_config_text(run, repo, data, work, total, args.compile,
-                                      checkpoint_blocks=own_blocks or args.checkpoint_blocks, swap_blocks=swap)
+                                      checkpoint_blocks=own_blocks or args.checkpoint_blocks, swap_blocks=swap,
+                                      recompute=args.recompute, base_matmul=args.base_matmul)
         if args.cap_gib:
             torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     setup_s = round(time.perf_counter() - t0, 1)
@@ -197,8 +201,9 @@ def main() -> int:
             result = train(cfg, cpu=not cuda, no_save=True)
     finally:
         Progress.step = original_step
-    summary = dict(name=label, run=args.run, compile=args.compile, batch=parse_run(run)[1], tiny=args.tiny,
-                   torch=torch.__version__, setup_s=setup_s, train_wall_s=round(time.perf_counter() - t1, 1),
+    summary = dict(name=label, run=args.run, cap_gib=args.cap_gib, compile=args.compile, batch=parse_run(run)[1],
+                   tiny=args.tiny, torch=torch.__version__, setup_s=setup_s,
+                   train_wall_s=round(time.perf_counter() - t1, 1),
                    steps_trained=result.global_step, wait=wait,
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None, **summary)
     if "profiled_steps" not in summary:

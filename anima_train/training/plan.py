@@ -62,16 +62,25 @@ KAHAN_ADAMW_STATE_BYTES = 6  # adamw + use_kahan: bf16 moments and residual (ada
 NOT_AVAILABLE = "not available in this version"
 
 # Measured s/image of our trainer on one H200 (compiled, 1024x1024, LoRA r32, cached latents), the "auto" plan under
-# a cap: (batch, blocks recomputed, s/image, where). tests/test_plan.py reads the same figures from the logs.
-H200_SPEED = (  # batch, blocks recomputed, recompute = "graph", s/image, where
-    (2, 26, False, 0.1808, "8 GiB cap, bench/results/caps_2026-12-02b/A1"),
-    (4, 26, False, 0.1411, "12 GiB cap, bench/results/caps_2026-12-02b/B1"),
-    (8, 24, False, 0.1340, "24 GiB cap, bench/results/caps_2026-12-02b/B3"),
-    (2, 27, True, 0.1538, "8 GiB cap, bench/results/recompute_graph_2026-12-04/C2"),
-    (4, 27, True, 0.1335, "12 GiB cap, bench/results/recompute_graph_2026-12-04/A2"),
-    (8, 27, True, 0.1286, "16 GiB cap, bench/results/recompute_graph_2026-12-04/B2"),
-    (8, 25, True, 0.1269, "24 GiB cap, bench/results/recompute_graph_2026-12-04/B1"),
+# a cap: (batch, blocks recomputed, recompute = "graph", base_matmul, s/image, where). tests/test_plan.py reads the
+# same figures from the logs.
+H200_SPEED = (
+    (2, 26, False, "bf16", 0.1808, "8 GiB cap, bench/results/caps_2026-12-02b/A1"),
+    (4, 26, False, "bf16", 0.1411, "12 GiB cap, bench/results/caps_2026-12-02b/B1"),
+    (8, 24, False, "bf16", 0.1340, "24 GiB cap, bench/results/caps_2026-12-02b/B3"),
+    (2, 27, True, "bf16", 0.1538, "8 GiB cap, bench/results/recompute_graph_2026-12-04/C2"),
+    (4, 27, True, "bf16", 0.1335, "12 GiB cap, bench/results/recompute_graph_2026-12-04/A2"),
+    (8, 27, True, "bf16", 0.1286, "16 GiB cap, bench/results/recompute_graph_2026-12-04/B2"),
+    (8, 25, True, "bf16", 0.1269, "24 GiB cap, bench/results/recompute_graph_2026-12-04/B1"),
+    (8, 0, False, "fp8", 0.0904, "no cap, bench/results/fp8_base_2026-12-04/B2"),
+    (2, 27, True, "fp8", 0.1575, "8 GiB cap, bench/results/fp8_base_2026-12-04/C1"),
+    (8, 25, True, "fp8", 0.1109, "24 GiB cap, bench/results/fp8_base_2026-12-04/C2"),
 )
+# [train] base_matmul = "fp8": the frozen Linears of one DiT block that multiply in FP8 (model/fp8_base.convertible:
+# self-attention q/k/v/out, cross-attention q/out, the MLP's two; tests/test_plan.py counts them on the full-size
+# block). Their two e4m3 copies take the bytes of the bf16 weight, and the measured plans and peaks under 8 and 24
+# GiB were the bf16 base's (fp8_base_2026-12-04 C1, C2), so memory is counted as for bf16.
+FP8_LINEARS_PER_BLOCK = 8
 
 
 @dataclass
@@ -104,6 +113,7 @@ class Plan:
     expandable: bool
     swap_fix: int | None = None  # does not fit: the fewest swap_blocks with which it would (an adapter), if any
     in_graph: bool = False  # recompute = "graph" (and compiled): the recomputed blocks recompute inside the graph
+    base_matmul: str = "bf16"  # [train] base_matmul: how the frozen Linears of the blocks multiply
 
 
 def lora_parameters(rank: int) -> int:
@@ -146,6 +156,9 @@ def predict_inputs(cfg: Config) -> Inputs:
         estimate.append(f"{cfg.optimizer.kind}: optimizer state estimated")
     if cfg.train.dtype != "bfloat16":
         estimate.append(f"{cfg.train.dtype}: measured in bfloat16 only")
+    if cfg.train.base_matmul == "fp8":
+        estimate.append("base_matmul = \"fp8\": memory counted as the bf16 base's (H200: the same plans under 8 and 24 "
+                        "GiB, peaks 0.13 GiB higher and 0.24 lower)")
     tokens, batch = largest_batch(cfg)
     start = frozen + trainable * trainable_bytes
     swapped = 0 if full else min(cfg.train.swap_blocks, N_BLOCKS)
@@ -206,7 +219,7 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
         predicted = recompute.predicted_peak(base, inputs.act, keep)
     plan = Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
                 predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable,
-                in_graph=in_graph and keep < N_BLOCKS - inputs.swapped)
+                in_graph=in_graph and keep < N_BLOCKS - inputs.swapped, base_matmul=cfg.train.base_matmul)
     if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
         for count in range(inputs.swapped + 1, N_BLOCKS + 1):
             trial = copy.deepcopy(cfg)
@@ -224,12 +237,12 @@ def step_time_class(plan: Plan) -> str:
         kind = "all blocks recompute (slowest: about a third more compute per step)"
     else:
         kind = f"partial: {plan.recomputed} of {plan.n_blocks} blocks recompute"
-    batch, recomputed, in_graph, s_per_image, where = min(
-        H200_SPEED, key=lambda row: (row[2] != plan.in_graph, abs(row[0] - plan.inputs.batch),
-                                     abs(row[1] - plan.recomputed)))
+    batch, recomputed, in_graph, base, s_per_image, where = min(
+        H200_SPEED, key=lambda row: (row[3] != plan.base_matmul, row[2] != plan.in_graph,
+                                     abs(row[0] - plan.inputs.batch), abs(row[1] - plan.recomputed)))
     return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of 28 recomputed"
-            f"{' in the compiled graph' if in_graph else ''}, {s_per_image:.4f} s/image ({where}; an H200, not your "
-            "card)")
+            f"{' in the compiled graph' if in_graph else ''}{', FP8 base' if base == 'fp8' else ''}, "
+            f"{s_per_image:.4f} s/image ({where}; an H200, not your card)")
 
 
 def render(plan: Plan, cfg_name: str) -> str:
@@ -257,6 +270,9 @@ def render(plan: Plan, cfg_name: str) -> str:
         + (" (recompute = \"graph\": inside the compiled backward" + (", the swapped ones whole)" if i.swapped else ")")
            if plan.in_graph else ""),
         f"  offload / selective saving: {NOT_AVAILABLE}",
+        "  frozen base: " + (f"FP8, {FP8_LINEARS_PER_BLOCK * plan.n_blocks} Linears of the blocks (e4m3 copies, the "
+                             "bf16 weight's bytes; a GPU of compute capability 8.9 or newer)"
+                             if plan.base_matmul == "fp8" else "bf16 ([train] base_matmul = \"bf16\")"),
         "  weights: " + (f"{i.swapped} blocks swapped ({i.host_bytes / gib:.2f} GiB in host memory, copied to the GPU "
                          "one block at a time)" if i.swapped else "all on the GPU ([train] swap_blocks = 0)"),
         "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
