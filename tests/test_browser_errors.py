@@ -55,9 +55,12 @@ def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
     seen = json.loads((tmp_path / "result.json").read_text())
     assert seen["typed"] == typed, seen["typed"]  # the widget kept the number typed
 
+    assert sorted(seen["run"]["graph"]) == ["AnimaTrainConfig", "AnimaTrainTrain"], seen["run"]["graph"]
+    queued = json.dumps(seen["run"]["queued"])[-1500:]  # the server's answer, named in every message below
     # the overlay a user sees after Run: one error, its text shown (not hidden behind an (i))
-    assert "1 error found" in seen["overlay"] or "couldn't validate" in seen["overlay"], seen["overlay"][-1500:]
-    assert "errors found" not in seen["overlay"], seen["overlay"][-1500:]
+    assert "1 error found" in seen["overlay"] or "couldn't validate" in seen["overlay"], \
+        (seen["overlay"][-1500:], queued)
+    assert "errors found" not in seen["overlay"], (seen["overlay"][-1500:], queued)
     assert seen["overlay"].count(needle) == 1, seen["overlay"][-1500:]
     # the Errors panel ("View details"): one node, one error
     assert "1 node — 1 error" in seen["afterDetails"], seen["afterDetails"][-2000:]

@@ -62,8 +62,9 @@ async function main() {
         try { const r = await original(...args); queued.push({ response: r }); return r; }
         catch (e) { queued.push({ error: String(e), response: e.response ?? null }); throw e; }
       };
+      const graph = app.graph.nodes.map((n) => n.type);  // what is queued: the two nodes built above, nothing else
       try { await app.queuePrompt(0, 1); } catch (e) { queued.push({ thrown: String(e) }); }
-      return { queued, events };
+      return { queued, events, graph };
     });
     // the overlay that counts the errors ("1 error found" / "N errors found"), or what is there after waitMs
     await page.waitForFunction(() => /errors? found/.test(document.body.innerText), null,
