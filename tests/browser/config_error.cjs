@@ -17,11 +17,18 @@ async function main() {
   try {
     const page = await openPage(browser, cfg, result);
     await waitForPack(page, "AnimaTrainConfig");
-    // a new graph of the two nodes a user adds first: Training config -> Train
-    result.loaded = await page.evaluate(() => {
+    // A new blank workflow (the workflow tabs' "+"), as a user starts one. Clearing the start-up workflow's canvas
+    // instead kept that workflow's model list (ComfyUI's default graph), and the frontend's missing-model check,
+    // re-run later, added its two models to the error count: "3 errors found" (CI, under load).
+    await page.evaluate(async () => {
       document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
+      await window.comfyAPI.app.app.extensionManager.command.execute("Comfy.NewBlankWorkflow");
+    });
+    await page.waitForFunction(() => window.comfyAPI.app.app.graph?.nodes?.length === 0, null,
+      { timeout: 30000, polling: 100 });
+    // the two nodes a user adds first: Training config -> Train
+    result.loaded = await page.evaluate(() => {
       const app = window.comfyAPI.app.app;
-      app.graph.clear();
       const config = window.LiteGraph.createNode("AnimaTrainConfig");
       const train = window.LiteGraph.createNode("AnimaTrainTrain");
       config.pos = [100, 100]; train.pos = [600, 100];
