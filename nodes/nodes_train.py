@@ -83,6 +83,7 @@ class Knob:
     advanced: bool = False
     unset_zero: bool = False  # 0 / "" in the widget means "key not written" (an optional key)
     step: float | None = None
+    unset_default: bool = False  # the key's default in the widget means "key not written" (LATE_KNOBS)
 
 
 KNOBS = [
@@ -124,6 +125,15 @@ KNOBS = [
     Knob("adapter.output_format", "output_format", advanced=True),
     Knob("train.num_workers", "num_workers", advanced=True),
 ]
+# Keys that became widgets after workflows had been saved with this node. A saved workflow holds widget values by
+# position, so these come after extra_toml: an older workflow gives every earlier widget its own value, and these
+# their defaults. A default is not written into the config, so an older workflow's config text, and with it the
+# node's key for re-using a finished run or resuming a cancelled one (worker.result_key), is what it was.
+LATE_KNOBS = [
+    Knob("train.swap_blocks", "swap_blocks", advanced=True, unset_default=True),
+    Knob("train.base_matmul", "base_matmul", advanced=True, unset_default=True),
+]
+ALL_KNOBS = KNOBS + LATE_KNOBS
 EXTRA_TOML = "extra_toml"
 # A table in extra_toml that replaces widget keys (load_config refuses both forms at once).
 REPLACES = {"dataset.subsets": ("dataset.path", "dataset.num_repeats"), "dataset.resolutions": ("dataset.resolution",)}
@@ -233,7 +243,7 @@ def config_toml(values: dict) -> str:
     except ValueError as exc:
         raise ConfigError(f"{EXTRA_TOML}: not valid TOML: {exc}") from None
     tree: dict = {}
-    for knob in KNOBS:
+    for knob in ALL_KNOBS:
         if knob.widget not in values:
             continue
         value = values[knob.widget]
@@ -242,6 +252,8 @@ def config_toml(values: dict) -> str:
                 continue
             value = f"<linked {knob.widget}>"
         if knob.unset_zero and value in (0, 0.0, ""):
+            continue
+        if knob.unset_default and value == _field(knob.key).default:
             continue
         if any(_has(extra, table) and knob.key in replaced for table, replaced in REPLACES.items()):
             continue
@@ -347,7 +359,8 @@ class AnimaTrainConfig(io.ComfyNode):
             inputs=[knob_input(k) for k in KNOBS] + [
                 io.String.Input(EXTRA_TOML, multiline=True, default="",
                                 tooltip="more config keys as TOML, e.g.\n[dataset]\nresolutions = [768, 1024]\n"
-                                        "[component_lr]\nadaln = 1e-5\nThey override the widgets.")],
+                                        "[component_lr]\nadaln = 1e-5\nThey override the widgets.")]
+            + [knob_input(k) for k in LATE_KNOBS],
             outputs=[ConfigType.Output(display_name="config")],
         )
 

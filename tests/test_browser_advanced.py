@@ -8,7 +8,8 @@ tests/browser/advanced.cjs drives headless Chromium; the assertions are here:
   * a new Training config node draws only the common knobs and the TOML box, and is correspondingly short;
   * the node menu's "Show Advanced" (right-click, as a user does) draws every knob, values unchanged;
   * the example workflow loads short too, and the queued prompt carries the advanced values whether shown or not;
-  * the toggle is saved with the workflow and comes back on load.
+  * the toggle is saved with the workflow and comes back on load;
+  * a workflow saved before the widgets added last (after extra_toml) loads with each value on its own widget.
 
 Set ANIMA_CONFIG_SCREENSHOT=docs/config_node.png to (re)write the README image of the new node.
 """
@@ -60,13 +61,16 @@ def test_training_config_shows_common_knobs_and_hides_the_rest_behind_the_toggle
     common = [n for n in spec["input_order"]["required"] if not inputs[n][1].get("advanced")]
     advanced = [n for n in spec["input_order"]["required"] if inputs[n][1].get("advanced")]
     assert common[-1] == EXTRA_TOML and len(advanced) >= 15
+    order = spec["input_order"]["required"]
+    late = order[order.index(EXTRA_TOML) + 1:]  # widgets added after workflows were saved (nodes_train.LATE_KNOBS)
+    assert late == ["swap_blocks", "base_matmul"], late
     file_node = next(n for n in json.loads((ROOT / "example_workflows" / f"{WORKFLOW}.json").read_text())["nodes"]
                      if n["type"] == NODE)
     screenshot = os.environ.get("ANIMA_CONFIG_SCREENSHOT")
     shot = tmp_path / "config_node.png"
     cfg = {"url": comfy["url"] + "/", "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "chrome"),
            "outDir": str(tmp_path), "module": comfy_browser.PACK_NAME, "workflow": WORKFLOW, "node": NODE,
-           "screenshot": str(shot), "deviceScaleFactor": 2 if screenshot else 1}
+           "screenshot": str(shot), "deviceScaleFactor": 2 if screenshot else 1, "late": len(late)}
     run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"browser driver failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
@@ -101,6 +105,17 @@ def test_training_config_shows_common_knobs_and_hides_the_rest_behind_the_toggle
     reloaded = r["reloaded"]
     assert reloaded["savedShowAdvanced"] is True and reloaded["showAdvanced"] and reloaded["drawn"] == len(values)
     assert all(_same(a, b) for a, b in zip(reloaded["values"], file_node["widgets_values"]))
+
+    # 4. a workflow saved before the late widgets existed: every older widget keeps the value it saved (extra_toml
+    #    included: values are stored by position), the late ones take their defaults, and the prompt carries both
+    older = r["older"]
+    names = [w["name"] for w in older["widgets"]]
+    held = {w["name"]: w["value"] for w in older["widgets"]}
+    assert len(older["fileValues"]) == len(names) - len(late) and names[-len(late):] == late
+    assert all(_same(held[n], v) for n, v in zip(names, older["fileValues"])), (held, older["fileValues"])
+    defaults = {n: inputs[n][1]["default"] for n in late}
+    assert {n: held[n] for n in late} == defaults == {n: older["prompt"][n] for n in late}
+    assert older["prompt"][EXTRA_TOML] == older["fileValues"][names.index(EXTRA_TOML)]
 
     assert shot.stat().st_size > 10_000
     if screenshot:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -150,8 +151,30 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     assert ports["tag_dropout"].options["max"] > 1.0
     assert ports["extra_toml"].options["multiline"] is True
     # every knob maps to a real key, and the widget names are unique
-    assert len({k.widget for k in nt.KNOBS}) == len(nt.KNOBS)
+    assert len({k.widget for k in nt.ALL_KNOBS}) == len(nt.ALL_KNOBS)
     assert AdapterConfig().kind == ports["adapter"].options["default"]
+
+
+def test_the_late_knobs_come_after_extra_toml_and_leave_an_older_workflows_config_as_it_was(comfy_env, dataset):
+    """swap_blocks and base_matmul became widgets after workflows had been saved: a saved workflow holds widget
+    values by position, so they come after extra_toml (tests/test_browser_advanced.py loads an older workflow in the
+    frontend), and at their defaults they add nothing to the config text, which the node's re-use and resume key
+    is computed from: an older workflow's finished run is still re-used, its cancelled run still resumed."""
+    nt = comfy_env.nt
+    order = [p.id for p in nt.AnimaTrainConfig.define_schema().inputs]
+    assert order[-3:] == ["extra_toml", "swap_blocks", "base_matmul"], order[-4:]
+    ports = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}
+    assert ports["base_matmul"].kind == "COMBO" and ports["base_matmul"].options["options"] == ["bf16", "fp8"]
+    assert ports["swap_blocks"].kind == "INT" and ports["swap_blocks"].options["advanced"] is True
+    older = {k: v for k, v in widgets(nt, "x", dataset).items() if k not in ("swap_blocks", "base_matmul")}
+    text = nt.config_toml(older)
+    assert nt.config_toml(dict(older, swap_blocks=0, base_matmul="bf16")) == text
+    assert "swap_blocks" not in text and "base_matmul" not in text
+    chosen = tomllib.loads(nt.config_toml(dict(older, swap_blocks=12, base_matmul="fp8")))["train"]
+    assert (chosen["swap_blocks"], chosen["base_matmul"]) == (12, "fp8")
+    # extra_toml still wins over a widget
+    over = tomllib.loads(nt.config_toml(dict(older, swap_blocks=12, extra_toml="[train]\nswap_blocks = 3\n")))
+    assert over["train"]["swap_blocks"] == 3
 
 
 def test_no_config_widget_gets_a_control_after_generate_widget(comfy_env):
@@ -257,6 +280,7 @@ def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
     assert not values, f"{len(values)} widget value(s) left over"
     assert named["output_format"] == "peft" and named["num_workers"] == 2 and named["keep_last_n"] == 0
     assert named["run_name"] == "my_first_anima_lora" and named["training_seed"] == 42 and named["dtype"] == "bfloat16"
+    assert named["swap_blocks"] == 0 and named["base_matmul"] == "bf16"
 
 
 def test_linked_inputs_are_not_known_at_validation_and_pass(comfy_env, dataset):

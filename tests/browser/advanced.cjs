@@ -1,10 +1,11 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_advanced.py.
-//   node advanced.cjs '<json: {url, chromium, userDataDir, outDir, module, workflow, node, screenshot}>'
+//   node advanced.cjs '<json: {url, chromium, userDataDir, outDir, module, workflow, node, screenshot, late}>'
 // 1. adds a fresh <node> (the Training config) to an empty canvas and reports which widgets the canvas draws, its
 //    height and its node menu; optionally screenshots it (the README image);
 // 2. right-clicks it and picks the menu's "Show Advanced", as a user does, and reports the same again;
 // 3. loads <workflow> the way the Templates menu does, reports the node there, builds the prompt with the advanced
-//    inputs hidden, then shows them (the same menu) and builds it again, and saves + reloads the workflow.
+//    inputs hidden, then shows them (the same menu) and builds it again, and saves + reloads the workflow;
+// 4. loads <workflow> as saved before the node's last <late> widgets existed (that many values fewer).
 // Writes what it saw to <outDir>/result.json; it asserts nothing itself: the Python test judges.
 "use strict";
 const fs = require("fs");
@@ -123,6 +124,19 @@ async function main() {
                showAdvanced: !!node.showAdvanced, drawn: node.widgets.filter((w) => node.isWidgetVisible(w)).length,
                values: node.widgets.map((w) => w.value) };
     }, wid);
+    // 4. a workflow saved before the node's last `late` widgets existed (its <node> holds that many values fewer),
+    //    loaded as the Templates menu does: the widgets it gives, and the prompt it queues
+    result.older = await page.evaluate(async ({ module, name, type, late }) => {
+      const app = window.comfyAPI.app.app;
+      const workflow = await (await fetch(`/api/workflow_templates/${module}/${name}.json`)).json();
+      const file = workflow.nodes.find((n) => n.type === type);
+      file.widgets_values = file.widgets_values.slice(0, file.widgets_values.length - late);
+      const fileValues = structuredClone(file.widgets_values);
+      await app.loadGraphData(workflow, true, true, "older", { openSource: "template" });
+      const node = app.graph.nodes.find((n) => n.type === type);
+      return { fileValues, widgets: node.widgets.map((w) => ({ name: w.name, value: w.value })),
+               prompt: (await app.graphToPrompt()).output[String(node.id)].inputs };
+    }, { module: cfg.module, name: cfg.workflow, type: cfg.node, late: cfg.late ?? 0 });
   } catch (err) {
     result.error = err && err.stack ? err.stack : String(err); // the test shows it with what was measured so far
   } finally {
