@@ -10,7 +10,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage } = require("./comfy_page.cjs");
+const { launch, openPage, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -55,11 +55,10 @@ async function main() {
       await frames();
     };
 
-    // 1. a fresh node, at 100% zoom, top left of the canvas
+    // 1. a fresh node in a new blank workflow, at 100% zoom, top left of the canvas
+    await newBlankWorkflow(page);
     const id = await page.evaluate((type) => {
       const app = window.comfyAPI.app.app;
-      document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove()); // first-run dialogs
-      app.graph.clear();
       const node = window.LiteGraph.createNode(type);
       app.graph.add(node);
       node.pos = [0, 0];

@@ -31,4 +31,16 @@ async function waitForPack(page, nodeType) {
   }, nodeType, { timeout: 90000, polling: 250 });
 }
 
-module.exports = { launch, openPage, waitForPack };
+// A new blank workflow (the workflow tabs' "+"), as a user starts one, with the first-run dialogs closed. Clearing the
+// start-up workflow's canvas instead keeps that workflow's model list (ComfyUI's default graph), and the frontend's
+// missing-model check, re-run later, counted its two models among the errors ("3 errors found", CI under load).
+async function newBlankWorkflow(page) {
+  await page.evaluate(async () => {
+    document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
+    await window.comfyAPI.app.app.extensionManager.command.execute("Comfy.NewBlankWorkflow");
+  });
+  await page.waitForFunction(() => window.comfyAPI.app.app.graph?.nodes?.length === 0, null,
+    { timeout: 30000, polling: 100 });
+}
+
+module.exports = { launch, openPage, waitForPack, newBlankWorkflow };

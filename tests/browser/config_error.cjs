@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage, waitForPack } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -17,15 +17,7 @@ async function main() {
   try {
     const page = await openPage(browser, cfg, result);
     await waitForPack(page, "AnimaTrainConfig");
-    // A new blank workflow (the workflow tabs' "+"), as a user starts one. Clearing the start-up workflow's canvas
-    // instead kept that workflow's model list (ComfyUI's default graph), and the frontend's missing-model check,
-    // re-run later, added its two models to the error count: "3 errors found" (CI, under load).
-    await page.evaluate(async () => {
-      document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
-      await window.comfyAPI.app.app.extensionManager.command.execute("Comfy.NewBlankWorkflow");
-    });
-    await page.waitForFunction(() => window.comfyAPI.app.app.graph?.nodes?.length === 0, null,
-      { timeout: 30000, polling: 100 });
+    await newBlankWorkflow(page);
     // the two nodes a user adds first: Training config -> Train
     result.loaded = await page.evaluate(() => {
       const app = window.comfyAPI.app.app;

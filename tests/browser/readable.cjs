@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage, waitForPack } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -17,10 +17,9 @@ async function main() {
   try {
     const page = await openPage(browser, cfg, result);
     await waitForPack(page, "AnimaTrainEnvironmentCheck");
+    await newBlankWorkflow(page);
     result.ids = await page.evaluate(() => {
-      document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
       const app = window.comfyAPI.app.app;
-      app.graph.clear();
       const check = window.LiteGraph.createNode("AnimaTrainEnvironmentCheck");
       const train = window.LiteGraph.createNode("AnimaTrainTrain");
       check.pos = [140, 150]; train.pos = [140, 650];

@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage } = require("./comfy_page.cjs");
+const { launch, openPage, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -56,10 +56,9 @@ async function main() {
       .filter((n) => n.startsWith("anima_train")));
 
     // one Train node on an otherwise empty graph, at 100% zoom in the middle of the screen
+    await newBlankWorkflow(page);
     result.nodeId = await page.evaluate(() => {
       const app = window.comfyAPI.app.app;
-      document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove()); // first-run dialogs
-      app.graph.clear();
       const node = window.LiteGraph.createNode("AnimaTrainTrain");
       app.graph.add(node);
       node.pos = [0, 0];
