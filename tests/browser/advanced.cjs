@@ -10,7 +10,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage, newBlankWorkflow } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -19,11 +19,7 @@ async function main() {
   const browser = await launch(cfg, { width: 1280, height: 1100 });
   try {
     const page = await openPage(browser, cfg, result);
-    await page.waitForFunction((type) => {
-      const app = window.comfyAPI?.app?.app;
-      return app?.vueAppReady && app.canvas && window.LiteGraph?.registered_node_types?.[type] &&
-        app.graph?.nodes?.length > 0;
-    }, cfg.node, { timeout: 90000, polling: 250 });
+    await waitForPack(page, cfg.node);
     const frames = () => page.evaluate(() => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r))));
 
     // the node as the canvas holds it: widgets with their value and whether the canvas draws them

@@ -7,7 +7,7 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { launch, openPage, newBlankWorkflow } = require("./comfy_page.cjs");
+const { launch, openPage, waitForPack, newBlankWorkflow } = require("./comfy_page.cjs");
 
 const cfg = JSON.parse(process.argv[2]);
 
@@ -45,11 +45,10 @@ async function main() {
   try {
     const page = await openPage(browser, cfg, result);
     // ready: the app is set up and our extension has registered (it listens for the progress message)
-    await page.waitForFunction(() => {
-      const app = window.comfyAPI?.app?.app;
-      return app?.graph && app.canvas && window.LiteGraph?.registered_node_types?.AnimaTrainTrain &&
-        window.comfyAPI.api.api._registered?.has("anima_train.progress");
-    }, null, { timeout: 90000, polling: 250 });
+    // the app and its start-up workflow (newBlankWorkflow must come after that load), and the pack's progress event
+    await waitForPack(page, "AnimaTrainTrain");
+    await page.waitForFunction(() => window.comfyAPI.api.api._registered?.has("anima_train.progress"), null,
+      { timeout: 90000, polling: 250 });
     result.extensionUrls = await page.evaluate(async () => (await (await fetch("/extensions")).json())
       .filter((u) => !u.includes("/core/")));
     result.extensionNames = await page.evaluate(() => window.comfyAPI.app.app.extensions.map((e) => e.name)
