@@ -7,6 +7,9 @@ gradient checkpointing). The profiler schedule advances once per optimizer step 
     python3 bench/profile_train_gpu.py --run lora_b8 [--compile default] --steps 3 --work /tmp/bench --out DIR
     python3 bench/profile_train_gpu.py --tiny --steps 6 --out /tmp/prof     # CPU smoke run on the tiny model
 
+Several profiles can share one GPU (`--turn DIR:I:N`, one process each): they compile side by side, which is most
+of a cold run's time, and then take the profiled window one at a time, so no window overlaps another's work.
+
 Writes into --out: `<label>_ops.txt` (key_averages, top 40 by self CUDA time), `<label>_summary.json` (printed too)
 and `<label>_trace.json.gz` (chrome trace, only when it is under 16 MB compressed).
 """
@@ -22,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -117,6 +121,33 @@ def summarise(prof, active: int, cuda: bool) -> dict:
     return rec
 
 
+class Turns:
+    """N processes on one GPU take their profiled windows in turn, ordered by I. Each marks `ready_I` in DIR when its
+    window is next, waits until all N are ready or ended and 0..I-1 have ended, and marks `ended_I` when it stops
+    (also on failure). A process killed from outside marks nothing: the others go on after `timeout_s`."""
+
+    def __init__(self, spec: str, timeout_s: float):
+        folder, i, n = spec.rsplit(":", 2)
+        self.dir, self.i, self.n, self.timeout_s = Path(folder), int(i), int(n), timeout_s
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _marked(self, what: str) -> set[int]:
+        return {int(p.name.rsplit("_", 1)[1]) for p in self.dir.glob(f"{what}_*")}
+
+    def wait(self) -> float:
+        (self.dir / f"ready_{self.i}").touch()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.timeout_s:
+            ended = self._marked("ended")
+            if len(self._marked("ready") | ended) >= self.n and ended >= set(range(self.i)):
+                break
+            time.sleep(0.2)
+        return round(time.monotonic() - t0, 1)
+
+    def end(self) -> None:
+        (self.dir / f"ended_{self.i}").touch()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default="lora_b8",
@@ -134,7 +165,19 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="folder for the table, summary and trace")
     ap.add_argument("--no-trace", action="store_true", help="skip the chrome trace")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test of this script)")
+    ap.add_argument("--turn", default=None, metavar="DIR:I:N",
+                    help="profile I of N sharing this GPU: take the window in turn (see the module's docstring)")
+    ap.add_argument("--turn-timeout", type=float, default=300.0, help="the longest wait for a turn, seconds")
     args = ap.parse_args()
+    turns = Turns(args.turn, args.turn_timeout) if args.turn else None
+    try:
+        return profile_run(args, turns)
+    finally:
+        if turns:
+            turns.end()
+
+
+def profile_run(args: argparse.Namespace, turns: Turns | None) -> int:
     run, own_blocks, swap = split_name(args.run)
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,8 +233,14 @@ def main() -> int:
                    on_trace_ready=on_ready)
     original_step = Progress.step
 
+    done, waited, losses = [0], [None], []
+
     def step_then_advance(self, stats, **kw):  # one profiler step per optimizer step
         original_step(self, stats, **kw)
+        losses.append(stats.loss)
+        done[0] += 1
+        if turns and done[0] == wait:  # the next step starts the profiler's warm-up
+            waited[0] = turns.wait()
         prof.step()
 
     Progress.step = step_then_advance
@@ -204,7 +253,10 @@ def main() -> int:
     summary = dict(name=label, run=args.run, cap_gib=args.cap_gib, compile=args.compile, batch=parse_run(run)[1],
                    tiny=args.tiny, torch=torch.__version__, setup_s=setup_s,
                    train_wall_s=round(time.perf_counter() - t1, 1),
-                   steps_trained=result.global_step, wait=wait,
+                   steps_trained=result.global_step, wait=wait, turn_wait_s=waited[0],
+                   emulate_precision_casts=torch._inductor.config.emulate_precision_casts,
+                   recompute=args.recompute, base_matmul=args.base_matmul,
+                   losses=[round(x, 6) if x is not None else None for x in losses],
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None, **summary)
     if "profiled_steps" not in summary:
         raise SystemExit(f"the profiler window never closed: {result.global_step} steps trained, "

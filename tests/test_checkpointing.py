@@ -576,3 +576,23 @@ def test_auto_plan_with_in_graph_recompute_says_so_or_falls_back_to_whole_blocks
     assert plan.recomputed == 27 and plan.in_graph is None
     assert said == ['checkpointing auto: 27 of 28 blocks recompute whole (recompute = "graph" would not fit) (a '
                     "block keeps 2.00 GiB at the largest batch; predicted peak 21.3 of 24.0 GiB)"]
+
+
+@pytest.mark.slow
+def test_in_graph_recompute_trains_bf16_to_the_bits_of_whole_blocks(tiny_anima, latents_dir, tmp_path):
+    """bf16, compiled: recompute = "graph" (a second graph of the block, cut elsewhere) trains to the same losses
+    and LoRA weights, bit for bit, as whole-block recompute, so the plan it picks moves no number. Fails without
+    the trainer's emulated casts (`compiling.round_like_eager`; run it with TORCHINDUCTOR_EMULATE_PRECISION_CASTS=0):
+    the fused graph kept bf16 results in fp32 that the other graph rounds, and the losses part in the 4th place."""
+    kw = dict(max_steps=3, dtype='"bfloat16"', gradient_checkpointing="true", checkpoint_blocks='"all"',
+              compile='"default"')
+    runs = {}
+    for how in ("graph", "block"):
+        torch.compiler.reset()
+        runs[how] = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / how, "[optimizer]\nlr = 1e-3\n",
+                                   recompute=f'"{how}"', **kw), cpu=True, no_save=True)
+    graph, block = runs["graph"], runs["block"]
+    assert graph.losses == block.losses
+    weights = [{n: p for n, p in r.components.transformer.named_parameters() if "lora" in n} for r in (graph, block)]
+    assert weights[0].keys() == weights[1].keys() and weights[0]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])

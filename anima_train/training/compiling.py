@@ -55,9 +55,24 @@ def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
+    round_like_eager()
     targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
         module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
+
+
+def round_like_eager() -> None:
+    """Inductor's fused kernels keep a bf16 op's result in fp32 up to where the kernel writes it out, so where a
+    graph is cut (which tensors it saves for the backward) moves the bf16 roundings: the in-graph recompute's graph
+    (recompute = "graph", `recompute.py`) and the kept blocks' graph trained to other bits (an H200, LoRA b2 under
+    8 GiB: losses 0.0002-0.0012 apart). Emulating eager's casts rounds every bf16 result where eager rounds it,
+    fused or not, and the two are one plan again: bit-equal on the tiny model (`tests/test_checkpointing.py`), on
+    the H200 losses within 6e-5, at 1 % more kernel time (bench/results/profile_caps_2026-12-04). The user's own
+    TORCHINDUCTOR_EMULATE_PRECISION_CASTS wins. A process-wide setting: it holds for every graph compiled after."""
+    import torch._inductor.config as inductor_config  # lazy as torch._dynamo above
+
+    if "TORCHINDUCTOR_EMULATE_PRECISION_CASTS" not in os.environ:
+        inductor_config.emulate_precision_casts = True
 
 
 # -- deciding compile by running it --------------------------------------------------------------------------------
