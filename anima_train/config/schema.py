@@ -78,8 +78,8 @@ class TrainConfig:
     recompute: str = _key(
         "graph", choices=("graph", "block"),
         help="how a recomputed block recomputes: graph = inside its compiled backward (regionally compiled runs; "
-        "faster, and the losses move by bf16 rounding with the plan); block = its whole forward again (exact "
-        "whichever blocks recompute; what eager or whole-trunk compiled runs do either way)")
+        "faster; the same numbers as block, since compiled runs round bf16 results where eager does); block = its "
+        "whole forward again (what eager or whole-trunk compiled runs do either way)")
     swap_blocks: int = _key(
         0, ge=0, help="an adapter on a small card: the frozen weights of the first N DiT blocks stay in host memory "
         "and are copied to the GPU one block at a time (these blocks always recompute); 0 = all weights on the GPU")

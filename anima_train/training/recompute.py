@@ -21,9 +21,11 @@ How a block recomputes is `train.recompute`:
   torch.compile's `activation_memory_budget` = 0, whose backward recomputes inside itself only what the gradients
   need, fused with the backward kernels, instead of torch.utils.checkpoint re-running every kernel of the forward
   through Python. On an H200 under 8 GiB (LoRA r32 b2, 1024x1024, one call) the step ran 0.1538 s/image against
-  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (IN_GRAPH_EXTRA),
-  and it is not exact: that graph's forward fuses differently from the kept blocks' graph, so the bf16 roundings
-  move with the plan (the losses by up to 0.0012 over those 12 steps). Swapped blocks (training/weight_swap.py)
+  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (IN_GRAPH_EXTRA).
+  That graph is cut elsewhere than the kept blocks' graph, and its fused kernels would round bf16 results at other
+  places (the losses moved by up to 0.0012 over those 12 steps); compiled runs emulate eager's casts
+  (compiling.round_like_eager), and the two train to the same bits on the tiny model (tests/test_checkpointing.py;
+  on an H200 the losses within 2e-5 to 6e-5). Swapped blocks (training/weight_swap.py)
   and the first, measured step of "auto" still use torch.utils.checkpoint. Eager runs and a whole-trunk compile
   (compile_regional = false) have no compiled block to swap in: there "graph" is "block".
 """
