@@ -69,7 +69,7 @@ def round_like_eager() -> None:
     fused or not, and the two are one plan again: bit-equal on the tiny model (`tests/test_checkpointing.py`), on
     the H200 losses within 6e-5, at 1 % more kernel time (bench/results/profile_caps_2026-12-04). The user's own
     TORCHINDUCTOR_EMULATE_PRECISION_CASTS wins. A process-wide setting: it holds for every graph compiled after."""
-    import torch._inductor.config as inductor_config  # lazy as torch._dynamo above
+    import torch._inductor.config as inductor_config  # lazy: torch._inductor, only a compiled run pays it (as above)
 
     if "TORCHINDUCTOR_EMULATE_PRECISION_CASTS" not in os.environ:
         inductor_config.emulate_precision_casts = True
