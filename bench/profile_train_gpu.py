@@ -233,13 +233,12 @@ def profile_run(args: argparse.Namespace, turns: Turns | None) -> int:
                    on_trace_ready=on_ready)
     original_step = Progress.step
 
-    done, waited, losses = [0], [None], []
+    waited, losses = [None], []  # losses: one per optimizer step done
 
     def step_then_advance(self, stats, **kw):  # one profiler step per optimizer step
         original_step(self, stats, **kw)
         losses.append(stats.loss)
-        done[0] += 1
-        if turns and done[0] == wait:  # the next step starts the profiler's warm-up
+        if turns and len(losses) == wait:  # the next step starts the profiler's warm-up
             waited[0] = turns.wait()
         prof.step()
 

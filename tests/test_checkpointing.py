@@ -594,6 +594,4 @@ def test_in_graph_recompute_trains_bf16_to_the_bits_of_whole_blocks(tiny_anima, 
                                    recompute=f'"{how}"', **kw), cpu=True, no_save=True)
     graph, block = runs["graph"], runs["block"]
     assert graph.losses == block.losses
-    weights = [{n: p for n, p in r.components.transformer.named_parameters() if "lora" in n} for r in (graph, block)]
-    assert weights[0].keys() == weights[1].keys() and weights[0]
-    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+    assert graph.trainable_digest and graph.trainable_digest == block.trainable_digest
