@@ -1,6 +1,8 @@
 """Tiny random-weight Anima models, tokenizers and a synthetic captioned dataset, for tests and the demo.
 
     build_tiny_anima(out_dir, seed=0, size="tiny")   -> TinyAnima  (diffusers repo + native single files)
+    build_tiny_anima(out_dir, blocks=40)              -> the same with 40 DiT blocks (Anima-2.9B's count)
+    write_model_configs(out_dir, size="full")         -> a repo of config.json files only (what `plan` reads)
     make_synthetic_dataset(out_dir, n=16, seed=0)    -> [image paths]  (captions in <stem>.txt)
 
 Nothing here downloads anything: the models use the real diffusers/transformers classes with small configs
@@ -167,7 +169,19 @@ class TinyAnima:
     configs: dict = field(default_factory=dict)
 
 
-def build_models(size: str = "tiny", seed: int = 0, dtype: torch.dtype | None = None) -> dict:
+def configs_for(size: str, blocks: int | None = None) -> dict:
+    """The four configs of one size; `blocks` sets the DiT's block count (Anima-2.9B: the 2B's blocks deepened from
+    28 to 40, same widths), else the size's own."""
+    if size not in CONFIGS:
+        raise ValueError(f"size must be one of {', '.join(CONFIGS)}, got {size!r}")
+    cfg = dict(CONFIGS[size])
+    if blocks is not None:
+        cfg["transformer"] = dict(cfg["transformer"], num_layers=blocks)
+    return cfg
+
+
+def build_models(size: str = "tiny", seed: int = 0, dtype: torch.dtype | None = None,
+                 blocks: int | None = None) -> dict:
     """The four random-weight models of one size; each gets its own seed offset so they do not depend on
     each other (and the caller's global RNG state is left untouched)."""
     # lazy: diffusers + transformers model classes (1.9 s + 4.7 s measured on top of torch): see build_qwen_tokenizer
@@ -178,7 +192,7 @@ def build_models(size: str = "tiny", seed: int = 0, dtype: torch.dtype | None = 
 
     if size not in ("tiny", "comfy"):
         raise ValueError(f"size must be 'tiny' or 'comfy', got {size!r}")
-    cfg = CONFIGS[size]
+    cfg = configs_for(size, blocks)
     dtype = dtype or DEFAULT_DTYPE[size]
     makers = {
         "transformer": lambda: CosmosTransformer3DModel(**cfg["transformer"]),
@@ -217,9 +231,10 @@ def _claim(final: Path, overwrite: bool) -> None:
 
 
 def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dtype | None = None,
-                     overwrite: bool = False) -> TinyAnima:
+                     overwrite: bool = False, blocks: int | None = None) -> TinyAnima:
     """Write `out_dir/diffusers/` (a diffusers Anima modular-pipeline repo) and `out_dir/native/`
-    (`anima.safetensors`, `qwen3.safetensors`, `vae.safetensors`) with the same random weights."""
+    (`anima.safetensors`, `qwen3.safetensors`, `vae.safetensors`) with the same random weights. `blocks`: the DiT's
+    block count (default: the size's)."""
     # lazy: see build_models
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.modular_pipelines import AnimaAutoBlocks
@@ -231,7 +246,7 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
     final_repo, final_native = out_dir / "diffusers", out_dir / "native"
     for final in (final_repo, final_native):
         _claim(final, overwrite)
-    models = build_models(size, seed, dtype)
+    models = build_models(size, seed, dtype, blocks)
     tokenizer = build_qwen_tokenizer(CONFIGS[size]["text_encoder"]["vocab_size"])
     t5_tokenizer = build_t5_tokenizer(min(110, CONFIGS[size]["text_conditioner"]["target_vocab_size"]))
 
@@ -264,7 +279,25 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
     return TinyAnima(root=out_dir, size=size, seed=seed, dtype=str(next(models["transformer"].parameters()).dtype),
                      diffusers_dir=final_repo, native_dir=final_native,
                      anima_file=final_native / "anima.safetensors", qwen3_file=final_native / "qwen3.safetensors",
-                     vae_file=final_native / "vae.safetensors", configs=CONFIGS[size])
+                     vae_file=final_native / "vae.safetensors", configs=configs_for(size, blocks))
+
+
+def write_model_configs(out_dir, size: str = "full", blocks: int | None = None) -> Path:
+    """A repo of the four components' config.json files and no weights (`out_dir` itself): what `anima-train plan`
+    reads, so a full-size Anima can be planned where its 4 GB of weights are not."""
+    # lazy: see build_models
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen3Config
+
+    cfg = configs_for(size, blocks)
+    out_dir = Path(out_dir)
+    for name, cls in (("transformer", CosmosTransformer3DModel), ("text_conditioner", AnimaTextConditioner),
+                      ("vae", AutoencoderKLQwenImage)):
+        with torch.device("meta"):
+            cls(**cfg[name]).save_config(out_dir / name)
+    Qwen3Config(**cfg["text_encoder"]).save_pretrained(out_dir / "text_encoder")
+    return out_dir
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,11 +20,19 @@ bench/results/caps_2026-12-02b (LoRA r32 on attention + MLP, 45,875,200 trainabl
 Off this configuration (other ranks, adapter kinds, optimizers, dtypes, resolutions) the terms scale with what they
 count (parameters, bytes per parameter, tokens); the constants were measured only here, so the result is an estimate
 there. tests/test_plan.py checks the prediction against the committed logs.
+
+The model planned is the one at `[train] model_path`, read from its config.json files (model/shape.py: no weights).
+Measured on the full-size 2B (28 blocks of width 2048) and derived for any other Anima from what its configs declare:
+the frozen weights scale with the DiT's and the LLM adapter's parameter count, Qwen3's and the VAE's with theirs, a
+block's weights are counted on the model's own block, a block's activations scale with the width, and the first
+step's growth per token keeps each further block's input (width x 2 bytes per token in bf16) on top of the 2B's.
+So the 2B's plan is the measured one and a 2.9B's (40 blocks) or the demo's tiny model's is derived.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -34,21 +42,17 @@ import torch
 from anima_train.config import load_config
 from anima_train.config.schema import Config
 from anima_train.errors import UserError
+from anima_train.model import tiny
+from anima_train.model.shape import ModelShape, declared_shape, shape_of
 from anima_train.training import memory, recompute, weight_swap
 
 GIB = recompute.GIB
 
-# Anima's DiT (Cosmos-Predict2 2B): 28 blocks of width 2048, MLP 8192, cross-attention context 1024 (the LLM adapter).
-N_BLOCKS = 28
-MODEL_WIDTH = 2048
-MLP_WIDTH = 8192
-CONTEXT_WIDTH = 1024
 TOKEN_PIXELS = 16  # the VAE's 8x and the DiT's 2x2 patches: one token per 16x16 pixels
 
 # Calibration (the numbers above, from bench/results/caps_2026-12-02b A1/B1/B3/D1).
 FROZEN_BYTES_BF16 = int(3.98 * GIB)  # DiT + LLM adapter weights in bf16, before the first step, less the LoRA
 QWEN3_BYTES_BF16 = int(1.11 * GIB)  # Qwen3-0.6B
-BLOCK_PARAMETERS = 69_206_528  # one DiT block's weights (the full-size block counted on the meta device), 0.129 GiB
 VAE_BYTES_BF16 = int(0.24 * GIB)  # Wan2.1 VAE (127M parameters), on the GPU only under source = "encode"
 GROWTH_BYTES_PER_TOKEN = 258_240  # the first step's growth per token x batch, beyond the gradients
 BLOCK_ACT_BYTES_PER_TOKEN = 92_540  # activations one DiT block keeps for its backward, per token x batch
@@ -103,6 +107,7 @@ class Inputs:
 @dataclass
 class Plan:
     inputs: Inputs
+    shape: ModelShape  # the model planned, as its config.json files declare it
     budget: int
     n_blocks: int
     recomputed: int
@@ -116,13 +121,23 @@ class Plan:
     base_matmul: str = "bf16"  # [train] base_matmul: how the frozen Linears of the blocks multiply
 
 
-def lora_parameters(rank: int) -> int:
-    """Trainable parameters of a LoRA on every block's attention and MLP linears: rank x (in + out) each."""
-    w, m, c = MODEL_WIDTH, MLP_WIDTH, CONTEXT_WIDTH
-    self_attention = 4 * (w + w)
-    cross_attention = 2 * (w + w) + 2 * (c + w)
-    mlp = (w + m) + (m + w)
-    return N_BLOCKS * rank * (self_attention + cross_attention + mlp)
+@functools.lru_cache(maxsize=1)
+def measured_shape() -> ModelShape:
+    """The full-size 2B the constants were measured on, built from its configs on the meta device."""
+    return shape_of(_empty_configs(tiny.CONFIGS["full"]))
+
+
+def _empty_configs(configs: dict) -> dict:
+    # lazy: diffusers + transformers model classes (1.9 s + 4.7 s on top of torch), as model/components.py
+    from diffusers import AutoencoderKLQwenImage, CosmosTransformer3DModel
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+    from transformers import Qwen3Config, Qwen3Model
+
+    with torch.device("meta"):
+        return {"transformer": CosmosTransformer3DModel(**configs["transformer"]),
+                "text_conditioner": AnimaTextConditioner(**configs["text_conditioner"]),
+                "text_encoder": Qwen3Model(Qwen3Config(**configs["text_encoder"])),
+                "vae": AutoencoderKLQwenImage(**configs["vae"])}
 
 
 def largest_batch(cfg: Config) -> tuple[int, int]:
@@ -136,18 +151,25 @@ def largest_batch(cfg: Config) -> tuple[int, int]:
     return best
 
 
-def predict_inputs(cfg: Config) -> Inputs:
+def predict_inputs(cfg: Config, shape: ModelShape) -> Inputs:
     estimate = []
     dtype = DTYPE_BYTES[cfg.train.dtype]
     weight_scale = dtype / 2
-    frozen = int(FROZEN_BYTES_BF16 * weight_scale)
+    ref = measured_shape()
+    width = shape.width / ref.width
+    if shape != ref:
+        estimate.append(f"a model of {shape.blocks} blocks of width {shape.width}: the memory terms were measured on "
+                        f"the 2B ({ref.blocks} blocks of width {ref.width}) and scaled by this model's parameter "
+                        "counts, width and blocks")
+    frozen = int(FROZEN_BYTES_BF16 * weight_scale * (shape.dit_parameters + shape.conditioner_parameters)
+                 / (ref.dit_parameters + ref.conditioner_parameters))
     full = cfg.adapter.kind == "none"
     if full:
         trainable, trainable_bytes = frozen // 2 if dtype == 2 else frozen // 4, dtype
         frozen = 0
         estimate.append("full finetune: measured with a LoRA only")
     else:
-        trainable, trainable_bytes = lora_parameters(cfg.adapter.rank), 4
+        trainable, trainable_bytes = shape.lora_parameters(cfg.adapter.rank), 4
         if cfg.adapter.kind != "lora":
             estimate.append(f"{cfg.adapter.kind}: trainable parameters taken as a LoRA's of rank {cfg.adapter.rank}")
     if cfg.quant.mode != "none":
@@ -161,23 +183,25 @@ def predict_inputs(cfg: Config) -> Inputs:
                         "GiB, peaks 0.13 GiB higher and 0.24 lower)")
     tokens, batch = largest_batch(cfg)
     start = frozen + trainable * trainable_bytes
-    swapped = 0 if full else min(cfg.train.swap_blocks, N_BLOCKS)
-    host_bytes = swapped * BLOCK_PARAMETERS * dtype
+    swapped = 0 if full else min(cfg.train.swap_blocks, shape.blocks)
+    host_bytes = swapped * shape.block_parameters * dtype
     if swapped:  # on the GPU: the placeholders, and the blocks running (training/weight_swap.py)
-        start -= host_bytes - min(swapped, weight_swap.RESIDENT_SLOTS) * BLOCK_PARAMETERS * dtype
+        start -= host_bytes - min(swapped, weight_swap.RESIDENT_SLOTS) * shape.block_parameters * dtype
         estimate.append(f"swap_blocks = {swapped}: counted as the resident model less the swapped weights but one "
                         "block's (H200: 6 GiB batch 1 swap 4 predicted 5.3, measured 5.28; 8 GiB batch 4 swap 12: "
                         "7.3, 7.13)")
     if cfg.dataset.source == "encode":
-        start += int(VAE_BYTES_BF16 * weight_scale)
-    growth = trainable * trainable_bytes + int(tokens * GROWTH_BYTES_PER_TOKEN * weight_scale)
+        start += int(VAE_BYTES_BF16 * weight_scale * shape.vae_parameters / ref.vae_parameters)
+    # each block beyond the 2B's keeps its input, [tokens, width], for the backward
+    growth_per_token = GROWTH_BYTES_PER_TOKEN * width + (shape.blocks - ref.blocks) * shape.width * 2
+    growth = trainable * trainable_bytes + int(tokens * growth_per_token * weight_scale)
     state_bytes = OPTIMIZER_STATE_BYTES[cfg.optimizer.kind]
     if cfg.optimizer.kind == "adamw" and cfg.optimizer.use_kahan:
         state_bytes = KAHAN_ADAMW_STATE_BYTES
     steady = start + trainable * state_bytes + STEADY_EXTRA_BYTES
-    act = int(tokens * BLOCK_ACT_BYTES_PER_TOKEN * weight_scale)
+    act = int(tokens * BLOCK_ACT_BYTES_PER_TOKEN * width * weight_scale)
     parks = not cfg.quant.quantize_text_encoder and not cfg.adapter.train_text_encoder
-    qwen3 = int(QWEN3_BYTES_BF16 * weight_scale)
+    qwen3 = int(QWEN3_BYTES_BF16 * weight_scale * shape.text_encoder_parameters / ref.text_encoder_parameters)
     if not parks:
         start, steady = start + qwen3, steady + qwen3
         qwen3 = 0
@@ -196,35 +220,40 @@ def expandable_segments_default() -> bool:
     return sys.platform.startswith("linux")
 
 
-def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_for_swap: bool = True) -> Plan:
-    """The plan the runtime would choose under `budget` bytes, from the predicted first-step measurements. When it
-    does not fit and an adapter trains, also the fewest `swap_blocks` with which it would."""
-    inputs = predict_inputs(cfg)
+def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_for_swap: bool = True,
+              shape: ModelShape | None = None) -> Plan:
+    """The plan the runtime would choose under `budget` bytes for the model at `[train] model_path` (or `shape`),
+    from the predicted first-step measurements. When it does not fit and an adapter trains, also the fewest
+    `swap_blocks` with which it would."""
+    shape = declared_shape(cfg.train.model_path) if shape is None else shape
+    n_blocks = shape.blocks
+    inputs = predict_inputs(cfg, shape)
     expandable = expandable_segments_default() if expandable is None else expandable
-    setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, N_BLOCKS,
+    setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, n_blocks,
                                       torch.device("cuda"))
     usable = budget - recompute.margin(budget, expandable)
     # "auto" compiles a long run on CUDA, which plans are for
     in_graph = recompute.in_graph_applies(cfg.train, compiled=cfg.train.compile != "off")
     if setting is None:
         resident, keep, predicted, in_graph = memory.decide_plan(  # the swapped blocks always recompute whole
-            n_blocks=N_BLOCKS - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,
+            n_blocks=n_blocks - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,
             start=inputs.start, scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3,
             in_graph=in_graph)
     else:  # a fixed count: the runtime makes no plan and Qwen3 stays parked
-        resident, keep = False, min(N_BLOCKS - setting, N_BLOCKS - inputs.swapped)
+        resident, keep = False, min(n_blocks - setting, n_blocks - inputs.swapped)
         base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
-        in_graph = in_graph and keep < N_BLOCKS - inputs.swapped
+        in_graph = in_graph and keep < n_blocks - inputs.swapped
         base += recompute.in_graph_extra(inputs.act) if in_graph else 0
         predicted = recompute.predicted_peak(base, inputs.act, keep)
-    plan = Plan(inputs=inputs, budget=budget, n_blocks=N_BLOCKS, recomputed=N_BLOCKS - keep, resident=resident,
-                predicted=predicted, fits=predicted <= usable, auto=setting is None, expandable=expandable,
-                in_graph=in_graph and keep < N_BLOCKS - inputs.swapped, base_matmul=cfg.train.base_matmul)
+    plan = Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - keep,
+                resident=resident, predicted=predicted, fits=predicted <= usable, auto=setting is None,
+                expandable=expandable, in_graph=in_graph and keep < n_blocks - inputs.swapped,
+                base_matmul=cfg.train.base_matmul)
     if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
-        for count in range(inputs.swapped + 1, N_BLOCKS + 1):
+        for count in range(inputs.swapped + 1, n_blocks + 1):
             trial = copy.deepcopy(cfg)
             trial.train.swap_blocks = count
-            if make_plan(trial, budget, expandable, look_for_swap=False).fits:
+            if make_plan(trial, budget, expandable, look_for_swap=False, shape=shape).fits:
                 plan.swap_fix = count
                 break
     return plan
@@ -240,9 +269,9 @@ def step_time_class(plan: Plan) -> str:
     batch, recomputed, in_graph, base, s_per_image, where = min(
         H200_SPEED, key=lambda row: (row[3] != plan.base_matmul, row[2] != plan.in_graph,
                                      abs(row[0] - plan.inputs.batch), abs(row[1] - plan.recomputed)))
-    return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of 28 recomputed"
+    return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of {measured_shape().blocks} recomputed"
             f"{' in the compiled graph' if in_graph else ''}{', FP8 base' if base == 'fp8' else ''}, "
-            f"{s_per_image:.4f} s/image ({where}; an H200, not your card)")
+            f"{s_per_image:.4f} s/image ({where}; the 2B on an H200, not your model on your card)")
 
 
 def render(plan: Plan, cfg_name: str) -> str:
@@ -252,6 +281,7 @@ def render(plan: Plan, cfg_name: str) -> str:
     lines = [
         f"plan for {cfg_name} under {plan.budget / gib:.1f} GiB "
         f"({'auto: the runtime decides the same way after its first step' if plan.auto else 'count fixed by the config'})",
+        f"  model              {plan.shape.describe()} (its config.json files)",
         f"  largest batch      {i.batch} image(s), {i.tokens} tokens; {i.trainable:,} trainable parameters",
         f"  steady memory      {i.steady / gib:.2f} GiB (weights, trainable parameters, optimizer state)"
         + (f" + Qwen3 {i.qwen3 / gib:.2f} GiB" if plan.resident else ""),
