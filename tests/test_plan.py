@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from anima_train.config import load_config
+from anima_train.model import tiny
 from anima_train.training import plan, weight_swap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +25,21 @@ GIB = plan.GIB
 # The static prediction may be high (safe: the run keeps more free) by up to this much, low by at most PEAK_LOW.
 PEAK_HIGH = 0.25 * GIB
 PEAK_LOW = 0.05 * GIB
+MODELS = {}  # the config-only repos the plans read (a full-size model has no weights here): filled by the fixture
+
+
+@pytest.fixture(scope="module", autouse=True)
+def full_size_models(tmp_path_factory):
+    """The 2B the bench measured, and the 2.9B (40 blocks), as their config.json files."""
+    MODELS["2B"] = tiny.write_model_configs(tmp_path_factory.mktemp("anima_2b"), "full")
+    MODELS["2.9B"] = tiny.write_model_configs(tmp_path_factory.mktemp("anima_2_9b"), "full", blocks=40)
+
+
+def train_table(model: str = "2B") -> str:
+    """`[dataset]` and the head of `[train]` of a plan's config, with model_path at the model."""
+    return f'[dataset]\npath = "data"\n[train]\nmodel_path = {json.dumps(str(MODELS[model]))}\n'
+
+
 PLAN_LINE = re.compile(r"checkpointing auto: (\d+) of (\d+) blocks recompute .*predicted peak ([\d.]+) of ([\d.]+) GiB")
 
 
@@ -62,7 +78,7 @@ def fp8_runs() -> list[dict]:
 
 def config_for(batch: int, recompute: str = "block", base_matmul: str = "bf16"):
     # the bench configuration: LoRA r32 (the default), AdamW, bf16, 1024x1024 (the defaults), the run's batch
-    return load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = {batch}\nrecompute = "{recompute}"\n'
+    return load_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
                        f'base_matmul = "{base_matmul}"\n')
 
 
@@ -159,11 +175,11 @@ def test_the_fp8_linears_per_block_are_counted_on_the_full_size_block():
 def test_lora_parameters_match_the_bench_count():
     trainable = {json.loads(line)["trainable"] for log in CAPS.glob("*_planner.log")
                  for line in log.read_text().splitlines() if line.startswith('{"who": "ours"')}
-    assert trainable == {plan.lora_parameters(32)}
+    assert trainable == {plan.make_plan(config_for(2), 8 * GIB).inputs.trainable}
 
 
 def test_fixed_count_is_kept_and_qwen3_stays_parked():
-    cfg = load_config('[dataset]\npath = "data"\n[train]\nbatch_size = 2\ncheckpoint_blocks = "all"\n')
+    cfg = load_config(train_table() + 'batch_size = 2\ncheckpoint_blocks = "all"\n')
     p = plan.make_plan(cfg, 80 * GIB, expandable=True)
     assert (p.recomputed, p.resident, p.auto, p.fits) == (28, False, False, True)
 
@@ -176,7 +192,8 @@ def test_block_parameters_is_the_full_size_block():
 
     with torch.device("meta"):
         block = CosmosTransformer3DModel(**dict(TRANSFORMER_FULL, num_layers=1)).transformer_blocks[0]
-    assert sum(p.numel() for p in block.parameters()) == plan.BLOCK_PARAMETERS
+    planned = plan.make_plan(config_for(2), 8 * GIB).shape
+    assert planned.block_parameters == sum(p.numel() for p in block.parameters()) == 69_206_528
 
 
 def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would():
@@ -186,13 +203,13 @@ def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would()
     resident = plan.make_plan(config_for(1), small, expandable=True)
     assert not resident.fits and resident.swap_fix is not None
     count = resident.swap_fix
-    swapped = plan.make_plan(load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = 1\n'
+    swapped = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
                                          f'swap_blocks = {count}\n'), small, expandable=True)
-    fewer = plan.make_plan(load_config(f'[dataset]\npath = "data"\n[train]\nbatch_size = 1\n'
+    fewer = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
                                        f'swap_blocks = {count - 1}\n'), small, expandable=True)
     assert swapped.fits and not fewer.fits
     assert swapped.recomputed >= count
-    block = plan.BLOCK_PARAMETERS * 2
+    block = resident.shape.block_parameters * 2
     assert swapped.inputs.steady == resident.inputs.steady - (count - weight_swap.RESIDENT_SLOTS) * block
     text = plan.render(swapped, "run.toml")
     rows = [line for line in text.splitlines() if re.match(r"\s+\d+\s", line)]
@@ -212,7 +229,7 @@ def anima_train(tmp_path, *args, cuda_visible=None):
 @pytest.fixture
 def config_file(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[dataset]\npath = "data"\n[train]\nbatch_size = 2\n')
+    path.write_text(train_table() + 'batch_size = 2\n')
     return path
 
 
@@ -285,3 +302,53 @@ def test_cli_bad_config_is_the_gates_message(tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("anima-train plan: error: ") and "batch_size" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def plan_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if re.match(r"\s+\d+\s", line)]
+
+
+def test_the_plan_is_for_the_model_at_model_path(tmp_path, tiny_anima):
+    """issue 43: whatever model_path named (a 40-block 2.9B, the demo's tiny model), the plan was the full-size 2B's
+    (28 blocks, 45,875,200 trainable parameters). Now each model's block count, widths and parameters come from its
+    config.json files; the 2B's plan is the measured one (test_cli_prints_the_plan)."""
+    deep = tmp_path / "deep.toml"
+    deep.write_text(train_table("2.9B") + 'batch_size = 2\n')
+    done = anima_train(tmp_path, str(deep), "--vram", "24")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "model              40 DiT blocks of width 2048 (MLP 8192, context 1024), 2.92 B parameters" in out
+    assert "65,536,000 trainable parameters" in out  # a rank-32 LoRA on 40 blocks: 40/28 of the 2B's
+    assert [int(row.split()[0]) for row in plan_rows(out)] == list(range(40))
+    assert re.search(r"summary: \d+ of 40 blocks recompute", out) and "of 28 blocks" not in out
+    assert "measured on the 2B (28 blocks of width 2048) and scaled" in out
+    # deeper is larger: at the same card and batch the 2.9B needs more than the 2B, and swaps more to fit 8 GiB
+    two = plan.make_plan(config_for(2), 8 * GIB, expandable=True)
+    deeper = plan.make_plan(load_config(deep.read_text()), 8 * GIB, expandable=True)
+    assert deeper.inputs.steady > two.inputs.steady and deeper.predicted > two.predicted
+    assert deeper.inputs.steady - two.inputs.steady > 12 * 69_206_528 * 2  # 12 more blocks of bf16 weights
+    assert two.fits and not deeper.fits and deeper.swap_fix is not None
+    # the demo's tiny model: 2 blocks of width 64, a tiny plan
+    small = tmp_path / "tiny.toml"
+    small.write_text(f'[dataset]\npath = "data"\n[train]\nmodel_path = {json.dumps(str(tiny_anima.diffusers_dir))}\n')
+    done = anima_train(tmp_path, str(small), "--vram", "8")
+    assert done.returncode == 0, done.stderr
+    assert "model              2 DiT blocks of width 64" in done.stdout
+    assert len(plan_rows(done.stdout)) == 2 and "summary: 0 of 2 blocks recompute" in done.stdout
+    assert "predicted peak: 0.1 of 8.0 GiB" in done.stdout
+
+
+def test_a_missing_model_is_refused(tmp_path):
+    missing = tmp_path / "missing.toml"
+    missing.write_text('[dataset]\npath = "data"\n[train]\nmodel_path = "no/such/model"\n')
+    done = anima_train(tmp_path, str(missing), "--vram", "8")
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("anima-train plan: error: [train] model_path = 'no/such/model': "
+                                                   "no such folder"), done.stderr
+    assert "anima-train convert" in lines[0]
+    empty = tmp_path / "empty"
+    (empty / "transformer").mkdir(parents=True)
+    missing.write_text(f'[dataset]\npath = "data"\n[train]\nmodel_path = {json.dumps(str(empty))}\n')
+    done = anima_train(tmp_path, str(missing), "--vram", "8")
+    assert done.returncode == 2 and "transformer/config.json" in done.stderr and "Traceback" not in done.stderr
