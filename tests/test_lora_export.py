@@ -206,7 +206,7 @@ def test_loha_keys_and_alpha_give_peft_update_under_comfyuis_rule(tmp_path):
     with safe_open(str(path), "pt") as handle:
         md = handle.metadata()
     assert md["ss_network_module"] == "lycoris.kohya" and json.loads(md["ss_network_args"]) == {"algo": "loha"}
-    assert md["modelspec.architecture"] == "anima-base-v1.0/lycoris" and md["ss_network_dim"] == "4"
+    assert md["modelspec.architecture"] == "anima/lycoris" and md["ss_network_dim"] == "4"
     half = lora_export.adapter_state_dict(transformer, conditioner, kind="loha", dtype=torch.bfloat16)
     assert {v.dtype for k, v in half.items() if not k.endswith(".alpha")} == {torch.bfloat16}
     assert {v.dtype for k, v in half.items() if k.endswith(".alpha")} == {torch.float32}
@@ -285,7 +285,7 @@ def test_metadata_keys_and_atomic_no_overwrite(tmp_path):
     assert md["ss_steps"] == "120" and md["ss_epoch"] == "2" and md["ss_num_epochs"] == "3"
     assert md["ss_resolution"] == "(1024, 1024)" and md["modelspec.resolution"] == "1024x1024"
     assert json.loads(md["ss_tag_frequency"]) == tags and json.loads(md["ss_training_config"]) == config
-    assert md["modelspec.sai_model_spec"] == "1.0.1" and md["modelspec.architecture"] == "anima-base-v1.0/lora"
+    assert md["modelspec.sai_model_spec"] == "1.0.1" and md["modelspec.architecture"] == "anima/lora"
     assert md["modelspec.title"] == "my-run" and md["modelspec.implementation"].startswith("https://")
     assert md[lora_export.STEP_KEY] == "120"
 

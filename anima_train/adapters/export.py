@@ -37,6 +37,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from anima_train import __version__, adapters
 from anima_train.model import keymaps
+from anima_train.model.shape import BaseModel
 from anima_train.adapters.base import ADAPTER_NAME
 from anima_train.files import atomic_path
 from anima_train.config import LORA_FORMATS
@@ -47,9 +48,13 @@ KOHYA_TE_PREFIX = "lora_te_"
 FORMATS = LORA_FORMATS  # [adapter] output_format
 
 # ModelSpec (https://github.com/Stability-AI/ModelSpec) values. sd-scripts writes "anima-preview" for the preview
-# model and IMPL_ANIMA below; we name the released base model.
+# model. The architecture is the family and its depth, read from the model trained ("anima-28-blocks" for the 2B
+# base, aesthetic and turbo alike, "anima-40-blocks" for the 2.9B): the same weights' names go to sd-scripts' keys,
+# ss_sd_model_name (the single file convert read) and ss_new_sd_model_hash (its sha256). ComfyUI reads
+# ss_base_model_version ("anima") and ss_tag_frequency of a LoRA (app/assets/services/metadata_extract.py), no
+# modelspec key but modelspec.base_model and modelspec.air, which we do not write.
 MODELSPEC_VERSION = "1.0.1"
-ARCHITECTURE = "anima-base-v1.0"
+ARCHITECTURE = "anima"
 IMPLEMENTATION_NATIVE = "https://huggingface.co/circlestone-labs/Anima"
 IMPLEMENTATION_DIFFUSERS = "diffusers"
 BASE_MODEL_VERSION = "anima"  # ss_base_model_version
@@ -62,18 +67,24 @@ TE_LORA = "te_lora"  # training_metadata's kind for the Qwen3 `_te` file (a LoRA
 # Metadata
 
 
+def architecture(base_model: BaseModel | None) -> str:
+    blocks = base_model.blocks if base_model is not None else None
+    return ARCHITECTURE if blocks is None else f"{ARCHITECTURE}-{blocks}-blocks"
+
+
 def training_metadata(*, kind: str, title: str, rank: int | None = None, alpha: float | None = None,
                       resolution: int | list[int] | tuple | None = None, steps: int | None = None,
                       epoch: int | None = None, num_epochs: int | None = None, max_steps: int | None = None,
                       tag_frequency: Mapping | None = None, training_config: Mapping | str | None = None,
                       network_args: Mapping | None = None, implementation: str = IMPLEMENTATION_NATIVE,
-                      extra: Mapping | None = None) -> dict[str, str]:
+                      extra: Mapping | None = None, base_model: BaseModel | None = None) -> dict[str, str]:
     """sd-scripts `ss_*` + ModelSpec `modelspec.*` keys for one checkpoint file (values are strings).
 
     kind: an adapter method's name (lora, lokr, full, ...: adapters.METHODS) or te_lora (the Qwen3 file).
     resolution: one side (1024) or the tier list ([768, 1024]).
     tag_frequency: {dataset folder: {tag: count}} (sd-scripts layout). training_config: a dict (JSON-encoded here)
-    or the JSON text itself. extra: more keys, written as given (stringified)."""
+    or the JSON text itself. extra: more keys, written as given (stringified). base_model: the model trained
+    (model/shape.py base_model), named in the architecture and sd-scripts' model keys."""
     names = [m.name for m in adapters.METHODS.values()] + [TE_LORA]
     if kind not in names:
         raise ValueError(f"kind must be one of {sorted(names)}, got {kind!r}")
@@ -82,7 +93,7 @@ def training_metadata(*, kind: str, title: str, rank: int | None = None, alpha: 
     now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
     md: dict[str, object] = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
-        "modelspec.architecture": ARCHITECTURE + method.architecture,
+        "modelspec.architecture": architecture(base_model) + method.architecture,
         "modelspec.implementation": implementation,
         "modelspec.implementation_version": f"anima-train/{__version__}",
         "modelspec.title": title,
@@ -92,6 +103,9 @@ def training_metadata(*, kind: str, title: str, rank: int | None = None, alpha: 
         RUN_KEY: title,
         "ss_training_finished_at": str(now.timestamp()),
     }
+    if base_model is not None:
+        md["ss_sd_model_name"] = base_model.name
+        md["ss_new_sd_model_hash"] = base_model.sha256
     if tiers:
         md["modelspec.resolution"] = f"{max(tiers)}x{max(tiers)}"
         md["ss_resolution"] = f"({max(tiers)}, {max(tiers)})"  # sd-scripts writes a tuple string

@@ -29,6 +29,7 @@ Qwen3 RoPE theta) are the real ones.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -115,6 +116,41 @@ def load_tensors(path: Path, slot: str) -> dict:
     except Exception as exc:
         raise ConvertError(f"--{slot} {path}: reading the tensors failed ({exc}); the file is truncated or "
                            f"corrupt, download it again") from exc
+
+
+def check_blocks(native: dict, path: Path) -> int:
+    """The DiT's block count, read from the file's keys (never looked up from the width: Anima-2B and -2.9B share
+    width 2048 with 28 and 40 blocks). The config is built from block 0, so every block must be numbered 0..N-1
+    and hold block 0's tensors at block 0's shapes; else refused, naming the first block that differs."""
+    found: dict[int, dict[str, tuple]] = {}
+    for key, tensor in keymaps.strip_native_prefix(native).items():
+        if m := re.match(r"^blocks\.(\d+)\.(.+)$", key):
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = tuple(tensor.shape)
+    if not found:
+        raise ConvertError(f"--anima {path}: the file has no DiT blocks (no net.blocks.N.* tensors); it is not an "
+                           f"Anima DiT single file")
+    n = max(found) + 1
+    gaps = [i for i in range(n) if i not in found]
+    if gaps:
+        raise ConvertError(f"--anima {path}: block {gaps[0]} is missing (the file numbers its blocks up to {n - 1} "
+                           f"but has no net.blocks.{gaps[0]}.* tensors); the file is damaged or was merged wrongly, "
+                           f"download it again")
+    first = found[0]
+    for index in range(1, n):
+        block = found[index]
+        if block == first:
+            continue
+        lacks = sorted(set(first) - set(block))
+        extra = sorted(set(block) - set(first))
+        if lacks or extra:
+            what = (f"it has no {lacks[0]} (block 0 has)" if lacks else f"it has {extra[0]}, which block 0 has not")
+        else:
+            name = next(k for k in sorted(first) if first[k] != block[k])
+            what = f"its {name} is {list(block[name])}, block 0's is {list(first[name])}"
+        raise ConvertError(f"--anima {path}: block {index} does not match the model built from the file (block "
+                           f"0's shapes, {n} blocks): {what}; the file is damaged or mixes two models, download it "
+                           f"again")
+    return n
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,6 +320,7 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         t0 = time.perf_counter()
         native = load_tensors(inputs["anima"], "anima")
         counts["anima file"] = len(native)
+        blocks = check_blocks(native, inputs["anima"])
         dit_sd, cond_sd = rename(keymaps.split_anima_native, native, "anima", inputs["anima"])
         del native
         cfg = transformer_config(dit_sd)
@@ -330,7 +367,7 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
             log(f"tokenizers: copied from {token_source}")
         if modular_index:
             write_modular_index(tmp, out)
-        _write_record(tmp, inputs)
+        _write_record(tmp, inputs, blocks)
         publish_dir(tmp, out)  # `out` is absent or empty (checked above)
         log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     except BaseException:
@@ -348,17 +385,27 @@ def _warn_no_tokenizers(out: Path, log) -> None:
     log(f"WARNING: {message}")
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _file_record(path: Path) -> dict:
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _write_record(repo: Path, inputs: dict[str, Path]) -> None:
+def _write_record(repo: Path, inputs: dict[str, Path], blocks: int) -> None:
     """What a later convert into the same folder compares with: the three inputs (path, size, time) and every
-    weight file written (size), relative to the repo."""
+    weight file written (size), relative to the repo; and the model converted (the DiT file's name, its sha256 and
+    block count), which a run's files name as their base model."""
     weights = {str(p.relative_to(repo)): p.stat().st_size for p in sorted(repo.rglob("*.safetensors"))}
     record = {"inputs": {slot: {"path": str(path.absolute()), **_file_record(path)} for slot, path in inputs.items()},
-              "weights": weights}
+              "weights": weights,
+              "model": {"file": inputs["anima"].name, "sha256": _sha256(inputs["anima"]), "blocks": blocks}}
     (repo / RECORD_NAME).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 

@@ -20,6 +20,8 @@ import torch
 
 from anima_train.model.components import WEIGHT_SOURCES, ModelRepoError, _empty_models
 
+CONVERT_RECORD = "anima-convert.json"  # written by `anima-train convert` (model/convert.py RECORD_NAME)
+
 # the Linears of a DiT block an adapter wraps by default: attention (self and cross) and the MLP
 ADAPTED_PREFIXES = ("attn1.", "attn2.", "ff.")
 
@@ -94,3 +96,22 @@ def declared_blocks(model_path: str | os.PathLike) -> int | None:
         return int(value["num_layers"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """The model a run trains, as its files name it (for the metadata of what the run writes)."""
+    name: str  # the single file `convert` read (anima-2.9b.safetensors), else the repo's folder name
+    sha256: str | None  # of that single file, when convert recorded it
+    blocks: int | None
+
+
+def base_model(model_path: str | os.PathLike) -> BaseModel:
+    root = Path(model_path).expanduser()
+    name, sha256 = root.resolve().name, None
+    try:
+        record = json.loads((root / CONVERT_RECORD).read_text("utf-8"))["model"]
+        name, sha256 = str(record["file"]), record.get("sha256")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # a repo convert did not write (a download, the tiny model): its folder's name
+    return BaseModel(name=name, sha256=sha256, blocks=declared_blocks(root))

@@ -25,6 +25,7 @@ from anima_train.config import Config
 from anima_train.data.captions import read_caption_file, split_tags
 from anima_train.errors import UserError
 from anima_train.model.components import DTYPES
+from anima_train.model.shape import base_model
 from anima_train.outputs.layout import STATE_FILE, STATE_SUFFIX, checkpoint_step, latest_state
 
 
@@ -162,6 +163,7 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
     really does (ss_num_epochs, ss_max_train_steps), i.e. after a max_steps cap, not the configured epochs."""
     method = adapters.method(cfg.adapter.kind)
     dtype = DTYPES[cfg.train.dtype]
+    base = base_model(cfg.train.model_path)  # the model trained, as its files name it
 
     def metadata(file_kind: str, rank: int | None, alpha: float | None) -> dict[str, str]:
         return ex.training_metadata(
@@ -170,7 +172,7 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
             max_steps=max_steps, tag_frequency=tag_frequency,
             training_config=config_json(cfg),
             network_args={"components": cfg.adapter.components, "train_llm_adapter": cfg.adapter.train_llm_adapter},
-            extra={"step": step, "run": cfg.run_stem})
+            extra={"step": step, "run": cfg.run_stem}, base_model=base)
 
     meta = metadata(method.name, *((None, None) if method.trains_base else (cfg.adapter.rank, cfg.adapter.alpha)))
     path = run_dir / method.output_name(stem, cfg)

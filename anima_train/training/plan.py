@@ -45,6 +45,7 @@ from anima_train.errors import UserError
 from anima_train.model import tiny
 from anima_train.model.shape import ModelShape, declared_shape, shape_of
 from anima_train.training import memory, recompute, weight_swap
+from anima_train.training.preflight import block_count_problems
 
 GIB = recompute.GIB
 
@@ -353,6 +354,10 @@ def run(args) -> int:
         budget = visible_gpu_bytes()
         if budget is None:
             raise UserError("no CUDA GPU is visible here: give the card's memory with --vram GiB (e.g. --vram 12)")
-    plan = make_plan(cfg, budget)
+    shape = declared_shape(cfg.train.model_path)
+    problems = block_count_problems(cfg, shape.blocks)
+    if problems:
+        raise UserError("\n".join(problems))
+    plan = make_plan(cfg, budget, shape=shape)
     print(render(plan, str(args.config)))
     return 0

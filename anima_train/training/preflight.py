@@ -22,6 +22,7 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     # lazy: torch (~4.6 s, through resume_state and components): `anima-train config` checks paths without it
     from anima_train.outputs import resume_state
     from anima_train.model.components import ModelRepoError, check_weights
+    from anima_train.model.shape import declared_blocks
 
     problems = []
     model = cfg.train.model_path
@@ -30,6 +31,8 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
             check_weights(model)  # the folders, and every config.json and weight header (no weights read)
         except ModelRepoError as exc:
             problems.append(str(exc) if str(exc).startswith("model_path") else f"[train] model_path: {exc}")
+        else:
+            problems += block_count_problems(cfg, declared_blocks(model))
     for i, sub in enumerate(cfg.dataset.resolved_subsets()):
         if skip(sub.path):
             continue
@@ -55,6 +58,23 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
                                                free_run_name(run_dir.parent, cfg.run_stem))
         except resume_state.ResumeError as exc:
             problems.append(f"[train] {exc}")
+    return problems
+
+
+def block_count_problems(cfg: Config, blocks: int | None) -> list[str]:
+    """The settings that count DiT blocks, against the `blocks` the model at model_path has (its
+    transformer/config.json): more than it has is refused, never cut down to what it has."""
+    if blocks is None:
+        return []
+    head = f"[train] model_path: the model has {blocks} DiT blocks (transformer/config.json num_layers)"
+    problems = []
+    if cfg.train.swap_blocks > blocks:
+        problems.append(f"{head}, fewer than [train] swap_blocks = {cfg.train.swap_blocks}; set swap_blocks to at "
+                        f"most {blocks} (0 keeps every block on the GPU)")
+    setting = cfg.train.checkpoint_blocks
+    if isinstance(setting, int) and setting > blocks:
+        problems.append(f"{head}, fewer than [train] checkpoint_blocks = {setting}; set checkpoint_blocks to at most "
+                        f"{blocks}, \"all\" or \"auto\"")
     return problems
 
 
