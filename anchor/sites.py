@@ -179,14 +179,19 @@ def signature_text(widths):
     return "[" + ",".join(str(w) for w in widths) + "]"
 
 
-def check_widths(expected, got, where="anchor"):
+def check_widths(expected, got, where="anchor", count=None):
     """Refuse unless the file's width signature equals the host's, element by element. The message prints both
-    signatures, the first differing index and every differing index."""
+    signatures, the first differing index and every differing index. Of two signatures of different lengths the
+    first differing index is the first site only one of them has; `count` says what the counts mean."""
     expected, got = [int(w) for w in expected], [int(w) for w in got]
     if len(expected) != len(got):
-        raise SiteMismatch(f"{where}: the file has {len(expected)} sites, the host {len(got)}.\n"
-                           f"  file widths: {signature_text(expected)}\n  host widths: {signature_text(got)}",
-                           expected, got)
+        first = min(len(expected), len(got))
+        raise SiteMismatch(f"{where}: {count or f'the file has {len(expected)} sites, the host {len(got)}'}; width "
+                           f"signature mismatch, first differing index {first} (sites {first}.."
+                           f"{max(len(expected), len(got)) - 1} are on one side only).\n"
+                           f"  file widths: {signature_text(expected)}\n  host widths: {signature_text(got)}\n"
+                           "The file was made for a trunk of another depth; load one made for this model.",
+                           expected, got, range(first, max(len(expected), len(got))))
     differing = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
     if differing:
         raise SiteMismatch(
@@ -231,6 +236,12 @@ def resolve_sites(family, widths, host, file_site_names=None, where="anchor", fi
                                widths, [w for _, w in host])
         chosen = [host[i] for i in indices]
     else:
+        if family == "cosmos_dit" and n_sites not in (len(host), math.ceil(len(host) / 2)):
+            # neither a full nor a half stack of this trunk (a 28-site Anima-2B file on a 40-block 2.9B): the
+            # signature check refuses it, with both signatures
+            check_widths(widths, [w for _, w in host], where,
+                         count=f"cosmos_dit: the file has {n_sites} sites but the trunk has {len(host)} blocks (a full "
+                               f"stack has {len(host)}, a half stack {math.ceil(len(host) / 2)})")
         if family == "cosmos_dit" and n_sites != len(host):
             host = host[::cosmos_stride(n_sites, len(host))]
         if len(host) != n_sites:
