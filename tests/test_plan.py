@@ -219,7 +219,7 @@ def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would()
 
 
 def anima_train(tmp_path, *args, cuda_visible=None):
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # this checkout's code
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     return subprocess.run([sys.executable, "-m", "anima_train", "plan", *args], capture_output=True, text=True,
