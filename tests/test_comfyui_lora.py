@@ -222,3 +222,68 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     print(f"te: {len(got)} weights patched by ComfyUI, max |Δ| vs peft = {worst:.2e}")
     assert worst < 1e-5
     assert not [line for line in report["te"]["log"] if "not loaded" in line.lower()], report["te"]["log"]
+
+
+KEY_MAP_SCRIPT = textwrap.dedent(r'''
+    import json, sys
+    comfy_path, shapes_file, out = sys.argv[1:4]
+    sys.path.insert(0, comfy_path)
+    from comfy.cli_args import args
+    args.cpu = True
+    import torch
+    import comfy.lora, comfy.model_detection
+
+    # a native Anima file's keys and shapes as meta tensors: ComfyUI detects and builds the model from them alone
+    sd = {k: torch.empty(v, device="meta") for k, v in json.load(open(shapes_file)).items()}
+    config = comfy.model_detection.model_config_from_unet(sd, "net.")
+    model = config.get_model(sd, "net.", device=torch.device("meta"))
+    json.dump({"image_model": config.unet_config.get("image_model"), "blocks": config.unet_config.get("num_blocks"),
+               "keys": sorted(comfy.lora.model_lora_keys_unet(model, {}))}, open(out, "w"))
+''')
+
+
+def dit_lora_keys(blocks: int):
+    """The full-size DiT with `blocks` blocks on the meta device, and our LoRA key stem for each of its Linears."""
+    from diffusers import CosmosTransformer3DModel
+    from diffusers.models.condition_embedders.condition_embedder_anima import AnimaTextConditioner
+
+    with torch.device("meta"):
+        transformer = CosmosTransformer3DModel(**dict(CONFIGS["full"]["transformer"], num_layers=blocks))
+        conditioner = AnimaTextConditioner(**CONFIGS["full"]["text_conditioner"])
+    keys = {lora_export.native_key("transformer", name) for name, m in transformer.named_modules()
+            if isinstance(m, torch.nn.Linear)}
+    return transformer, conditioner, keys
+
+
+def in_block(keys, index: int) -> set:
+    prefix = f"diffusion_model.blocks.{index}."
+    return {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+
+
+def test_the_key_map_is_comfyuis_for_28_blocks_and_its_rule_for_40(tmp_path):
+    """issue 43: the full-size 2B's LoRA keys are module names of the model ComfyUI builds from a 2B file (0.29 here:
+    28 blocks for any 2048-wide Anima, so a 2.9B loads only from 0.33.1, which counts the blocks). A 40-block model's
+    keys follow the same rule: block i's are block 0's with its index, for every i to 39."""
+    comfy_path, comfy_python = os.environ["COMFYUI_PATH"], os.environ.get("COMFYUI_PYTHON", sys.executable)
+    transformer, conditioner, ours = dit_lora_keys(28)
+    native = keymaps.join_anima_native(transformer.state_dict(), conditioner.state_dict())
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({k: list(v.shape) for k, v in native.items()}))
+    script, out = tmp_path / "key_map.py", tmp_path / "key_map.json"
+    script.write_text(KEY_MAP_SCRIPT)
+    done = subprocess.run([comfy_python, str(script), comfy_path, str(shapes), str(out)], capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["image_model"] == "anima" and report["blocks"] == 28
+    comfy = set(report["keys"])
+    assert ours <= comfy, sorted(ours - comfy)[:5]  # every Linear of the DiT, named as ComfyUI's LoRA loader names it
+    assert {int(k.split(".")[2]) for k in ours if k.startswith("diffusion_model.blocks.")} == set(range(28))
+
+    _, _, deep = dit_lora_keys(40)
+    per_block = in_block(ours, 0)
+    assert per_block and per_block <= in_block(comfy, 0)
+    assert all(in_block(deep, i) == per_block for i in range(40))
+    assert {k for k in deep if not k.startswith("diffusion_model.blocks.")} == \
+        {k for k in ours if not k.startswith("diffusion_model.blocks.")}
+    assert len(deep) == len(ours) + 12 * len(per_block)

@@ -320,8 +320,8 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         t0 = time.perf_counter()
         native = load_tensors(inputs["anima"], "anima")
         counts["anima file"] = len(native)
-        blocks = check_blocks(native, inputs["anima"])
         dit_sd, cond_sd = rename(keymaps.split_anima_native, native, "anima", inputs["anima"])
+        blocks = check_blocks(native, inputs["anima"])  # after the rename, which names a tensor it cannot map
         del native
         cfg = transformer_config(dit_sd)
         model = _materialise(lambda: CosmosTransformer3DModel(**cfg), dit_sd, "transformer", inputs["anima"])
