@@ -138,11 +138,12 @@ def test_block_counting_settings_count_the_models_blocks(deep, latents_dir, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "30 of 40 DiT blocks swapped" in done.stdout and "checkpointing 35 of 40 blocks" in done.stdout
     config.write_text(cfg.source_text.replace("swap_blocks = 30", "swap_blocks = 41")
-                      .replace("checkpoint_blocks = 35", "checkpoint_blocks = 44"))
+                      .replace("checkpoint_blocks = 35", "checkpoint_blocks = 44")
+                      .replace('run_name = "tiny"', 'run_name = "beyond"'))
     done = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     text = done.stderr
-    assert text.count("the model has 40 DiT blocks") == 2, text
+    assert text.count("the model has 40 DiT blocks") == 2 and "2 paths cannot be used" in text, text
     assert "[train] swap_blocks = 41; set swap_blocks to at most 40" in text
     assert "[train] checkpoint_blocks = 44; set checkpoint_blocks to at most 40" in text
 
