@@ -103,7 +103,7 @@ class AnimaAnchorLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="AnimaAnchorLoader",
-            display_name="Load Anchor",
+            display_name="Anima: Load anchor",
             category=CATEGORY,
             description="Attach an amoe.diffusion.anchor block adapter (relay or multiband3) to a model. Returns "
                         "a patched copy of the model (the input stays unpatched) and the file's usage card. "
