@@ -21,21 +21,22 @@ const GAP_PX = 10; // kept free between a grown node and its neighbour
 const MIN_CONTENT_PX = 3 * LINE_PX + PADDING_PX; // a report squeezed by a neighbour still shows three lines
 
 // The room a node may grow into without covering another node of its graph: {width, height} from its top left
-// (graph units, title bar excluded), Infinity where nothing stands in the way. A neighbour to the right caps the
-// width, one below (within that width) the height; a node it already overlaps does not count.
+// (graph units, title bar excluded), Infinity where nothing stands in the way. A node to the right (beside its
+// rows) caps the width, one below its top edge (within its columns at `width`) the height: below the top, not the
+// bottom, so that a node grown as far as its neighbour still counts it on the next fit.
 export function roomAround(node, width) {
   if (!node.pos || !node.size) return { width: Infinity, height: Infinity }; // not placed on a canvas yet
   const title = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
   const [x, y] = node.pos, [w, h] = node.size;
   let right = Infinity, below = Infinity;
   for (const other of node.graph?._nodes ?? node.graph?.nodes ?? []) {
-    if (other === node) continue;
+    if (other === node || !other.pos || !other.size) continue;
     const left = other.pos[0], top = other.pos[1] - title;
     const otherRight = left + other.size[0], otherBottom = other.pos[1] + other.size[1];
-    const besideRows = top < y + Math.max(h, 1) && otherBottom > y - title;
+    const besideRows = top < y + h && otherBottom > y - title;
     if (left >= x + w && besideRows) right = Math.min(right, left - GAP_PX - x);
     const underColumns = left < x + Math.max(w, width) && otherRight > x;
-    if (top >= y + h && underColumns) below = Math.min(below, top - GAP_PX - y);
+    if (top > y - title && underColumns) below = Math.min(below, top - GAP_PX - y);
   }
   return { width: right, height: below };
 }

@@ -3,7 +3,7 @@
 A report (the Check node's table, Audit's verdicts, Convert's and Cache's result texts, the Train node's result, the
 anchor card) grows its node to show it: the Check node widened from ~218 to ~814 px after it ran and covered
 "Anima: Audit dataset" placed beside it. tests/browser/reports.cjs places the six report nodes in two rows, each
-beside and above another (20 px apart, at their sizes as added), runs Check and Audit for real and gives the others
+beside and above another (20 px apart, the rows 100 px, at their sizes as added), runs Check and Audit for real and gives the others
 their report as ComfyUI delivers it. The assertions are here: no two nodes overlap, every report box lies inside its
 node, and a report with more text than the room shows scrolls inside its box.
 """

@@ -1,7 +1,7 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_reports.py.
 //   node reports.cjs '<json: {url, chromium, userDataDir, outDir, datasetDir, texts, card}>'
 // Places the pack's report nodes side by side in two rows on an empty canvas, each at its size as added, 20 px
-// apart: Check, Audit, Convert above; Cache, Train, Load anchor below. Check and Audit run for real (Run button
+// apart, the rows 100 px: Check, Audit, Convert above; Cache, Train, Load anchor below. Check and Audit run for real (Run button
 // code); the others get their report the way ComfyUI delivers a node's ui output (onExecuted: `texts` by node type,
 // `card` for the anchor). Then reports every node's rectangle and its report box. Writes <outDir>/result.json.
 "use strict";
@@ -35,7 +35,7 @@ async function main() {
           bottom = Math.max(bottom, y + title + node.size[1]);
           placed.push({ id: node.id, type, size: [...node.size] });
         }
-        y = bottom + 20;
+        y = bottom + 100; // room for three lines of a report under the row above
       }
       const audit = app.graph.nodes.find((n) => n.type === "AnimaTrainAudit");
       const dir = audit.widgets.find((w) => w.name === "dataset_dir");
