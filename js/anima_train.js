@@ -116,9 +116,12 @@ function onQueueEvent(type, detail) {
   if (type === "execution_cached") { // not run again: the node shows the run it re-uses
     updateRuns(promptId, (run) => (run.phase === "queued" ? null : run), (detail.nodes ?? []).map(String));
   } else if (["execution_success", "execution_error", "execution_interrupted"].includes(type)) {
-    updateRuns(promptId, (run) => (run.phase !== "queued" ? run : Object.assign(newRun(), {
-      phase: "cancelled", cancelled: { text: "not run: the prompt ended before this node (see the node marked red)" },
-    })));
+    updateRuns(promptId, (run) => {
+      if (run.phase === "cancelling") return Object.assign(run, { phase: "cancelled", cancelled: { text: run.note } });
+      if (run.phase !== "queued") return run; // the node's own events said how it ended
+      return Object.assign(newRun(), { phase: "cancelled",
+        cancelled: { text: "not run: the prompt ended before this node (see the node marked red)" } });
+    });
   }
 }
 

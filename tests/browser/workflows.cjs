@@ -159,6 +159,9 @@ async function main() {
         app.canvas.setDirty(true, true);
         return { x: at.x - 12, y: at.y - 12, width: (x1 - x0) * scale + 24, height: (y1 - y0) * scale + 24 };
       });
+      // the frontend's "Job completed" banner lies over the graph's top right corner for a few seconds
+      await page.waitForFunction(() => !document.body.innerText.includes("Job completed"), null,
+        { timeout: 30000, polling: 250 }).catch(() => null);
       await page.waitForTimeout(1000);
       await page.screenshot({ path: cfg.screenshot, clip });
     }
