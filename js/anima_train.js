@@ -6,11 +6,13 @@
 //    A chart follows only the runs this page queued from the workflow on the canvas (js/run_follow.js says how).
 // 3. Inputs declared advanced (the rarer Training config knobs) hide behind the node's "Show Advanced" toggle on the
 //    LiteGraph canvas too, not only in Nodes 2.0 and the properties panel.
+// 4. A text widget's label stays whole beside a long value (js/widget_labels.js).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { applyEvent, cancellingRun, drawChart, newRun, queuedRun, startedRun, statusLines } from "./loss_chart.js";
 import { fitToContent } from "./fit_content.js";
 import { PromptBook, chartRunKey, follows, runKey } from "./run_follow.js";
+import { keepLabels } from "./widget_labels.js";
 
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
 const TRAIN_NODE = "AnimaTrainTrain";
@@ -379,6 +381,12 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!isOurs(nodeData)) return;
+    const made = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const result = made?.apply(this, arguments);
+      keepLabels(this, () => app.canvas?.ctx ?? null);
+      return result;
+    };
     const previous = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       previous?.apply(this, arguments);

@@ -195,5 +195,8 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
         if node["widgets"]:
             others = [o for o in nodes if o["id"] != node["id"] and _overlap(node, o)]
             assert not others, f"{node['type']} {node['id']} is covered by {[o['type'] for o in others]}: {node}"
+    # 6. every text widget of the pack shows its whole label (a long value is cut in the middle instead)
+    assert all(label["fits"] for label in r["labels"]), [label for label in r["labels"] if not label["fits"]]
+    assert name != "anima_train_lora" or "tokenizers" in [label["widget"] for label in r["labels"]], r["labels"]
     print(f"\nMEASURED {name}: browser session {time.perf_counter() - t0:.1f} s, prompt {run_info['seconds']:.1f} s "
           f"(models built in {comfy['models_s']:.1f} s)")

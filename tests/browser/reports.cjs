@@ -66,15 +66,6 @@ async function main() {
       return end;
     }, { texts: cfg.texts, card: cfg.card });
     await page.waitForTimeout(1500); // grown after the text is laid out (two animation frames, then a redraw)
-    result.debug = await page.evaluate(async () => {
-      const { roomAround } = await import("/extensions/comfyui-anima-train/fit_content.js");
-      return window.comfyAPI.app.app.graph.nodes.map((n) => {
-        const w = n.widgets?.find((x) => ["anima_text", "anchor_card"].includes(x.name));
-        return { type: n.type, content: w?.contentHeight, min: w?.options?.getMinHeight?.(), compute: n.computeSize(),
-                 room: roomAround(n, n.size[0]), size: [...n.size], pos: [...n.pos], hasGraph: !!n.graph,
-                 nodes: (n.graph?._nodes ?? n.graph?.nodes ?? []).length };
-      });
-    });
     result.nodes = await page.evaluate(() => {
       const app = window.comfyAPI.app.app;
       const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;

@@ -140,6 +140,32 @@ async function main() {
       return { id: n.id, type: n.type, typeTitle: window.LiteGraph.registered_node_types[n.type]?.title ?? null, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title,
                widgets: ours };
     }));
+    // every text widget of the pack drawn with its whole label: the frontend cuts the label ("tok…") when label and
+    // value do not fit (its drawTruncatingText: label + gap + value <= width - 2 margins - paddings), so this asks
+    // that question of each widget as it is drawn
+    result.labels = await page.evaluate(async () => {
+      const app = window.comfyAPI.app.app;
+      const seen = [];
+      for (const node of app.graph.nodes.filter((n) => n.type.startsWith("Anima"))) {
+        for (const widget of node.widgets ?? []) {
+          if (widget.type !== "text" || widget.element || typeof widget.drawTruncatingText !== "function") continue;
+          const draw = widget.drawTruncatingText;
+          widget.drawTruncatingText = function (args) {
+            const { ctx, width, leftPadding = 5, rightPadding = 20 } = args;
+            const label = String(this.displayName ?? this.name), value = String(this._displayValue ?? "");
+            const room = width - (2 * 15 + leftPadding) - 2 * 15 - rightPadding;
+            seen.push({ node: node.type, widget: this.name, label, value,
+                        fits: ctx.measureText(label).width + 5 + ctx.measureText(value).width <= room });
+            widget.drawTruncatingText = draw;
+            return draw.call(this, args);
+          };
+        }
+      }
+      app.canvas.min_font_size_for_lod = 0; // widgets drawn in full at any zoom
+      app.canvas.setDirty(true, true);
+      await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(r, 300))));
+      return seen;
+    });
     if (cfg.screenshot) {
       // the README's "First run in ComfyUI" picture: the finished run, the whole graph framed as the thumbnail is
       const clip = await page.evaluate(() => {
