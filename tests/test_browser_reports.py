@@ -3,9 +3,9 @@
 A report (the Check node's table, Audit's verdicts, Convert's and Cache's result texts, the Train node's result, the
 anchor card) grows its node to show it: the Check node widened from ~218 to ~814 px after it ran and covered
 "Anima: Audit dataset" placed beside it. tests/browser/reports.cjs places the six report nodes in two rows, each
-beside and above another (20 px apart, the rows 100 px, at their sizes as added), runs Check and Audit for real and gives the others
-their report as ComfyUI delivers it. The assertions are here: no two nodes overlap, every report box lies inside its
-node, and a report with more text than the room shows scrolls inside its box.
+beside and above another (20 px apart, the rows 100 px, at their sizes as added), runs Check and Audit for real and
+gives the others their report as ComfyUI delivers it. The assertions are here: no two nodes overlap, every report
+box lies inside its node, and a report with more text than the room shows scrolls inside its box.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ CARD = {"display_name": "a test anchor", "kind": "multiband3", "n_sites": 10, "f
 
 
 def _overlap(a: dict, b: dict) -> bool:
-    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    return (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+            and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
 
 
 def test_reports_grow_into_free_space_only(tmp_path_factory, tmp_path):

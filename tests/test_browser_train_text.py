@@ -77,7 +77,8 @@ def test_train_node_text_follows_queue_run_and_cancel(tiny_anima, tmp_path_facto
 
 def check_what_the_node_said(r: dict, runs) -> None:
     log = r["log"]
-    print(f"'Job failed' (ComfyUI's own) shown after Cancel: {any(e.get('failed') for e in _after(log, 'cancel first'))}")
+    failed = any(e.get("failed") for e in _after(log, "cancel first"))
+    print(f"'Job failed' (ComfyUI's own) shown after Cancel: {failed}")
 
     # 1. queued: "loading …" before the first step, never "no run yet"; then "training step N of M", the real epochs
     first = _after(log, "queue first", "cancel first")

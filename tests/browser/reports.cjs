@@ -1,9 +1,10 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_reports.py.
 //   node reports.cjs '<json: {url, chromium, userDataDir, outDir, datasetDir, texts, card}>'
 // Places the pack's report nodes side by side in two rows on an empty canvas, each at its size as added, 20 px
-// apart, the rows 100 px: Check, Audit, Convert above; Cache, Train, Load anchor below. Check and Audit run for real (Run button
-// code); the others get their report the way ComfyUI delivers a node's ui output (onExecuted: `texts` by node type,
-// `card` for the anchor). Then reports every node's rectangle and its report box. Writes <outDir>/result.json.
+// apart, the rows 100 px: Check, Audit, Convert above; Cache, Train, Load anchor below. Check and Audit run for
+// real (Run button code); the others get their report the way ComfyUI delivers a node's ui output (onExecuted:
+// `texts` by node type, `card` for the anchor). Then reports every node's rectangle and its report box. Writes
+// <outDir>/result.json.
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -58,7 +59,9 @@ async function main() {
       const others = app.graph.nodes.filter((n) => !keep.has(n.type));
       for (const node of others) node.mode = 2; // muted (not in the prompt): their inputs are not linked here
       const done = new Promise((resolve) => {
-        for (const type of ["execution_success", "execution_error"]) api.addEventListener(type, (e) => resolve({ type, detail: e.detail }));
+        for (const type of ["execution_success", "execution_error"]) {
+          api.addEventListener(type, (e) => resolve({ type, detail: e.detail }));
+        }
       });
       await app.queuePrompt(0, 1);
       const end = await Promise.race([done, new Promise((r) => setTimeout(() => r({ type: "timeout" }), 240000))]);

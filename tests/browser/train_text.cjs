@@ -40,7 +40,8 @@ async function main() {
       const t0 = (window.__animaT0 = performance.now());
       const { api } = window.comfyAPI.api;
       for (const type of ["execution_start", "execution_success", "execution_error", "execution_interrupted"]) {
-        api.addEventListener(type, (e) => log.push({ t: performance.now() - t0, queue: type, prompt: e.detail?.prompt_id }));
+        api.addEventListener(type, (e) => log.push({ t: performance.now() - t0, queue: type,
+                                                     prompt: e.detail?.prompt_id }));
       }
       let last = "";
       setInterval(() => {
@@ -58,7 +59,8 @@ async function main() {
       return { config: config.id, train: train.id };
     }, cfg.widgets);
 
-    const mark = (what) => page.evaluate((w) => window.__animaLog.push({ mark: w, t: performance.now() - window.__animaT0 }), what);
+    const mark = (what) => page.evaluate(
+      (w) => window.__animaLog.push({ mark: w, t: performance.now() - window.__animaT0 }), what);
     const queue = async (name) => {
       await mark(`queue ${name}`);
       const id = await page.evaluate(async () => {
