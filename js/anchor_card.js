@@ -40,7 +40,7 @@ function badge(text, colour) {
 
 function renderCard(card) {
   const root = el("div", null,
-    // a hash or a path has no space to wrap at: without overflow-wrap it ran past the node's right edge
+    // a hash or a path has no space to wrap at: overflow-wrap breaks it inside the card, not past the node's edge
     "padding:5px 7px;font:11px/1.35 sans-serif;overflow:auto;height:100%;box-sizing:border-box;border-radius:4px;" +
     "overflow-wrap:anywhere;" +
     "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);");

@@ -1,7 +1,7 @@
 // Anima Trainer pack: a text widget's label stays readable when its value is long. The frontend (1.47) draws a text
-// widget as "label ........ value" and, when both do not fit, cuts the label first: Convert's `tokenizers` showed
-// as "tok…" beside a repo id, so a user could not tell which input it was. On the pack's nodes the value is cut in
-// the middle instead (its start and its end stay: a path's folder and file name), so the label is always whole.
+// widget as "label ........ value" and, when both do not fit, cuts the label first: Convert's `tokenizers` would
+// read "tok…" beside a repo id, and a user could not tell which input it is. On the pack's nodes the value is cut
+// in the middle instead (its start and its end stay: a path's folder and file name), so the label is always whole.
 //
 // ComfyUI loads every .js in js/ as an extension module; this one only exports, so loading it does nothing.
 
