@@ -1,4 +1,4 @@
-// Anima Trainer pack: the usage card of an anchor file, drawn on the "Load Anchor" node after it runs.
+// Anima Trainer pack: the usage card of an anchor file, drawn on the "Anima: Load anchor" node after it runs.
 // The node sends its card as `ui.anchor_card = [card]` (nodes/nodes_anchor.py). Every value comes from the file's
 // metadata, so it is set with textContent only, never parsed as HTML: a file cannot inject markup into the page.
 import { app } from "../../scripts/app.js";

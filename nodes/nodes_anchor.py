@@ -1,4 +1,4 @@
-"""Load Anchor: attach an `amoe.diffusion.anchor` adapter stack (relay / multiband3) to a MODEL.
+"""Anima: Load anchor: attach an `amoe.diffusion.anchor` adapter stack (relay / multiband3) to a MODEL.
 
 The file comes from `models/anchors/` (registered here as the model folder "anchors"; extra_model_paths.yaml may
 add more with an `anchors:` entry). The node returns a patched clone of the MODEL — the input model is never
