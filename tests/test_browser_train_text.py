@@ -95,7 +95,8 @@ def check_what_the_node_said(r: dict, runs) -> None:
     cancelled = _after(log, "cancel first", "queue second")
     cancelled = cancelled[next(i for i, e in enumerate(cancelled) if e["phase"] != "running"):]  # pressed
     pressed_at = next(e["t"] for e in log if e.get("mark") == "cancel first")
-    assert cancelled[0]["phase"] == "cancelling" and cancelled[0]["t"] - pressed_at < 1000, cancelled[0]
+    # at once: the next frames, not after the worker's save (seconds; ~7 s here)
+    assert cancelled[0]["phase"] == "cancelling" and cancelled[0]["t"] - pressed_at < 2000, cancelled[0]
     for entry in cancelled:
         assert not any(line["kind"] == "done" for line in entry["lines"]), entry
         assert not any("ETA" in t for t in _texts(entry)), entry

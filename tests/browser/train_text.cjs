@@ -89,8 +89,10 @@ async function main() {
       return { phase: root?.dataset.phase, text: root?.querySelector(".anima-train-chart-status")?.innerText ?? "" };
     });
     const cancel = async (name) => {
-      await mark(`cancel ${name}`);
-      await page.evaluate(() => window.comfyAPI.app.app.extensionManager.command.execute("Comfy.Interrupt"));
+      await page.evaluate((w) => { // the mark in the same task as the press: its time is the press's
+        window.__animaLog.push({ mark: w, t: performance.now() - window.__animaT0 });
+        return window.comfyAPI.app.app.extensionManager.command.execute("Comfy.Interrupt");
+      }, `cancel ${name}`);
       await page.waitForTimeout(250);
       result[`afterCancel_${name}`] = await status();
     };
