@@ -1,4 +1,4 @@
-// Anima Trainer pack: the usage card of an anchor file, drawn on the "Load Anchor" node after it runs.
+// Anima Trainer pack: the usage card of an anchor file, drawn on the "Anima: Load anchor" node after it runs.
 // The node sends its card as `ui.anchor_card = [card]` (nodes/nodes_anchor.py). Every value comes from the file's
 // metadata, so it is set with textContent only, never parsed as HTML: a file cannot inject markup into the page.
 import { app } from "../../scripts/app.js";
@@ -40,7 +40,9 @@ function badge(text, colour) {
 
 function renderCard(card) {
   const root = el("div", null,
+    // a hash or a path has no space to wrap at: overflow-wrap breaks it inside the card, not past the node's edge
     "padding:5px 7px;font:11px/1.35 sans-serif;overflow:auto;height:100%;box-sizing:border-box;border-radius:4px;" +
+    "overflow-wrap:anywhere;" +
     "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);");
   const title = el("div", null, "font-weight:bold;font-size:12px;margin-bottom:3px;");
   title.append(el("span", card.display_name || "unnamed"));

@@ -6,11 +6,13 @@
 //    A chart follows only the runs this page queued from the workflow on the canvas (js/run_follow.js says how).
 // 3. Inputs declared advanced (the rarer Training config knobs) hide behind the node's "Show Advanced" toggle on the
 //    LiteGraph canvas too, not only in Nodes 2.0 and the properties panel.
+// 4. A text widget's label stays whole beside a long value (js/widget_labels.js).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { applyEvent, drawChart, newRun, statusLines } from "./loss_chart.js";
+import { applyEvent, cancellingRun, drawChart, newRun, queuedRun, startedRun, statusLines } from "./loss_chart.js";
 import { fitToContent } from "./fit_content.js";
 import { PromptBook, chartRunKey, follows, runKey } from "./run_follow.js";
+import { keepLabels } from "./widget_labels.js";
 
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
 const TRAIN_NODE = "AnimaTrainTrain";
@@ -65,6 +67,63 @@ function sessionStorageOrNull() {
     return window.sessionStorage ?? null;
   } catch {
     return null;
+  }
+}
+
+// The Train node text follows the queue, not only the trainer's events (those come seconds after the node starts):
+// queued -> its text and the run before it are gone; the node starts -> "loading"; Cancel -> "cancelled at step N"
+// at once. `change(run)` returns the new state of each run of `promptId` (every prompt when it is undefined).
+function updateRuns(promptId, change, nodeIds = null) {
+  for (const [key, run] of [...runs]) {
+    const [prompt, node] = [key.slice(0, key.indexOf("|")), key.slice(key.indexOf("|") + 1)];
+    if ((promptId !== undefined && prompt !== String(promptId)) || (nodeIds && !nodeIds.includes(node))) continue;
+    const next = change(run);
+    if (next === null) runs.delete(key);
+    else if (next !== run || next.phase !== run.phase) rememberRun(key, next);
+  }
+  for (const node of trainNodesOnCanvas()) scheduleDraw(node);
+}
+
+function onQueued(promptId, output) {
+  for (const [id, spec] of Object.entries(output ?? {})) {
+    if (spec?.class_type !== TRAIN_NODE) continue;
+    // events may come first; the node may have started before the queue request returned
+    const key = runKey(promptId, id);
+    if (!runs.has(key)) rememberRun(key, id === executingNode ? startedRun(queuedRun()) : queuedRun());
+    const node = findNode(id);
+    if (node) {
+      node.animaTextRun = key;
+      clearText(node);
+    }
+  }
+}
+
+let executingNode = null; // the node the server runs now ("executing"), as a string; null between prompts
+
+function onQueueEvent(type, detail) {
+  if (type === "executing") { // detail: the node id alone (the frontend drops the prompt id of this message)
+    const id = detail !== null && typeof detail === "object" ? detail.node : detail;
+    executingNode = id === null || id === undefined ? null : String(id);
+    if (executingNode === null) return;
+    // prompts run in queue order: the node's earliest queued run is the one starting
+    const key = [...runs.keys()].find((k) => k.endsWith(`|${id}`) && runs.get(k).phase === "queued");
+    if (key) {
+      rememberRun(key, startedRun(runs.get(key)));
+      for (const node of trainNodesOnCanvas()) scheduleDraw(node);
+    }
+    return;
+  }
+  const promptId = detail?.prompt_id;
+  if (promptId === undefined || promptId === null) return;
+  if (type === "execution_cached") { // not run again: the node shows the run it re-uses
+    updateRuns(promptId, (run) => (run.phase === "queued" ? null : run), (detail.nodes ?? []).map(String));
+  } else if (["execution_success", "execution_error", "execution_interrupted"].includes(type)) {
+    updateRuns(promptId, (run) => {
+      if (run.phase === "cancelling") return Object.assign(run, { phase: "cancelled", cancelled: { text: run.note } });
+      if (run.phase !== "queued") return run; // the node's own events said how it ended
+      return Object.assign(newRun(), { phase: "cancelled",
+        cancelled: { text: "not run: the prompt ended before this node (see the node marked red)" } });
+    });
   }
 }
 
@@ -189,6 +248,7 @@ function renderChart(node, chart) {
   chart.status.title = run.phase === "error" ? String(run.error?.traceback ?? "") : "";
   chart.root.dataset.phase = run.phase;
   chart.root.dataset.step = run.last?.step ?? "";
+  chart.root.dataset.firstStep = run.steps[0] ?? ""; // 1 after a resume too: the chart shows the whole run
   node.setDirtyCanvas(true, false);
 }
 
@@ -279,6 +339,7 @@ app.registerExtension({
         try {
           if (response?.prompt_id) {
             prompts.remember(response.prompt_id, graphId);
+            onQueued(response.prompt_id, data?.output);
             for (const node of trainNodesOnCanvas()) scheduleDraw(node); // its first events may be here already
           }
         } catch (err) {
@@ -286,6 +347,29 @@ app.registerExtension({
         }
         return response;
       };
+    }
+    // Cancel: the Interrupt command and the queue panel's cancel reach the server through these two
+    for (const method of ["interrupt", "cancelJob"]) {
+      const original = api[method];
+      if (typeof original !== "function") continue;
+      api[method] = function (promptId, ...rest) {
+        try {
+          updateRuns(promptId ?? undefined, cancellingRun);
+        } catch (err) {
+          console.warn("[anima_train] cancel not shown", err);
+        }
+        return original.call(this, promptId, ...rest);
+      };
+    }
+    for (const type of ["executing", "execution_cached", "execution_success", "execution_error",
+      "execution_interrupted"]) {
+      api.addEventListener(type, ({ detail }) => {
+        try {
+          onQueueEvent(type, detail);
+        } catch (err) {
+          console.warn("[anima_train] queue event ignored", err, detail);
+        }
+      });
     }
     api.addEventListener(PROGRESS_EVENT, ({ detail }) => {
       try {
@@ -297,6 +381,12 @@ app.registerExtension({
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!isOurs(nodeData)) return;
+    const made = nodeType.prototype.onNodeCreated;
+    nodeType.prototype.onNodeCreated = function () {
+      const result = made?.apply(this, arguments);
+      keepLabels(this, () => app.canvas?.ctx ?? null);
+      return result;
+    };
     const previous = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       previous?.apply(this, arguments);

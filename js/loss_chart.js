@@ -23,13 +23,14 @@ const COLOURS = {
 
 export function newRun() {
   return {
-    phase: "idle", // idle | preparing | running | done | cancelled | error
+    phase: "idle", // idle | queued | preparing | running | cancelling | done | cancelled | error
     steps: [], loss: [], ema: [], mse: [], hf: [],
     emaAcc: 0, emaCount: 0,
     valSteps: [], valLoss: [], valMargin: [], // [validation]: the held-out loss and caption margin ("validation")
-    total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0,
+    total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0, chartFrom: null, device: "",
     last: null, // the latest step event
     note: "", // latest status / message / checkpoint line
+    runNote: "", // what the node says of the run as a whole (the "-2" run name, a resume): shown all along
     warnings: [], // the trainer's dataset warnings ("warning" events), shown until the next run
     samples: null, // the latest preview set: {step, images: [data URL], prompts: [text]} ("samples" events)
     done: null, error: null, cancelled: null,
@@ -54,48 +55,84 @@ const SHOWN_WARNINGS = 5; // more are summarised in one line (the node's result 
 
 const finite = (v) => typeof v === "number" && Number.isFinite(v);
 
+// A run queued by this page, before the server says anything of it: the node's text of the run before no longer
+// describes it (js/anima_train.js makes one per Train node of a queued prompt).
+export function queuedRun() {
+  return Object.assign(newRun(), { phase: "queued", note: "queued: waiting for the nodes before it" });
+}
+
+// The node started: its worker is being started and loads the data and model before the first step.
+export function startedRun(run) {
+  if (run && run.phase !== "queued" && run.phase !== "idle") return run;
+  return Object.assign(run ?? newRun(), { phase: "preparing", note: "loading: starting the training worker…" });
+}
+
+// Cancel pressed (js/anima_train.js wraps the frontend's interrupt): said at once; the worker finishes its step and
+// saves, then the node's "cancelled" event gives the final text. Steps and a "done" after this keep the phase.
+export function cancellingRun(run) {
+  if (!run || !["queued", "preparing", "running"].includes(run.phase)) return run;
+  run.phase = "cancelling";
+  const step = run.last?.step;
+  run.note = finite(step) ? `cancelled at step ${step} of ${run.total ?? "?"}: saving the weights so far…`
+    : "cancelled before the first step: nothing is trained or saved";
+  return run;
+}
+
 // One trainer event in, the run state out. A new run (a "start", or a "status" after a finished run) starts
 // from a fresh state so the chart resets; anything unknown is ignored, so a newer trainer cannot break the page.
 export function applyEvent(run, ev) {
   if (!ev || typeof ev !== "object") return run;
   run = run || newRun();
   const finished = run.phase === "done" || run.phase === "error" || run.phase === "cancelled";
+  const fresh = () => Object.assign(newRun(), { runNote: run.runNote }); // the note was said before the run began
   switch (ev.event) {
+    case "run_note": // nodes_train.pick_run: which folder this run trains in, and why (said before the worker starts)
+      run = startedRun(finished ? newRun() : run);
+      run.runNote = String(ev.text ?? "");
+      break;
     case "status":
       if (finished) run = newRun();
-      if (run.phase === "idle") run.phase = "preparing";
-      run.note = String(ev.message ?? "");
+      if (run.phase === "idle" || run.phase === "queued") run.phase = "preparing";
+      if (run.phase !== "cancelling") run.note = String(ev.message ?? "");
       break;
     case "start": {
       const warnings = finished ? [] : run.warnings; // sent while the data was scanned, before "start"
-      run = newRun();
+      const cancelling = run.phase === "cancelling" ? run.note : "";
+      run = finished ? newRun() : fresh();
       run.warnings = warnings;
-      run.phase = "running";
+      run.phase = cancelling ? "cancelling" : "running";
+      run.device = String(ev.device ?? "");
       run.total = finite(ev.total) ? ev.total : null;
       run.epochs = finite(ev.epochs) ? ev.epochs : null;
       run.stepsPerEpoch = finite(ev.steps_per_epoch) ? ev.steps_per_epoch : null;
       run.processes = finite(ev.processes) ? ev.processes : null;
       run.resumedStep = finite(ev.resumed_step) ? ev.resumed_step : 0;
-      run.note = run.resumedStep ? `resumed at step ${run.resumedStep}` : "started";
+      run.note = cancelling || (run.resumedStep ? `resumed at step ${run.resumedStep}` : "started");
+      // a resumed run's losses before it: the chart draws the whole run, not only what this worker trains
+      const earlier = Array.isArray(ev.losses) ? ev.losses : [];
+      const first = finite(ev.first_loss_step) ? ev.first_loss_step : run.resumedStep + 1;
+      earlier.forEach((loss, i) => { if (finite(loss)) addPoint(run, first + i, loss); });
+      if (earlier.length) run.chartFrom = first - 1;
       break;
     }
     case "step": {
       if (finished) run = newRun();
-      run.phase = "running";
+      if (run.phase !== "cancelling") run.phase = "running"; // the step in progress at Cancel still arrives
       if (finite(ev.total)) run.total = ev.total;
       if (!finite(ev.step) || !finite(ev.loss)) { run.last = ev; break; }
       // a page opened mid-run gets its first point here; a step that goes back means a restarted run
       const lastStep = run.steps.length ? run.steps[run.steps.length - 1] : -Infinity;
       if (ev.step <= lastStep) {
-        const keep = { total: run.total, epochs: run.epochs, processes: run.processes };
-        run = Object.assign(newRun(), keep, { phase: "running", resumedStep: ev.step - 1 });
+        const keep = { total: run.total, epochs: run.epochs, processes: run.processes, device: run.device,
+                       runNote: run.runNote, phase: run.phase };
+        run = Object.assign(newRun(), keep, { resumedStep: ev.step - 1 });
       }
       addPoint(run, ev.step, ev.loss, ev.mse, ev.hf);
       run.last = ev;
       break;
     }
     case "message":
-      run.note = String(ev.text ?? "");
+      if (run.phase !== "cancelling") run.note = String(ev.text ?? "");
       break;
     case "warning":
       if (finished) run = newRun();
@@ -103,7 +140,7 @@ export function applyEvent(run, ev) {
       run.warnings.push(String(ev.text ?? ""));
       break;
     case "checkpoint":
-      run.note = `saved step ${ev.step}: ${ev.path}`;
+      if (run.phase !== "cancelling") run.note = `saved step ${ev.step}: ${ev.path}`;
       break;
     case "validation": // the fixed evaluation on held-out images (anima_train/training/validation.py)
       if (finite(ev.step) && finite(ev.loss)) {
@@ -132,6 +169,13 @@ export function applyEvent(run, ev) {
             run.valSteps.push(p[0]); run.valLoss.push(p[1]); run.valMargin.push(finite(p[2]) ? p[2] : NaN);
           }
         }
+      }
+      if (ev.stopped) { // a stop (Cancel, a stop file): not a finished run; the node's "cancelled" event follows
+        if (run.phase !== "cancelling") {
+          run.phase = "cancelling";
+          run.note = `stopped at step ${ev.step ?? "?"} of ${ev.total ?? "?"}`;
+        }
+        break;
       }
       run.phase = "done";
       run.done = ev;
@@ -205,14 +249,19 @@ export function validationText(run) {
   return `validation ${fmtLoss(run.valLoss[n - 1])}` + (finite(m) ? ` (margin ${m.toFixed(4)})` : "");
 }
 
+// where the run trains: the start event's torch device type ("cpu", "cuda", ...)
+const deviceText = (device) => (device === "cpu" ? "on the CPU" : "on the GPU");
+
 function mainStatusLines(run) {
   const lines = [];
   const ev = run?.last;
   if (!run || run.phase === "idle") return [{ text: "no run yet — queue the prompt to train", kind: "info" }];
+  if (run.runNote) lines.push({ text: run.runNote, kind: "info" });
+  const stopped = ["cancelling", "cancelled", "error"].includes(run.phase); // no ETA for a run that is not going on
   if (ev) {
     const total = finite(ev.total) ? ev.total : run.total;
     const pct = finite(total) && total > 0 ? ` (${Math.floor((100 * ev.step) / total)}%)` : "";
-    const parts = [`step ${ev.step}/${finite(total) ? total : "?"}${pct}`];
+    const parts = [`training step ${ev.step} of ${finite(total) ? total : "?"}${pct}`];
     if (finite(ev.epoch)) parts.push(`epoch ${ev.epoch}${finite(run.epochs) ? "/" + run.epochs : ""}`);
     let loss = `loss ${fmtLoss(ev.loss)}`;
     if (finite(ev.hf)) loss += ` (mse ${fmtLoss(ev.mse)} + hf ${fmtLoss(ev.hf)})`;
@@ -223,12 +272,12 @@ function mainStatusLines(run) {
     if (phase) parts.push(phase);
     lines.push({ text: parts.join(" · "), kind: "main" });
 
-    const rate = [];
+    const rate = run.device ? [deviceText(run.device)] : [];
     const lrs = Array.isArray(ev.lr) ? ev.lr : finite(ev.lr) ? [ev.lr] : [];
     const distinct = [...new Set(lrs.map(fmtLr))];
     if (distinct.length) rate.push(`LR ${distinct.join("/")}`);
     if (finite(ev.s_per_step)) rate.push(`${ev.s_per_step.toFixed(2)} s/it`);
-    rate.push(`ETA ${finite(ev.eta_s) ? formatDuration(ev.eta_s) : "?"}`);
+    if (!stopped) rate.push(`ETA ${finite(ev.eta_s) ? formatDuration(ev.eta_s) : "?"}`);
     const peaks = Array.isArray(ev.peak_gb) ? ev.peak_gb.filter(finite) : [];
     if (peaks.length) rate.push(`peak VRAM ${peaks.map((g) => g.toFixed(1)).join("/")} GB`);
     lines.push({ text: rate.join(" · "), kind: "info" });
@@ -241,11 +290,14 @@ function mainStatusLines(run) {
                  kind: "done" });
   } else if (run.phase === "cancelled") {
     lines.push({ text: String(run.cancelled?.text ?? "cancelled"), kind: "warning" });
+  } else if (run.phase === "cancelling") {
+    lines.push({ text: run.note, kind: "warning" });
   } else if (run.phase === "error") {
     lines.push({ text: `error: ${run.error?.message ?? "unknown"}`, kind: "error" });
   } else if (run.note) {
     lines.push({ text: run.note, kind: "info" });
   }
+  if (!ev && run.device && run.phase === "running") lines.push({ text: deviceText(run.device), kind: "info" });
   return lines;
 }
 
@@ -302,11 +354,11 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
   if (!run || !run.steps.length) {
     ctx.fillStyle = COLOURS.axis;
     ctx.textAlign = "center";
-    ctx.fillText(run && run.phase === "preparing" ? "waiting for the first step…" : "loss chart",
+    ctx.fillText(run && ["queued", "preparing"].includes(run.phase) ? "waiting for the first step…" : "loss chart",
                  pad.left + w / 2, pad.top + h / 2);
     return;
   }
-  const x0 = Math.max(0, run.resumedStep || 0, run.steps[0] - 1);
+  const x0 = Math.max(0, run.chartFrom ?? (run.resumedStep || 0), run.steps[0] - 1);
   const x1 = Math.max(finite(run.total) ? run.total : 0, run.steps[run.steps.length - 1], x0 + 1);
   const hasParts = run.hf.some(finite);
   // y range: the bulk of the raw loss plus the whole EMA; rare spikes are clipped at the top edge

@@ -1,4 +1,4 @@
-"""Patching a ComfyUI diffusion model's blocks with an anchor: the pure logic of the "Load Anchor" node.
+"""Patching a ComfyUI diffusion model's blocks with an anchor: the pure logic of the "Anima: Load anchor" node.
 
 No ComfyUI import: everything here works on plain torch modules, so it is unit-tested without ComfyUI. The node
 (nodes_anchor.py) supplies the two ComfyUI pieces — how to read a block's current forward (a ModelPatcher's
@@ -138,7 +138,7 @@ def resolve_strength(strength, anchor):
     return anchor.card()["recommended_strength"] if strength is None or strength < 0 else float(strength)
 
 
-OBJECTIVE_FIX = "set the Load Anchor node's objective input to 'model' to gate by the model's own sampling"
+OBJECTIVE_FIX = "set the Anima: Load anchor node's objective input to 'model' to gate by the model's own sampling"
 
 
 def noise_level_objective(anchor, family, sampling=None, objective="file"):

@@ -1,4 +1,4 @@
-"""Load Anchor: attach an `amoe.diffusion.anchor` adapter stack (relay / multiband3) to a MODEL.
+"""Anima: Load anchor: attach an `amoe.diffusion.anchor` adapter stack (relay / multiband3) to a MODEL.
 
 The file comes from `models/anchors/` (registered here as the model folder "anchors"; extra_model_paths.yaml may
 add more with an `anchors:` entry). The node returns a patched clone of the MODEL — the input model is never
@@ -103,7 +103,7 @@ class AnimaAnchorLoader(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="AnimaAnchorLoader",
-            display_name="Load Anchor",
+            display_name="Anima: Load anchor",
             category=CATEGORY,
             description="Attach an amoe.diffusion.anchor block adapter (relay or multiband3) to a model. Returns "
                         "a patched copy of the model (the input stays unpatched) and the file's usage card. "

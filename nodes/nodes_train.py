@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -448,10 +449,8 @@ class Relay:
         """Events printed while the worker stops after Cancel: forwarded, never raising."""
         if event.get("event") == "done":
             self.stop_done = event
-        try:
+        with contextlib.suppress(Exception):
             self.send(event)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def loss_image(losses: list[float], run_dir: Path):
@@ -606,8 +605,8 @@ class AnimaTrainTrain(io.ComfyNode):
     @classmethod
     def _run(cls, cfg, toml, run_dir, manifest, note, key, gpus, copy_to_loras, relay):
         run_dir.mkdir(parents=True, exist_ok=True)
-        if note:
-            relay.send({"event": "message", "text": note})
+        if note:  # the chart keeps it on show through the run (the folder the run trains in, and why)
+            relay.send({"event": "run_note", "text": note})
         if manifest is not None:
             final = Path(manifest["final"]["path"])
             losses = [float(x) for x in manifest.get("losses", [])]
@@ -653,7 +652,6 @@ class AnimaTrainTrain(io.ComfyNode):
                         relay.memory_plan, relay.validation)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
-
     @classmethod
     def _cancelled(cls, cfg, run_dir: Path, key: str, relay: Relay) -> None:
         """After Cancel: say on the node where the run stopped and how it goes on, and record a resumable stop so
@@ -663,6 +661,8 @@ class AnimaTrainTrain(io.ComfyNode):
             step, total = done.get("step") or relay.last_step.get("step"), done.get("total") or relay.total
             saved = [Path(p) for p in done.get("saved") or []]
             state = state_dir_for(saved[-1]) if saved else None
+            if not relay.steps_seen:  # nothing trained: a folder only this job wrote to goes (no "-3" left over)
+                worker.discard_unstarted_run(run_dir, {JOB_CONFIG_NAME, JOB_LOCK_NAME})
             if not done or not saved:
                 text = (f"cancelled at step {step} of {total}: the worker was ended before it saved (nothing new "
                         f"was written); queue again to start over" if step else

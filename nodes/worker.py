@@ -50,6 +50,7 @@ from typing import Callable
 
 from anchor.atomic import atomic_path, write_json
 from anima_train.errors import USER_ERROR_EXIT
+from anima_train.outputs.layout import LOCK_NAME
 from anima_train.system.parent_watch import PARENT_PID_ENV
 from anima_train.system.proc import group_has_live_member
 
@@ -539,6 +540,24 @@ def resumable_cancel(run_dir: str | os.PathLike, key: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return record
+
+
+def discard_unstarted_run(run_dir: str | os.PathLike, job_files: set[str]) -> bool:
+    """Remove a run folder that holds only what a job writes before its first step (`job_files`: the node's TOML and
+    lock; the worker's log, stop file and the trainer's lock): a Cancel while the model loads leaves no folder. A
+    folder holding anything else (an earlier run, a user's file) is left as it is. True when it was removed."""
+    folder = Path(run_dir)
+    ours = job_files | {LOG_NAME, LOCK_NAME}
+    try:
+        entries = list(folder.iterdir())
+        if any(not e.is_file() or not (e.name in ours or e.name.startswith(f".{STOP_NAME}-")) for e in entries):
+            return False
+        for entry in entries:
+            entry.unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:  # gone already, or a lock still open on Windows: the folder stays
+        return False
+    return True
 
 
 def _same_content(a: Path, b: Path) -> bool:

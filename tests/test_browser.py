@@ -137,7 +137,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     # the first events came through the server's websocket (send_sync, as the Train node relays them)
     assert r["preparing"]["phase"] == "preparing" and "loading model" in r["preparing"]["status"]
     relayed = r["relayed"]
-    assert "step 60/300" in relayed["status"] and relayed["orange"] > 50 and relayed["blue"] > 50, relayed
+    assert "training step 60 of 300" in relayed["status"] and relayed["orange"] > 50 and relayed["blue"] > 50, relayed
 
     mid, last = r["midRun"], r["lastStep"]
     assert mid["phase"] == "running" and mid["step"] == str(last["step"])
@@ -147,7 +147,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     assert mid["orange"] > 150 and mid["blue"] > 150 and mid["green"] > 150 and mid["magenta"] > 50, mid
     assert mid["yellow"] > 100, mid  # [validation]: the held-out loss, a second line with a dot per evaluation
     status = mid["status"]
-    for part in (f"step {last['step']}/{last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
+    for part in (f"training step {last['step']} of {last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
                  f"mse {last['mse']:.4f} + hf {last['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
                  f"{last['s_per_step']:.2f} s/it", f"ETA {format_duration(last['eta_s'])}",
                  "peak VRAM 11.6/11.4 GB", "saved step 100: /runs/x/anima-step00100.safetensors"):
@@ -171,7 +171,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     no_hf = r["noHf"]  # hf null: loss + EMA only
     assert no_hf["orange"] > 150 and no_hf["blue"] > 100 and no_hf["green"] == 0 and no_hf["magenta"] == 0, no_hf
     assert no_hf["yellow"] == 0  # no [validation]: no second line
-    assert "step 30/50" in no_hf["status"] and "(mse" not in no_hf["status"]
+    assert "training step 30 of 50" in no_hf["status"] and "(mse" not in no_hf["status"]
 
     error = r["error"]
     assert error["phase"] == "error" and "error: RuntimeError: CUDA out of memory" in error["status"]
@@ -182,7 +182,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
 
     sub = r["subgraph"]  # a Train node inside a subgraph, addressed by its execution id path
     assert sub["promptIds"] == [f"{sub['outerId']}:{sub['innerId']}"], sub
-    assert sub["step"] == "3" and "step 3/10" in sub["status"], sub
+    assert sub["step"] == "3" and "training step 3 of 10" in sub["status"], sub
 
     assert shot_path.stat().st_size > 10_000
     if screenshot:

@@ -131,7 +131,9 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
            "substitute": comfy["substitute"], "timeoutMs": RUN_TIMEOUT_S * 1000,
            # ANIMA_TEMPLATE_THUMBNAILS=1: (re)write example_workflows/<name>.jpg, the Templates browser's picture
            "thumbnail": str(ROOT / "example_workflows" / f"{name}.jpg") if os.environ.get(
-               "ANIMA_TEMPLATE_THUMBNAILS") else None}
+               "ANIMA_TEMPLATE_THUMBNAILS") else None,
+           # ANIMA_FIRST_RUN_SCREENSHOT=docs/first_run.png: (re)write the README's picture of the finished LoRA run
+           "screenshot": os.environ.get("ANIMA_FIRST_RUN_SCREENSHOT") if name == "anima_train_lora" else None}
     t0 = time.perf_counter()
     run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 180)
@@ -186,10 +188,15 @@ def test_example_workflow_loads_as_intended_and_runs(comfy, name, tmp_path):
     # 5. what a node shows after the run (the anchor's usage card) is whole and covered by no other node
     nodes = r["layout"]
     for node in nodes:
+        if node["type"].startswith("Anima"):  # the pack's nodes read as one family in the graph and the menus
+            assert node["typeTitle"].startswith("Anima: "), node  # its name in the menus (a title is the user's)
         for widget in node["widgets"]:
-            assert widget["scrolls"] is False, (node["type"], widget)
+            assert widget["scrolls"] is False and widget["cutRight"] is False, (node["type"], widget)
         if node["widgets"]:
             others = [o for o in nodes if o["id"] != node["id"] and _overlap(node, o)]
             assert not others, f"{node['type']} {node['id']} is covered by {[o['type'] for o in others]}: {node}"
+    # 6. every text widget of the pack shows its whole label (a long value is cut in the middle instead)
+    assert all(label["fits"] for label in r["labels"]), [label for label in r["labels"] if not label["fits"]]
+    assert name != "anima_train_lora" or "tokenizers" in [label["widget"] for label in r["labels"]], r["labels"]
     print(f"\nMEASURED {name}: browser session {time.perf_counter() - t0:.1f} s, prompt {run_info['seconds']:.1f} s "
           f"(models built in {comfy['models_s']:.1f} s)")

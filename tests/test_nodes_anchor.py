@@ -127,7 +127,7 @@ def node(monkeypatch):
 def test_schema_strength_sentinel_and_file_combo(node, monkeypatch):
     monkeypatch.setattr(node, "anchor_files", lambda: ["a.safetensors", "sub/b.pt"])
     schema = node.AnimaAnchorLoader.define_schema()
-    assert schema.node_id == "AnimaAnchorLoader" and schema.display_name == "Load Anchor"
+    assert schema.node_id == "AnimaAnchorLoader" and schema.display_name == "Anima: Load anchor"
     kinds = {p.id: p.kind for p in schema.inputs}
     assert kinds == {"model": "MODEL", "anchor_name": "COMBO", "strength": "FLOAT", "objective": "COMBO"}
     objective = next(p for p in schema.inputs if p.id == "objective")  # optional: older workflows lack it

@@ -421,7 +421,7 @@ def test_a_changed_run_gets_a_free_name_and_never_replaces_the_earlier_one(comfy
     note = (f"run name 'cat': {out_dir / 'cat'} holds an earlier run or a running job, so this one is 'cat-2' "
             f"({out_dir / 'cat-2'})")
     assert second.ui["text"][0].splitlines()[0] == note  # shown on the node...
-    assert [d["text"] for _, d, _ in (e for e in env.log if e[0] == "ws") if d["event"] == "message"] == [note]
+    assert [d["text"] for _, d, _ in (e for e in env.log if e[0] == "ws") if d["event"] == "run_note"] == [note]
     assert (env.folders["loras"] / "anima_train" / "cat-2.safetensors").is_file()  # ...and in the loras copy
     # unchanged inputs again: the finished run is found under its new name and re-used
     assert _train(env, config).values[0] == second.values[0] and len(env.spawned) == 2
@@ -529,7 +529,7 @@ def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_i
     env.log.clear()
     out = _train(env, config)
     job = load_config((Path(out.values[0]).parent / env.nt.JOB_CONFIG_NAME).read_text())
-    messages = [e[1]["text"] for e in env.log if e[0] == "ws" and e[1]["event"] == "message"]
+    messages = [e[1]["text"] for e in env.log if e[0] == "ws" and e[1]["event"] == "run_note"]
     if state_on_stop:
         assert said.endswith("queue again (same inputs) to resume from step 1"), said
         assert after[-1]["resumable"] is True

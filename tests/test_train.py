@@ -197,6 +197,8 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
     records = [json.loads(line) for line in events.read_text().splitlines()]
     kinds = [r["event"] for r in records]
     assert kinds[0] == "status" and "start" in kinds and kinds[-1] == "done"
+    start = records[kinds.index("start")]  # the epochs the 7 steps reach (3 an epoch), not the config's 1000
+    assert (start["epochs"], start["device"], start["losses"]) == (3, "cpu", []), start
     steps = [r for r in records if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 8)) and all(r["total"] == 7 for r in steps)
     assert [r["step"] for r in records if r["event"] == "checkpoint"] == [2, 4, 6, 7]

@@ -240,3 +240,20 @@ def test_publish_copy_never_replaces_another_file(tmp_path):
 def test_write_json_roundtrip(tmp_path):
     path = worker.write_json(tmp_path / "m.json", {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_an_unstarted_run_folder_goes_but_one_holding_anything_else_stays(tmp_path):
+    job = {"comfyui-job.toml", ".comfyui-job.lock"}
+    fresh = tmp_path / "run-3"  # what a Cancel during model load left: the job's TOML, the log, a stop file, locks
+    fresh.mkdir()
+    for name in ("comfyui-job.toml", ".comfyui-job.lock", worker.LOG_NAME, ".anima-train.lock",
+                 worker.job_stop_file(fresh).name):
+        (fresh / name).write_text("x")
+    assert worker.discard_unstarted_run(fresh, job) and not fresh.exists()
+    for extra in ("cat.safetensors", "notes.txt"):  # an earlier run's file, a user's file
+        kept = tmp_path / f"kept-{extra}"
+        kept.mkdir()
+        (kept / "comfyui-job.toml").write_text("x")
+        (kept / extra).write_text("mine")
+        assert not worker.discard_unstarted_run(kept, job)
+        assert (kept / extra).read_text() == "mine" and (kept / "comfyui-job.toml").is_file()

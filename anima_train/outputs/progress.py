@@ -11,7 +11,9 @@ differ in token count, so the last interval would swing the estimate several-fol
 (compile, the first dataloader fork).
 
 Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the ComfyUI node and other tools:
-  {"event": "start", ...} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
+  {"event": "start", "total", "steps_per_epoch", "epochs" (as many as the steps reach), "processes", "run_dir",
+  "device" ("cpu", "cuda"), "resumed_step", "first_loss_step", "losses" (a resumed run's before it: the node's
+  chart draws the whole run)} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
   "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...], "phase": {"index", "count", "mode",
   "t_range", "lr_mul"} (with a curriculum only)} {"event": "message", "text"}
   {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}

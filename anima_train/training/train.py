@@ -191,8 +191,11 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     start_step = global_step
 
     progress.set_total(total, start_step=global_step)
-    progress.event("start", total=total, steps_per_epoch=per_epoch, epochs=cfg.train.epochs, processes=world,
-                   run_dir=str(run_dir), resumed_step=global_step)
+    first_loss_step, earlier_losses = (resume_state.read_losses(state_dir, start_step) if state_dir is not None
+                                       else (start_step + 1, []))
+    progress.event("start", total=total, steps_per_epoch=per_epoch, processes=world, run_dir=str(run_dir),
+                   epochs=-(-total // per_epoch), resumed_step=global_step, device=device.type,  # max_steps may cut
+                   first_loss_step=first_loss_step, losses=earlier_losses)  # a resumed chart: the whole run
     if accelerator.is_main_process and not no_save:
         run_dir.mkdir(parents=True, exist_ok=True)
         copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
@@ -204,10 +207,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
               run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
               gens=gens, claim=claim, grad_norms=GradNorms(cfg, run_dir, result.saved, logged=tracker.on))
-    if state_dir is not None:  # the losses before the resume, for the plot and the next state
-        run.first_loss_step, run.earlier_losses = resume_state.read_losses(state_dir, start_step)
-    else:
-        run.first_loss_step = start_step + 1
+    run.first_loss_step, run.earlier_losses = first_loss_step, earlier_losses  # the plot's and the next state's
     previews = Previewer(
         cfg, accelerator, progress, run_dir, parts=model.parts, device=device, dtype=dtype, parked=model.parked,
         models=lambda: tuple(accelerator.unwrap_model(m) for m in (model.transformer, model.conditioner,

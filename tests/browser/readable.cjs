@@ -33,12 +33,13 @@ async function main() {
       const { app } = window.comfyAPI.app;
       const { api } = window.comfyAPI.api;
       const train = app.graph.getNodeById(ids.train);
-      train.onExecuted?.({ text: [trainText] });
       const done = new Promise((resolve) => {
         for (const type of ["execution_success", "execution_error"]) api.addEventListener(type, (e) => resolve(type));
       });
       await app.queuePrompt(0, 1);
-      return await Promise.race([done, new Promise((r) => setTimeout(() => r("timeout"), 240000))]);
+      const end = await Promise.race([done, new Promise((r) => setTimeout(() => r("timeout"), 240000))]);
+      train.onExecuted?.({ text: [trainText] }); // after the queue: queueing clears the text of the run before
+      return end;
     }, { trainText: cfg.trainText, ids: result.ids });
     await page.waitForTimeout(1500); // the node grows after the text is laid out
     result.boxes = await page.evaluate((ids) => {

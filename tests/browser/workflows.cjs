@@ -133,10 +133,64 @@ async function main() {
       const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
       const ours = (n.widgets ?? []).filter((w) => ["anchor_card", "anima_text"].includes(w.name))
         .map((w) => ({ name: w.name, y: n.pos[1] + (w.last_y ?? w.y ?? 0), height: w.computedHeight ?? null,
-                       scrolls: w.element ? w.element.scrollHeight > w.element.clientHeight + 1 : null }));
-      return { id: n.id, type: n.type, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title,
+                       scrolls: w.element ? w.element.scrollHeight > w.element.clientHeight + 1 : null,
+                       // a line wider than its box (a hash, a path): cut at the node's right edge
+                       cutRight: w.element ? [w.element, ...w.element.querySelectorAll("*")]
+                         .some((e) => e.scrollWidth > e.clientWidth + 1 && e.clientWidth > 0) : null }));
+      return { id: n.id, type: n.type, typeTitle: window.LiteGraph.registered_node_types[n.type]?.title ?? null, x: n.pos[0], y: n.pos[1] - title, w: n.size[0], h: n.size[1] + title,
                widgets: ours };
     }));
+    // every text widget of the pack drawn with its whole label: the frontend cuts the label ("tok…") when label and
+    // value do not fit (its drawTruncatingText: label + gap + value <= width - 2 margins - paddings), so this asks
+    // that question of each widget as it is drawn
+    result.labels = await page.evaluate(async () => {
+      const app = window.comfyAPI.app.app;
+      const seen = [];
+      for (const node of app.graph.nodes.filter((n) => n.type.startsWith("Anima"))) {
+        for (const widget of node.widgets ?? []) {
+          if (widget.type !== "text" || widget.element || typeof widget.drawTruncatingText !== "function") continue;
+          const draw = widget.drawTruncatingText;
+          widget.drawTruncatingText = function (args) {
+            const { ctx, width, leftPadding = 5, rightPadding = 20 } = args;
+            const label = String(this.displayName ?? this.name), value = String(this._displayValue ?? "");
+            const room = width - (2 * 15 + leftPadding) - 2 * 15 - rightPadding;
+            seen.push({ node: node.type, widget: this.name, label, value,
+                        fits: ctx.measureText(label).width + 5 + ctx.measureText(value).width <= room });
+            widget.drawTruncatingText = draw;
+            return draw.call(this, args);
+          };
+        }
+      }
+      app.canvas.min_font_size_for_lod = 0; // widgets drawn in full at any zoom
+      app.canvas.setDirty(true, true);
+      await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(r, 300))));
+      return seen;
+    });
+    if (cfg.screenshot) {
+      // the README's "First run in ComfyUI" picture: the finished run, the whole graph framed as the thumbnail is
+      const clip = await page.evaluate(() => {
+        document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove());
+        const app = window.comfyAPI.app.app;
+        const nodes = app.graph.nodes;
+        const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+        const x0 = Math.min(...nodes.map((n) => n.pos[0])), y0 = Math.min(...nodes.map((n) => n.pos[1] - title));
+        const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0]));
+        const y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1]));
+        const rect = app.canvas.canvas.getBoundingClientRect();
+        const at = { x: 70, y: 110 };
+        const scale = Math.min((rect.width - at.x - 60) / (x1 - x0), (rect.height - at.y - 20) / (y1 - y0), 1);
+        app.canvas.ds.scale = scale;
+        app.canvas.ds.offset = [(at.x - rect.left) / scale - x0, (at.y - rect.top) / scale - y0];
+        app.canvas.min_font_size_for_lod = 0;
+        app.canvas.setDirty(true, true);
+        return { x: at.x - 12, y: at.y - 12, width: (x1 - x0) * scale + 24, height: (y1 - y0) * scale + 24 };
+      });
+      // the frontend's "Job completed" banner lies over the graph's top right corner for a few seconds
+      await page.waitForFunction(() => !document.body.innerText.includes("Job completed"), null,
+        { timeout: 30000, polling: 250 }).catch(() => null);
+      await page.waitForTimeout(1000);
+      await page.screenshot({ path: cfg.screenshot, clip });
+    }
     await page.screenshot({ path: path.join(cfg.outDir, "page.png") });
   } finally {
     await browser.close();
