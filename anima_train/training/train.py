@@ -95,7 +95,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config)
+    # the paths' problems in one message with the values' (the run checks them again before it loads the model)
+    cfg = load_config(args.config, also=preflight.path_check(saving=not (args.no_save or args.dry_run)))
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")

@@ -1,0 +1,102 @@
+"""The ComfyUI front of the trainer's fix texts: a message's references, said as nodes and widgets.
+
+The trainer names what the user changes through references (anima_train/fixes.py): a config key as the file spells
+it (`[optimizer] lr`), a flag or a command as a token (⟦flag audit --resolution⟧, ⟦run convert⟧) when the message is
+meant for this front — inside `anima_train.fixes.writing_refs()` here, or in a worker child, whose environment says
+so (worker.worker_env). `render` turns them into what a ComfyUI user sets: the Training config's widget of that key
+(its Knob), the widget of a flag on the node that passes it, the node that runs a command; a key without a widget is
+written in extra_toml. The first line of a message is what ComfyUI's "Validation failed" popup and the node's error
+show best: `render` keeps it within FIRST_LINE chars, moving the rest of a long one to the lines below.
+
+No ComfyUI import: the node modules call this with the text they show.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from anima_train.config import TABLES
+from anima_train.config.validate import keys_by_table
+from anima_train.fixes import TOKEN
+
+FIRST_LINE = 120  # characters of a message's first line (the popup's one line: the key and the fix)
+
+TRAINING_CONFIG = "Anima: Training config"
+CONVERT = "Anima: Convert checkpoint"
+AUDIT = "Anima: Audit dataset"
+CACHE = "Anima: Cache latents"
+TRAIN = "Anima: Train"
+LOAD = "Anima: Load trained LoRA"
+EXTRA_TOML = "extra_toml"
+
+# One clause per reference the trainer writes (anima_train.fixes.ref): the same fix, done in ComfyUI. "" where a
+# node has no such option (the sentence around it reads without it). tests/test_fixes.py checks that every widget
+# named here is an input of its node.
+CLAUSES = {
+    "run convert": f'run "{CONVERT}" on the three model files and give its model_path output to model_path',
+    "run convert --tokenizers": f'set tokenizers on "{CONVERT}" (a folder holding tokenizer/ and t5_tokenizer/, or '
+                                f"a Hugging Face repo id) and run it again",
+    "run cache": f'run "{CACHE}" with dry_run off (connect this config to its config input), or set source = '
+                 f'"encode" on "{TRAINING_CONFIG}"',
+    "run plan": "",
+    "run evaluate": f'; compare the checkpoints by loading each with "{LOAD}"',
+    "flag audit --resolution": f'set resolutions on "{AUDIT}"',
+    "flag audit --config": f'connect a training config to "{AUDIT}"',
+    "flag audit --model": f'set model_path on "{AUDIT}"',
+    "flag cache --allow-missing-captions": f', or turn on allow_missing_captions on "{CACHE}" to cache them anyway',
+    "flag train --allow-missing-captions": "",
+}
+# The widgets CLAUSES names, per node id: checked against the nodes' schemas.
+WIDGETS_NAMED = {"AnimaTrainConvert": ["tokenizers"], "AnimaTrainAudit": ["resolutions", "model_path", "config"],
+                 "AnimaTrainCache": ["dry_run", "config", "allow_missing_captions"],
+                 "AnimaTrainConfig": ["source", "model_path"]}
+
+
+@functools.cache
+def _key_pattern() -> re.Pattern:
+    """`[table] key`, `[[table]] #N key` and `table.key` for every key of the schema (longest names first)."""
+    tables = "|".join(re.escape(t) for t in sorted(TABLES, key=len, reverse=True))
+    return re.compile(rf"\[\[({tables})\]\](?: #\d+)? (\w+)|\[({tables})\] (\w+)|\b({tables})\.(\w+)")
+
+
+@functools.cache
+def _widgets() -> dict[str, str]:
+    """dotted config key -> the Training config widget that sets it."""
+    # lazy: nodes_train imports this module (an import cycle); its Knobs are the one map of keys to widgets
+    from .nodes_train import ALL_KNOBS
+    return {k.key: k.widget for k in ALL_KNOBS}
+
+
+def _key(match: re.Match, here: str) -> str:
+    array = match.group(1) is not None
+    table, name = next((match.group(i), match.group(i + 1)) for i in (1, 3, 5) if match.group(i) is not None)
+    if name not in keys_by_table().get(table, ()):
+        return match.group(0)  # not a key of that table ("[dataset] no training data", "[train] unknown key")
+    widget = None if array else _widgets().get(f"{table}.{name}")
+    said = widget or f"{EXTRA_TOML} {match.group(0) if not match.group(5) else f'[{table}] {name}'}"
+    return said if here == TRAINING_CONFIG else f'{said} on "{TRAINING_CONFIG}"'
+
+
+def render(text: str, here: str | None = None) -> str:
+    """`text` for a ComfyUI user: its references as widgets and nodes (`here`: the node that shows it, whose name
+    goes without saying), its first line at most FIRST_LINE characters."""
+    text = TOKEN.sub(lambda m: CLAUSES.get(m.group(1), m.group(1)), text)
+    text = _key_pattern().sub(lambda m: _key(m, here or ""), text)
+    return short_first_line(text)
+
+
+def short_first_line(text: str, width: int = FIRST_LINE) -> str:
+    """A first line over `width` characters ends at its last clause break (": ", "; ", ". ", ", ") within `width`;
+    the rest goes to the next line."""
+    first, _, rest = text.partition("\n")
+    if len(first) <= width:
+        return text
+    cut = max((first.rfind(sep, 0, width - 1) + len(sep) - 1 for sep in (": ", "; ", ". ", ", ")
+               if first.rfind(sep, 0, width - 1) > width // 3), default=-1)
+    if cut <= 0:
+        cut = first.rfind(" ", 0, width)
+    if cut <= 0:
+        return text
+    head, tail = first[:cut + 1].rstrip(), first[cut + 1:].strip()
+    return head + "\n" + short_first_line(tail + ("\n" + rest if rest else ""), width) if tail else text
