@@ -8,17 +8,19 @@ so (worker.worker_env). `render` turns them into what a ComfyUI user sets: the T
 written in extra_toml. The first line of a message is what ComfyUI's "Validation failed" popup and the node's error
 show best: `render` keeps it within FIRST_LINE chars, moving the rest of a long one to the lines below.
 
-No ComfyUI import: the node modules call this with the text they show.
+No ComfyUI import: the node modules decorate their methods with `shown_on(node)`, which makes the library write
+references while they run and says every error they raise this way.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from typing import Callable
 
 from anima_train.config import TABLES
 from anima_train.config.validate import keys_by_table
-from anima_train.fixes import TOKEN
+from anima_train.fixes import TOKEN, writing_refs
 
 FIRST_LINE = 120  # characters of a message's first line (the popup's one line: the key and the fix)
 
@@ -75,7 +77,8 @@ def _key(match: re.Match, here: str) -> str:
         return match.group(0)  # not a key of that table ("[dataset] no training data", "[train] unknown key")
     widget = None if array else _widgets().get(f"{table}.{name}")
     said = widget or f"{EXTRA_TOML} {match.group(0) if not match.group(5) else f'[{table}] {name}'}"
-    return said if here == TRAINING_CONFIG else f'{said} on "{TRAINING_CONFIG}"'
+    # on another node: whose widget ("the Training config's learning_rate = 0.0: must be > 0.0")
+    return said if here == TRAINING_CONFIG else f"the {TRAINING_CONFIG.removeprefix('Anima: ')}'s {said}"
 
 
 def render(text: str, here: str | None = None) -> str:
@@ -100,3 +103,23 @@ def short_first_line(text: str, width: int = FIRST_LINE) -> str:
         return text
     head, tail = first[:cut + 1].rstrip(), first[cut + 1:].strip()
     return head + "\n" + short_first_line(tail + ("\n" + rest if rest else ""), width) if tail else text
+
+
+def shown_on(node: str) -> Callable:
+    """Decorator of a node's method: the library it calls writes references (anima_train.fixes.writing_refs), and
+    the error it raises says them as `render` does (the same exception, its text changed: ComfyUI shows str())."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def shown(*args, **kwargs):
+            with writing_refs():
+                try:
+                    return method(*args, **kwargs)
+                except Exception as exc:
+                    if exc.args and str(exc) == exc.args[0]:  # a message (not an errno's, not a KeyError's repr)
+                        exc.args = (render(exc.args[0], node), *exc.args[1:])
+                    raise
+
+        return shown
+
+    return wrap

@@ -48,9 +48,10 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME, state_dir_for
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import PLAN_PREFIX, VALIDATION_PREFIX
 from anima_train.system.windows import refuse_multi_gpu
-from anima_train.training.preflight import path_problems
+from anima_train.training.preflight import path_check
 
 from . import comfy
+from . import fixes
 from . import paths
 from . import previews
 from . import worker
@@ -271,12 +272,6 @@ def _is_linked(value: str) -> bool:
     return value.startswith("<linked")
 
 
-def check_paths(cfg) -> list[str]:
-    """Problems load_config cannot see: the model repo, dataset folders, output folder and resume_from, checked
-    here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
-    return path_problems(cfg, skip=_is_linked)
-
-
 # One queue parses its config once and walks its dataset once: ComfyUI calls the Training config's validate_inputs,
 # fingerprint_inputs and execute, then Train's execute, all for the same queued prompt (comfy.queued_prompt_id), so
 # what they compute from the same inputs is kept for that prompt, and dropped when the next one comes. Outside a
@@ -321,12 +316,9 @@ def _build_config(values: dict):
     text = config_toml(values)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warnings are shown by the Train node's log, not as node errors
-        cfg = anima_config.load_config(text)
-    problems = check_paths(cfg)
-    if problems:
-        raise ConfigError("the training config refers to missing files:\n" + "\n".join(f"  - {p}" for p in problems),
-                          problems)
-    return cfg, text
+        # the model repo, dataset folders, output folder and resume_from in the same message as the values (the
+        # trainer's own preflight; a value linked from another node is not known yet and is skipped)
+        return anima_config.load_config(text, also=path_check(skip=_is_linked)), text
 
 
 def _model_and_data_digest(cfg) -> dict:
@@ -365,14 +357,15 @@ class AnimaTrainConfig(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on(fixes.TRAINING_CONFIG)
     def validate_inputs(cls, **values):
         # Raised, not returned: ComfyUI files a returned message once for every input the method receives (all of
         # this node's ~36: the Errors panel counted 36 identical entries), an exception once, against this node.
-
         try:
             build_config(values)
-        except ConfigError as exc:
-            raise ConfigRefused(str(exc).removeprefix(f"{TEXT_SOURCE}: ")) from None
+        except ConfigError as exc:  # several problems: one line each, the first one first (the popup shows it)
+            raise ConfigRefused("\n".join(fixes.render(e.removeprefix(f"{TEXT_SOURCE}: "), fixes.TRAINING_CONFIG)
+                                          for e in exc.errors)) from None
         return True
 
     @classmethod
@@ -385,6 +378,7 @@ class AnimaTrainConfig(io.ComfyNode):
             return worker.result_key(values=values)
 
     @classmethod
+    @fixes.shown_on(fixes.TRAINING_CONFIG)
     def execute(cls, **values):
         cfg, text = build_config(values)
         return io.NodeOutput({"toml": text, "digest": hashlib.sha256(text.encode()).hexdigest(),
@@ -584,6 +578,7 @@ class AnimaTrainTrain(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on(fixes.TRAIN)
     def execute(cls, config, gpus=1, copy_to_loras=True):
         refuse_multi_gpu(gpus)  # Windows: no tested multi-GPU path; before any worker or run folder exists
         hidden = getattr(cls, "hidden", None)
@@ -730,6 +725,7 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             return f"{lora_path}|{lora_name}|{strength_model}|{strength_clip}"
 
     @classmethod
+    @fixes.shown_on(fixes.LOAD)
     def execute(cls, model, lora_path="", lora_name=NO_FILE, strength_model=1.0, strength_clip=1.0, clip=None):
         path = resolve_lora(lora_path, lora_name)
         if strength_model == 0 and strength_clip == 0:
@@ -785,6 +781,7 @@ class AnimaTrainTextEncode(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on("Anima: Encode prompt (trainer)")
     def execute(cls, model_path, text):
         if model_path and model_path.strip():
             model_path = str(paths.current_policy().resolve(model_path.strip(), "model_path", paths.MODELS))

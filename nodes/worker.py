@@ -50,6 +50,7 @@ from typing import Callable
 
 from anchor.atomic import atomic_path, write_json
 from anima_train.errors import USER_ERROR_EXIT
+from anima_train.fixes import REFS_ENV
 from anima_train.system.parent_watch import PARENT_PID_ENV
 from anima_train.system.proc import group_has_live_member
 
@@ -83,8 +84,9 @@ def pack_dir() -> Path:
 
 
 def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
-    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, and
-    this process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends."""
+    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, this
+    process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends, and the fix texts'
+    front (its messages are shown on a node)."""
     env = dict(os.environ if base is None else base)
     env[PARENT_PID_ENV] = str(os.getpid())
     here = str(extra_path or pack_dir())
@@ -92,6 +94,7 @@ def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = 
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in parts if p != here])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHONIOENCODING", "utf-8")
+    env[REFS_ENV] = "refs"  # its messages name flags and commands as references the node says (nodes/fixes.py)
     return env
 
 
