@@ -14,12 +14,14 @@ references while they run and says every error they raise this way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
-from typing import Callable
+import tomllib
+from typing import Callable, Collection, Iterator
 
 from anima_train.config import TABLES
-from anima_train.config.validate import keys_by_table
+from anima_train.config.keys import is_key
 from anima_train.fixes import TOKEN, writing_refs
 
 FIRST_LINE = 120  # characters of a message's first line (the popup's one line: the key and the fix)
@@ -59,7 +61,15 @@ WIDGETS_NAMED = {"AnimaTrainConvert": ["tokenizers"], "AnimaTrainAudit": ["resol
 def _key_pattern() -> re.Pattern:
     """`[table] key`, `[[table]] #N key` and `table.key` for every key of the schema (longest names first)."""
     tables = "|".join(re.escape(t) for t in sorted(TABLES, key=len, reverse=True))
-    return re.compile(rf"\[\[({tables})\]\](?: #\d+)? (\w+)|\[({tables})\] (\w+)|\b({tables})\.(\w+)")
+    said = f"(?<!{EXTRA_TOML} )"  # said already (render is idempotent: a node's error passes it twice)
+    return re.compile(rf"{said}\[\[({tables})\]\](?: #\d+)? (\w+)|{said}\[({tables})\] (\w+)"
+                      rf"|(?<![\w.\[/\\])({tables})\.(\w+)")
+
+
+@functools.cache
+def _keys() -> dict[str, frozenset[str]]:
+    """Every table's keys (not the tables inside it)."""
+    return {name: frozenset(f.name for f in dataclasses.fields(cls) if is_key(f)) for name, cls in TABLES.items()}
 
 
 @functools.cache
@@ -70,28 +80,51 @@ def _widgets() -> dict[str, str]:
     return {k.key: k.widget for k in ALL_KNOBS}
 
 
-def _key(match: re.Match, here: str) -> str:
+def _key(match: re.Match, here: str, extra: Collection[str]) -> str:
     array = match.group(1) is not None
     table, name = next((match.group(i), match.group(i + 1)) for i in (1, 3, 5) if match.group(i) is not None)
-    if name not in keys_by_table().get(table, ()):
+    if name not in _keys().get(table, ()):
         return match.group(0)  # not a key of that table ("[dataset] no training data", "[train] unknown key")
-    widget = None if array else _widgets().get(f"{table}.{name}")
+    widget = None if array or f"{table}.{name}" in extra else _widgets().get(f"{table}.{name}")
     said = widget or f"{EXTRA_TOML} {match.group(0) if not match.group(5) else f'[{table}] {name}'}"
-    # on another node: whose widget ("the Training config's learning_rate = 0.0: must be > 0.0")
-    return said if here == TRAINING_CONFIG else f"the {TRAINING_CONFIG.removeprefix('Anima: ')}'s {said}"
+    # on another node: whose widget ("learning_rate (Anima: Training config) = 0.0: must be > 0.0")
+    return said if here == TRAINING_CONFIG else f"{said} ({TRAINING_CONFIG})"
 
 
-def render(text: str, here: str | None = None) -> str:
+def extra_keys(extra_toml: str | None) -> set[str]:
+    """The dotted keys an extra_toml text sets: they win over their widgets, so a fix names them there."""
+    try:
+        tree = tomllib.loads(extra_toml or "")
+    except ValueError:
+        return set()
+
+    def walk(table: dict, prefix: str) -> Iterator[str]:
+        for name, value in table.items():
+            yield f"{prefix}{name}"
+            if isinstance(value, dict):
+                yield from walk(value, f"{prefix}{name}.")
+
+    return set(walk(tree, ""))
+
+
+def render(text: str, here: str | None = None, extra: Collection[str] = (), short: bool = True) -> str:
     """`text` for a ComfyUI user: its references as widgets and nodes (`here`: the node that shows it, whose name
-    goes without saying), its first line at most FIRST_LINE characters."""
+    goes without saying; `extra`: the dotted keys extra_toml sets, which win over their widgets), its first line
+    at most FIRST_LINE characters (unless not `short`)."""
     text = TOKEN.sub(lambda m: CLAUSES.get(m.group(1), m.group(1)), text)
-    text = _key_pattern().sub(lambda m: _key(m, here or ""), text)
-    return short_first_line(text)
+    text = _key_pattern().sub(lambda m: _key(m, here or "", extra), text)
+    return short_first_line(text) if short else text
+
+
+def said(event: dict, here: str = TRAIN) -> dict:
+    """A worker event whose texts (an error's message, a message's or warning's text) the page shows, rendered."""
+    return {k: render(v, here, short=False) if k in ("message", "text") and isinstance(v, str) else v
+            for k, v in event.items()}
 
 
 def short_first_line(text: str, width: int = FIRST_LINE) -> str:
-    """A first line over `width` characters ends at its last clause break (": ", "; ", ". ", ", ") within `width`;
-    the rest goes to the next line."""
+    """A first line over `width` characters ends at its last clause break (": ", "; ", ". ", ", ") within `width`,
+    else at a space; the rest of it becomes the second line."""
     first, _, rest = text.partition("\n")
     if len(first) <= width:
         return text
@@ -102,7 +135,7 @@ def short_first_line(text: str, width: int = FIRST_LINE) -> str:
     if cut <= 0:
         return text
     head, tail = first[:cut + 1].rstrip(), first[cut + 1:].strip()
-    return head + "\n" + short_first_line(tail + ("\n" + rest if rest else ""), width) if tail else text
+    return "\n".join([head, tail] + ([rest] if rest else [])) if tail else text
 
 
 def shown_on(node: str) -> Callable:

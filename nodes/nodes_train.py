@@ -39,7 +39,7 @@ from anchor.atomic import write_text
 from anima_train import adapters
 from anima_train.adapters.export import text_encoder_lora_path
 import anima_train.config as anima_config  # called through the module: tests count load_config's calls
-from anima_train.config import TEXT_SOURCE, ConfigError, iter_fields
+from anima_train.config import ConfigError, iter_fields
 from anima_train.data.texture import refuse_multi_process
 from anima_train.model.components import check_repo
 from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
@@ -364,8 +364,8 @@ class AnimaTrainConfig(io.ComfyNode):
         try:
             build_config(values)
         except ConfigError as exc:  # several problems: one line each, the first one first (the popup shows it)
-            raise ConfigRefused("\n".join(fixes.render(e.removeprefix(f"{TEXT_SOURCE}: "), fixes.TRAINING_CONFIG)
-                                          for e in exc.errors)) from None
+            extra = fixes.extra_keys(values.get(EXTRA_TOML))
+            raise ConfigRefused("\n".join(fixes.render(e, fixes.TRAINING_CONFIG, extra) for e in exc.errors)) from None
         return True
 
     @classmethod
@@ -408,7 +408,7 @@ class Relay:
         self.stop_done: dict | None = None  # the trainer's `done` event printed while it stopped after Cancel
 
     def send(self, event: dict) -> None:
-        comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **event}, self.sid)
+        comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **fixes.said(event)}, self.sid)
 
     def __call__(self, event: dict) -> None:
         kind = event.get("event")
