@@ -52,8 +52,9 @@ def writing_refs() -> Iterator[None]:
 def ref(what: str, cli_text: str) -> str:
     """The clause that names a flag or a command: `cli_text` in a shell, the token ⟦what⟧ for another front.
 
-    `what` is "<kind> <command> [<flag>]": "flag audit --resolution", "run cache", "run convert". It names what the
-    user does, not the words: each front has one clause per `what` (nodes/fixes.py for ComfyUI)."""
+    `what` is "<kind> <command> [<flag>]": "flag audit --resolution" (use this flag), "run cache" (run this
+    command), "name cache" (the command as a name). It names what the user does, not the words: each front has one
+    clause per `what` (nodes/fixes.py for ComfyUI)."""
     return f"{OPEN}{what}{CLOSE}" if writes_refs() else cli_text
 
 

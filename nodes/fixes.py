@@ -43,16 +43,22 @@ CLAUSES = {
                                 f"a Hugging Face repo id) and run it again",
     "run cache": f'run "{CACHE}" with dry_run off (connect this config to its config input), or set source = '
                  f'"encode" on "{TRAINING_CONFIG}"',
+    "name cache": f'"{CACHE}"',
     "run plan": "",
     "run evaluate": f'; compare the checkpoints by loading each with "{LOAD}"',
     "flag audit --resolution": f'set resolutions on "{AUDIT}"',
     "flag audit --config": f'connect a training config to "{AUDIT}"',
     "flag audit --model": f'set model_path on "{AUDIT}"',
+    "flag convert --anima": "anima",  # on the Convert node, which shows the message: its widgets
+    "flag convert --qwen": "qwen",
+    "flag convert --vae": "vae",
+    "flag convert --tokenizers": "tokenizers",
+    "flag convert --out": "out_dir",
     "flag cache --allow-missing-captions": f', or turn on allow_missing_captions on "{CACHE}" to cache them anyway',
     "flag train --allow-missing-captions": "",
 }
 # The widgets CLAUSES names, per node id: checked against the nodes' schemas.
-WIDGETS_NAMED = {"AnimaTrainConvert": ["tokenizers"], "AnimaTrainAudit": ["resolutions", "model_path", "config"],
+WIDGETS_NAMED = {"AnimaTrainConvert": ["anima", "qwen", "vae", "tokenizers", "out_dir"], "AnimaTrainAudit": ["resolutions", "model_path", "config"],
                  "AnimaTrainCache": ["dry_run", "config", "allow_missing_captions"],
                  "AnimaTrainConfig": ["source", "model_path"]}
 
@@ -128,10 +134,13 @@ def short_first_line(text: str, width: int = FIRST_LINE) -> str:
     first, _, rest = text.partition("\n")
     if len(first) <= width:
         return text
-    cut = max((first.rfind(sep, 0, width - 1) + len(sep) - 1 for sep in (": ", "; ", ". ", ", ")
-               if first.rfind(sep, 0, width - 1) > width // 3), default=-1)
-    if cut <= 0:
-        cut = first.rfind(" ", 0, width)
+    breaks, spaces, quoted = [], [], False  # a break outside quotes: "Anima: Cache latents" is one name
+    for i, ch in enumerate(first[:width + 1]):
+        if ch == '"':
+            quoted = not quoted
+        elif ch == " " and not quoted and i > 0:
+            (breaks if first[i - 1] in ":;.," and i > width // 3 else spaces).append(i - 1)
+    cut = max(breaks or spaces or [-1])
     if cut <= 0:
         return text
     head, tail = first[:cut + 1].rstrip(), first[cut + 1:].strip()

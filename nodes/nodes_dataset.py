@@ -173,7 +173,7 @@ class AnimaTrainConvert(io.ComfyNode):
             else ""
         args = ["convert", "--anima", files["anima"], "--qwen", files["qwen"], "--vae", files["vae"],
                 "--out", str(out)] + (["--tokenizers", tokenizers] if tokenizers else [])
-        result = run_cli(args, "anima-train convert")
+        result = run_cli(args, "conversion")
         worker.write_json(marker, {"key": key, "inputs": files})
         text = _text(result) or f"wrote {out}"
         return io.NodeOutput(str(out), ui={"text": [text]})
@@ -212,7 +212,7 @@ class AnimaTrainAudit(io.ComfyNode):
         try:
             args = ["audit"] + dataset_args(dataset_dir, resolutions, model_path, config_file)
             # NOT SAFE (exit 4) is a finding, not an error
-            result = run_cli(args, "anima-train audit", ok_codes=(0, DATA_VERDICT_EXIT))
+            result = run_cli(args, "the audit", ok_codes=(0, DATA_VERDICT_EXIT))
         finally:
             if config_file:
                 os.unlink(config_file)
@@ -282,7 +282,7 @@ class AnimaTrainCache(io.ComfyNode):
             args += ["--allow-missing-captions"] if allow_missing_captions else []
             if not dry_run:
                 comfy.free_vram()  # the worker's VAE wants the GPU ComfyUI's models hold
-            result = run_cli(args, "anima-train cache", on_line=on_line)
+            result = run_cli(args, "caching", on_line=on_line)
         finally:
             if config_file:
                 os.unlink(config_file)

@@ -430,7 +430,7 @@ def failure_message(result: JobResult, what: str) -> str:
     leads the text as "<what> did not start: <message>" (or "stopped:" after the first step), with no exit status,
     and the log lines that only repeat it are left out."""
     error = result.last("error") or {}
-    message = str(error.get("message") or "")
+    message = str(error.get("message") or "") or _said_error(result)
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
         parts = [f"{what} {'stopped' if result.last('start') else 'did not start'}: {message}"]
     else:
@@ -446,7 +446,17 @@ def failure_message(result: JobResult, what: str) -> str:
     return "\n".join(parts)
 
 
-_USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: error: ")  # how cli.main prints a user error
+_USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: (error: )?(?!warning: )")  # how a command prints a user error
+
+
+def _said_error(result: JobResult) -> str:
+    """A user error the command printed on stderr (a command without events: convert, cache, audit): from its last
+    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2."""
+    if result.returncode != USER_ERROR_EXIT:
+        return ""
+    lines = log_tail(result.log_path, lines=200).splitlines()
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _USER_ERROR_PREFIX.match(lines[i])), None)
+    return "" if at is None else "\n".join([_USER_ERROR_PREFIX.sub("", lines[at])] + lines[at + 1:])
 
 
 def raise_for_failure(result: JobResult, what: str, ok_codes: tuple[int, ...] = (0,)) -> None:

@@ -81,7 +81,12 @@ def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
 
 def path_check(*, saving: bool = True, skip: Callable[[str], bool] = lambda value: False):
     """path_problems as load_config's `also`: the paths' problems in the same message as the values'."""
-    return lambda cfg, refused: path_problems(cfg, saving=saving, skip=skip, refused=refused)
+
+    def check(cfg: Config, refused) -> None:
+        if problems := path_problems(cfg, saving=saving, skip=skip, refused=refused):
+            _refuse(cfg, problems)
+
+    return check
 
 
 def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
@@ -96,7 +101,11 @@ def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
         except ModelRepoError as exc:
             problems.append(f"[train] model_path: {exc}")
     if problems:
-        name = str(cfg.source_path) if cfg.source_path is not None else "the config"
-        n = len(problems)
-        raise ConfigError(f"{name}: {n} path{'s' if n > 1 else ''} cannot be used:\n"
-                          + "\n".join(f"  - {p}" for p in problems), problems)
+        _refuse(cfg, problems)
+
+
+def _refuse(cfg: Config, problems: list[str]) -> None:
+    name = str(cfg.source_path) if cfg.source_path is not None else "the config"
+    n = len(problems)
+    raise ConfigError(f"{name}: {n} path{'s' if n > 1 else ''} cannot be used:\n"
+                      + "\n".join(f"  - {p}" for p in problems), problems)
