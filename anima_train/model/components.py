@@ -64,13 +64,15 @@ def check_repo(model_path: str | os.PathLike) -> Path:
     missing_weights = [m for m in missing if m not in TOKENIZER_FOLDERS]
     if missing_weights:
         raise ModelRepoError(
-            f"{root} is not a complete Anima diffusers repo: missing {', '.join(f'{m}/' for m in missing_weights)}"
+            f"model_path {str(root)!r} is not a complete Anima diffusers repo: missing "
+            f"{', '.join(f'{m}/' for m in missing_weights)}"
             f"{' and ' + ', '.join(f'{m}/' for m in missing_tok) if missing_tok else ''}. "
             + ref("run convert", "Convert the ComfyUI single files with `anima-train convert --anima F --qwen F "
                                  "--vae F --out DIR`"))
     if missing_tok:
         raise ModelRepoError(
-            f"{root} has no {' and no '.join(f'{m}/' for m in missing_tok)} folder: the tokenizers are required to "
+            f"model_path {str(root)!r} has no {' and no '.join(f'{m}/' for m in missing_tok)} folder: the "
+            f"tokenizers are required to "
             f"train (captions are tokenized on every step) and conversion cannot synthesise them. "
             + tokenizer_fix_hint(root))
     return root
