@@ -427,7 +427,7 @@ class Relay:
                 # the progress hook also checks ComfyUI's interrupt flag: a cancel point
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
         elif kind == "warning":
-            self.warnings.append(str(event.get("text", "")))
+            self.warnings.append(fixes.render(str(event.get("text", "")), fixes.TRAIN, short=False))  # node text
         elif kind == "validation" and all(isinstance(event.get(k), (int, float)) for k in ("step", "loss", "margin")):
             self.validation_points.append([event["step"], float(event["loss"]), float(event["margin"])])
         elif kind == "message" and str(event.get("text", "")).startswith(VALIDATION_PREFIX):

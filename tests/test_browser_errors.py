@@ -74,9 +74,12 @@ def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
     # the queue's answer: the node has exactly one error, and it carries the message
     response = seen["run"]["queued"][0]["response"]
     (errors,) = [e["errors"] for e in response["node_errors"].values()]
-    assert len(errors) == 1 and errors[0]["details"].startswith(needle), errors  # the first line: key and fix
+    assert len(errors) == 1 and needle in errors[0]["details"], errors
+    first = errors[0]["details"].splitlines()[0]  # each problem's first line: within 120 characters, whole in the popup
+    assert len(first) <= 120 and first in seen["overlay"], (first, seen["overlay"][-1500:])
     if case == "two":
-        assert errors[0]["details"].count("my_datset': dataset folder not found") == 1, errors
+        details = errors[0]["details"]
+        assert "my_datset" in details and details.count("dataset folder not found") == 1, details
     assert "<config text>" not in errors[0]["details"]
     # ComfyUI's console: printed once
     assert log.read_text().count(needle) - logged_before == 1, log.read_text()[-3000:]
