@@ -41,13 +41,11 @@ CLAUSES = {
     "run convert": f'run "{CONVERT}" on the three model files and give its model_path output to model_path',
     "run convert --tokenizers": f'set tokenizers on "{CONVERT}" (a folder holding tokenizer/ and t5_tokenizer/, or '
                                 f"a Hugging Face repo id) and run it again",
-    "run cache": f'run "{CACHE}" with dry_run off (connect this config to its config input), or set source = '
-                 f'"encode" on "{TRAINING_CONFIG}"',
+    "run cache": f'run "{CACHE}" with dry_run off on this dataset, or set source = "encode" on "{TRAINING_CONFIG}"',
     "name cache": f'"{CACHE}"',
     "run plan": "",
     "run evaluate": f'; compare the checkpoints by loading each with "{LOAD}"',
-    "flag audit --resolution": f'set resolutions on "{AUDIT}"',
-    "flag audit --config": f'connect a training config to "{AUDIT}"',
+    "flag audit --resolution": f'set resolutions on "{AUDIT}" or connect a training config',
     "flag audit --model": f'set model_path on "{AUDIT}"',
     "flag convert --anima": "anima",  # on the Convert node, which shows the message: its widgets
     "flag convert --qwen": "qwen",
@@ -58,9 +56,9 @@ CLAUSES = {
     "flag train --allow-missing-captions": "",
 }
 # The widgets CLAUSES names, per node id: checked against the nodes' schemas.
-WIDGETS_NAMED = {"AnimaTrainConvert": ["anima", "qwen", "vae", "tokenizers", "out_dir"], "AnimaTrainAudit": ["resolutions", "model_path", "config"],
-                 "AnimaTrainCache": ["dry_run", "config", "allow_missing_captions"],
-                 "AnimaTrainConfig": ["source", "model_path"]}
+WIDGETS_NAMED = {"AnimaTrainConvert": ["anima", "qwen", "vae", "tokenizers", "out_dir"],
+                 "AnimaTrainAudit": ["resolutions", "model_path"],
+                 "AnimaTrainCache": ["dry_run", "allow_missing_captions"], "AnimaTrainConfig": ["source", "model_path"]}
 
 
 @functools.cache

@@ -197,6 +197,13 @@ def test_every_node_and_widget_a_fix_names_exists(node_env):
     for node_id, widgets in fixes.WIDGETS_NAMED.items():
         inputs = {p.id for p in schemas[node_id].inputs}
         assert set(widgets) <= inputs, (node_id, set(widgets) - inputs)
+    # every reference the trainer writes has the node's words for it
+    root = Path(__file__).resolve().parents[1] / "anima_train"
+    written = {m.group(1) for f in root.rglob("*.py") for m in re.finditer(r'\bref\(\s*"([^"]+)"', f.read_text())}
+    written |= {"flag train --allow-missing-captions", "flag cache --allow-missing-captions"}  # f-strings: these
+    written |= {f"flag convert --{flag}" for flag in ("anima", "qwen", "vae", "tokenizers", "out")}
+    assert {"run convert", "run cache", "flag audit --model"} <= written, written
+    assert written <= set(fixes.CLAUSES), written - set(fixes.CLAUSES)
     shown = {s.display_name for s in schemas.values()}
     for name in (fixes.TRAINING_CONFIG, fixes.CONVERT, fixes.AUDIT, fixes.CACHE, fixes.TRAIN, fixes.LOAD):
         assert name in shown, name
