@@ -85,13 +85,14 @@ ALIASES: dict[str, str] = {
     "lora_alpha": "adapter.alpha",
 }
 
-# Foreign names with no counterpart here, and what to do instead ({cache}: the cache command, as the front says it).
+# Foreign names with no counterpart here, and what to do instead (the cache command as the front says it: suggestion).
+CACHE_COMMAND = "`anima-train cache`"
 NO_EQUIVALENT: dict[str, str] = {
     "enable_bucket": "bucketing is always on here; remove the key",
     "caption_extension": "captions are always <stem>.txt (tags) and <stem>_nl.txt (natural language); remove the key",
-    "cache_latents": "latents are cached by {cache} (or encoded in the loop with [dataset] source = "
+    "cache_latents": "latents are cached by `anima-train cache` (or encoded in the loop with [dataset] source = "
                      '"encode"); remove the key',
-    "cache_latents_to_disk": "latents are cached by {cache} (or encoded in the loop with [dataset] "
+    "cache_latents_to_disk": "latents are cached by `anima-train cache` (or encoded in the loop with [dataset] "
                              'source = "encode"); remove the key',
     "network_train_unet_only": "only the DiT is trained unless [adapter] train_text_encoder = true (default "
                                "false); remove the key",
@@ -125,7 +126,7 @@ def suggestion(key: str, table: str, keys_by_table: dict[str, list[str]]) -> tup
     if norm in ALIASES:
         return _split(ALIASES[norm])
     if norm in NO_EQUIVALENT:
-        return NO_EQUIVALENT[norm].replace("{cache}", ref("name cache", "`anima-train cache`"))
+        return NO_EQUIVALENT[norm].replace(CACHE_COMMAND, ref("name cache", CACHE_COMMAND))
     # spelling: the closest key of this table, unless a key of another table is clearly closer (`warmup_step`
     # in [train] is [schedule] warmup_steps, not [train] max_steps)
     for word in LOCAL_SYNONYMS.get(norm, ()):
