@@ -16,7 +16,8 @@ checkpoints.ResumeError, checkpoints.SaveError, captions.CaptionError, runs.RunR
 convert.ConvertError. New checks should raise one of those, or
 UserError itself (or a new subclass of it) when none fits.
 
-No imports beyond the standard library: the config package (no torch) and the CLI's start-up import this module.
+No imports beyond the standard library and anima_train.fixes (how a fix names a flag or a command; standard
+library only): the config package (no torch) and the CLI's start-up import this module.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import errno
 import os
 import re
 import sys
+
+from anima_train import fixes
 
 # exit statuses of every command (the README's table is tested against these; 3 = parent_watch.EXIT_PARENT_GONE)
 INTERNAL_ERROR_EXIT = 1  # a bug in anima-train
@@ -82,8 +85,9 @@ def out_of_memory_message(torch_text: str) -> str:
                                  re.search(r"this process has [\d.]+ \w+ memory in use", torch_text),
                                  re.search(r"[\d.]+ \w+ allowed", torch_text)) if m]
     numbers = f" ({'; '.join(found)})" if found else ""
-    return (f"the GPU ran out of memory{numbers}. `anima-train plan CONFIG --vram GiB` shows what fits a card of that "
-            "size. Lower [train] batch_size or [dataset] resolution, or set [train] checkpoint_blocks = \"all\"; "
+    return (f"the GPU ran out of memory{numbers}. "
+            + fixes.ref("run plan", "`anima-train plan CONFIG --vram GiB` shows what fits a card of that size. ")
+            + "Lower [train] batch_size or [dataset] resolution, or set [train] checkpoint_blocks = \"all\"; "
             "for an adapter keep some blocks' frozen weights in host memory ([train] swap_blocks = N: the plan names "
             "N); for a full finetune drop the fp32 copies ([optimizer] use_kahan = true), or keep the optimizer state in "
             "8 bits as well (kind = \"adamw8bit\", quantize_state = true, use_kahan = true); close other programs that "

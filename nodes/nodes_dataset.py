@@ -18,6 +18,7 @@ from anima_train.errors import DATA_VERDICT_EXIT
 from anima_train.model.components import DEFAULT_TOKENIZER_REPO, ModelRepoError, check_repo
 
 from . import comfy
+from . import fixes
 from . import paths
 from . import worker
 from .comfy import CATEGORY, io
@@ -55,7 +56,8 @@ def dataset_args(dataset_dir: str, resolutions: str, model_path: str, config_fil
     for d in dirs:
         folder = policy.resolve(d, "dataset_dir", paths.INPUT)
         if not folder.is_dir():
-            raise FileNotFoundError(f"dataset folder {d!r} does not exist ({folder})")
+            raise FileNotFoundError(f"dataset_dir = {d!r}: no such folder ({folder}); set dataset_dir to a folder of "
+                                    f"images (several: separate them with ';')")
         args.append(str(folder))
     if not dirs and config_file is None:
         raise ValueError("no dataset: set dataset_dir (several folders: separate them with ';') or connect a "
@@ -155,6 +157,7 @@ class AnimaTrainConvert(io.ComfyNode):
             return worker.result_key(values=[anima, qwen, vae, out_dir, tokenizers])
 
     @classmethod
+    @fixes.shown_on(fixes.CONVERT)
     def execute(cls, anima, qwen, vae, out_dir="", tokenizers=""):
         files, out = cls._resolve(anima, qwen, vae, out_dir)
         key = worker.result_key(inputs=worker.files_digest(files.values()), tok=tokenizers)
@@ -170,7 +173,7 @@ class AnimaTrainConvert(io.ComfyNode):
             else ""
         args = ["convert", "--anima", files["anima"], "--qwen", files["qwen"], "--vae", files["vae"],
                 "--out", str(out)] + (["--tokenizers", tokenizers] if tokenizers else [])
-        result = run_cli(args, "anima-train convert")
+        result = run_cli(args, "conversion")
         worker.write_json(marker, {"key": key, "inputs": files})
         text = _text(result) or f"wrote {out}"
         return io.NodeOutput(str(out), ui={"text": [text]})
@@ -203,16 +206,17 @@ class AnimaTrainAudit(io.ComfyNode):
         return _dataset_fingerprint(dataset_dir, config, resolutions, model_path)
 
     @classmethod
+    @fixes.shown_on(fixes.AUDIT)
     def execute(cls, dataset_dir="", resolutions="", model_path="", config=None):
         config_file = _config_file(config)
         try:
             args = ["audit"] + dataset_args(dataset_dir, resolutions, model_path, config_file)
             # NOT SAFE (exit 4) is a finding, not an error
-            result = run_cli(args, "anima-train audit", ok_codes=(0, DATA_VERDICT_EXIT))
+            result = run_cli(args, "the audit", ok_codes=(0, DATA_VERDICT_EXIT))
         finally:
             if config_file:
                 os.unlink(config_file)
-        text = _text(result)
+        text = fixes.render(_text(result), fixes.AUDIT)
         return io.NodeOutput(text, result.returncode == 0, ui={"text": [text]})
 
 
@@ -253,6 +257,7 @@ class AnimaTrainCache(io.ComfyNode):
                                     allow_missing_captions)
 
     @classmethod
+    @fixes.shown_on(fixes.CACHE)
     def execute(cls, dataset_dir="", resolutions="1024", model_path="", dry_run=True, overwrite=False, batch_size=4,
                 allow_missing_captions=False, config=None):
         hidden = getattr(cls, "hidden", None)
@@ -277,11 +282,11 @@ class AnimaTrainCache(io.ComfyNode):
             args += ["--allow-missing-captions"] if allow_missing_captions else []
             if not dry_run:
                 comfy.free_vram()  # the worker's VAE wants the GPU ComfyUI's models hold
-            result = run_cli(args, "anima-train cache", on_line=on_line)
+            result = run_cli(args, "caching", on_line=on_line)
         finally:
             if config_file:
                 os.unlink(config_file)
-        text = _text(result)
+        text = fixes.render(_text(result), fixes.CACHE)
         return io.NodeOutput(text, ui={"text": [text]})
 
 

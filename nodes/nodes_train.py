@@ -40,7 +40,7 @@ from anchor.atomic import write_text
 from anima_train import adapters
 from anima_train.adapters.export import text_encoder_lora_path
 import anima_train.config as anima_config  # called through the module: tests count load_config's calls
-from anima_train.config import TEXT_SOURCE, ConfigError, iter_fields
+from anima_train.config import ConfigError, iter_fields
 from anima_train.data.texture import refuse_multi_process
 from anima_train.model.components import check_repo
 from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
@@ -49,9 +49,10 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME, state_dir_for
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import PLAN_PREFIX, VALIDATION_PREFIX
 from anima_train.system.windows import refuse_multi_gpu
-from anima_train.training.preflight import path_problems
+from anima_train.training.preflight import path_check
 
 from . import comfy
+from . import fixes
 from . import paths
 from . import previews
 from . import worker
@@ -272,12 +273,6 @@ def _is_linked(value: str) -> bool:
     return value.startswith("<linked")
 
 
-def check_paths(cfg) -> list[str]:
-    """Problems load_config cannot see: the model repo, dataset folders, output folder and resume_from, checked
-    here by the trainer's own preflight (a value linked from another node is not known yet and is skipped)."""
-    return path_problems(cfg, skip=_is_linked)
-
-
 # One queue parses its config once and walks its dataset once: ComfyUI calls the Training config's validate_inputs,
 # fingerprint_inputs and execute, then Train's execute, all for the same queued prompt (comfy.queued_prompt_id), so
 # what they compute from the same inputs is kept for that prompt, and dropped when the next one comes. Outside a
@@ -322,12 +317,9 @@ def _build_config(values: dict):
     text = config_toml(values)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warnings are shown by the Train node's log, not as node errors
-        cfg = anima_config.load_config(text)
-    problems = check_paths(cfg)
-    if problems:
-        raise ConfigError("the training config refers to missing files:\n" + "\n".join(f"  - {p}" for p in problems),
-                          problems)
-    return cfg, text
+        # the model repo, dataset folders, output folder and resume_from in the same message as the values (the
+        # trainer's own preflight; a value linked from another node is not known yet and is skipped)
+        return anima_config.load_config(text, also=path_check(skip=_is_linked)), text
 
 
 def _model_and_data_digest(cfg) -> dict:
@@ -366,14 +358,15 @@ class AnimaTrainConfig(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on(fixes.TRAINING_CONFIG)
     def validate_inputs(cls, **values):
         # Raised, not returned: ComfyUI files a returned message once for every input the method receives (all of
         # this node's ~36: the Errors panel counted 36 identical entries), an exception once, against this node.
-
         try:
             build_config(values)
-        except ConfigError as exc:
-            raise ConfigRefused(str(exc).removeprefix(f"{TEXT_SOURCE}: ")) from None
+        except ConfigError as exc:  # several problems: one line each, the first one first (the popup shows it)
+            extra = fixes.extra_keys(values.get(EXTRA_TOML))
+            raise ConfigRefused("\n".join(fixes.render(e, fixes.TRAINING_CONFIG, extra) for e in exc.errors)) from None
         return True
 
     @classmethod
@@ -386,6 +379,7 @@ class AnimaTrainConfig(io.ComfyNode):
             return worker.result_key(values=values)
 
     @classmethod
+    @fixes.shown_on(fixes.TRAINING_CONFIG)
     def execute(cls, **values):
         cfg, text = build_config(values)
         return io.NodeOutput({"toml": text, "digest": hashlib.sha256(text.encode()).hexdigest(),
@@ -415,7 +409,7 @@ class Relay:
         self.stop_done: dict | None = None  # the trainer's `done` event printed while it stopped after Cancel
 
     def send(self, event: dict) -> None:
-        comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **event}, self.sid)
+        comfy.send_event({"node": self.node_id, "prompt_id": self.prompt_id, **fixes.said(event)}, self.sid)
 
     def __call__(self, event: dict) -> None:
         kind = event.get("event")
@@ -434,7 +428,7 @@ class Relay:
                 # the progress hook also checks ComfyUI's interrupt flag: a cancel point
                 self.bar.update_absolute(int(event["step"]), int(event.get("total") or self.total))
         elif kind == "warning":
-            self.warnings.append(str(event.get("text", "")))
+            self.warnings.append(fixes.render(str(event.get("text", "")), fixes.TRAIN, short=False))  # node text
         elif kind == "validation" and all(isinstance(event.get(k), (int, float)) for k in ("step", "loss", "margin")):
             self.validation_points.append([event["step"], float(event["loss"]), float(event["margin"])])
         elif kind == "message" and str(event.get("text", "")).startswith(VALIDATION_PREFIX):
@@ -583,6 +577,7 @@ class AnimaTrainTrain(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on(fixes.TRAIN)
     def execute(cls, config, gpus=1, copy_to_loras=True):
         refuse_multi_gpu(gpus)  # Windows: no tested multi-GPU path; before any worker or run folder exists
         hidden = getattr(cls, "hidden", None)
@@ -730,6 +725,7 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             return f"{lora_path}|{lora_name}|{strength_model}|{strength_clip}"
 
     @classmethod
+    @fixes.shown_on(fixes.LOAD)
     def execute(cls, model, lora_path="", lora_name=NO_FILE, strength_model=1.0, strength_clip=1.0, clip=None):
         path = resolve_lora(lora_path, lora_name)
         if strength_model == 0 and strength_clip == 0:
@@ -785,6 +781,7 @@ class AnimaTrainTextEncode(io.ComfyNode):
         )
 
     @classmethod
+    @fixes.shown_on("Anima: Encode prompt (trainer)")
     def execute(cls, model_path, text):
         if model_path and model_path.strip():
             model_path = str(paths.current_policy().resolve(model_path.strip(), "model_path", paths.MODELS))

@@ -50,6 +50,7 @@ from typing import Callable
 
 from anchor.atomic import atomic_path, write_json
 from anima_train.errors import USER_ERROR_EXIT
+from anima_train.fixes import REFS_ENV
 from anima_train.outputs.layout import LOCK_NAME
 from anima_train.system.parent_watch import PARENT_PID_ENV
 from anima_train.system.proc import group_has_live_member
@@ -84,8 +85,9 @@ def pack_dir() -> Path:
 
 
 def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = None) -> dict:
-    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, and
-    this process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends."""
+    """ComfyUI's environment plus: the pack on PYTHONPATH (ComfyUI does not install it), unbuffered output, this
+    process's pid, which the worker watches to end (after saving, when it can) if ComfyUI ends, and the fix texts'
+    front (its messages are shown on a node)."""
     env = dict(os.environ if base is None else base)
     env[PARENT_PID_ENV] = str(os.getpid())
     here = str(extra_path or pack_dir())
@@ -93,6 +95,7 @@ def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = 
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in parts if p != here])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHONIOENCODING", "utf-8")
+    env[REFS_ENV] = "refs"  # its messages name flags and commands as references the node says (nodes/fixes.py)
     return env
 
 
@@ -428,7 +431,7 @@ def failure_message(result: JobResult, what: str) -> str:
     leads the text as "<what> did not start: <message>" (or "stopped:" after the first step), with no exit status,
     and the log lines that only repeat it are left out."""
     error = result.last("error") or {}
-    message = str(error.get("message") or "")
+    message = str(error.get("message") or "") or _said_error(result)
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
         parts = [f"{what} {'stopped' if result.last('start') else 'did not start'}: {message}"]
     else:
@@ -444,7 +447,17 @@ def failure_message(result: JobResult, what: str) -> str:
     return "\n".join(parts)
 
 
-_USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: error: ")  # how cli.main prints a user error
+_USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: (error: )?(?!warning: )")  # how a command prints a user error
+
+
+def _said_error(result: JobResult) -> str:
+    """A user error the command printed on stderr (a command without events: convert, cache, audit): from its last
+    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2."""
+    if result.returncode != USER_ERROR_EXIT:
+        return ""
+    lines = log_tail(result.log_path, lines=200).splitlines()
+    at = next((i for i in range(len(lines) - 1, -1, -1) if _USER_ERROR_PREFIX.match(lines[i])), None)
+    return "" if at is None else "\n".join([_USER_ERROR_PREFIX.sub("", lines[at])] + lines[at + 1:])
 
 
 def raise_for_failure(result: JobResult, what: str, ok_codes: tuple[int, ...] = (0,)) -> None:

@@ -31,14 +31,19 @@ def comfy(tmp_path_factory):
 
 
 CASES = {
-    # a rule of the config (extra_toml, as a user types it), and a path the nodes may not use (a widget)
-    "lr": ({"extra_toml": "[optimizer]\nlr = 0\n"}, "[optimizer] lr = 0.0: must be > 0.0"),
-    "path": ({"dataset_path": "/nope/elsewhere"}, "[dataset] path = '/nope/elsewhere' is outside the folders"),
+    # a rule of the config (extra_toml, as a user types it: fixed there), and a path the nodes may not use (a widget);
+    # each named as the user sets it (nodes/fixes.py), not as a TOML file spells it
+    "lr": ({"extra_toml": "[optimizer]\nlr = 0\n"}, "extra_toml [optimizer] lr = 0.0: must be > 0.0"),
+    "path": ({"dataset_path": "/nope/elsewhere"}, "dataset_path = '/nope/elsewhere' is outside the folders"),
     # numbers typed into widgets beyond their key's range: the frontend clamps a typed number to the widget's min/max
     # without a word, so with the key's range as the widget's limits a negative LR became 0 and a tag dropout of 1.5
     # trained as 1.0. The value typed must reach the gate and be refused by name.
-    "typed_lr": ({"typed": {"learning_rate": -0.0001}}, "[optimizer] lr = -0.0001: must be > 0.0"),
-    "typed_dropout": ({"typed": {"tag_dropout": 1.5}}, "[dataset.caption] tag_dropout_percent = 1.5: must be <= 1.0"),
+    "typed_lr": ({"typed": {"learning_rate": -0.0001}}, "learning_rate = -0.0001: must be > 0.0"),
+    "typed_dropout": ({"typed": {"tag_dropout": 1.5}}, "tag_dropout = 1.5: must be <= 1.0"),
+    # two problems at once (a value and a dataset folder that is not there): one error, its first line whole in the
+    # popup, both problems in its text
+    "two": ({"dataset_path": "my_datset", "typed": {"learning_rate": -0.0001}},
+            "learning_rate = -0.0001: must be > 0.0"),
 }
 
 
@@ -70,6 +75,11 @@ def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
     response = seen["run"]["queued"][0]["response"]
     (errors,) = [e["errors"] for e in response["node_errors"].values()]
     assert len(errors) == 1 and needle in errors[0]["details"], errors
+    first = errors[0]["details"].splitlines()[0]  # each problem's first line: within 120 characters, whole in the popup
+    assert len(first) <= 120 and first in seen["overlay"], (first, seen["overlay"][-1500:])
+    if case == "two":
+        details = errors[0]["details"]
+        assert "my_datset" in details and details.count("dataset folder not found") == 1, details
     assert "<config text>" not in errors[0]["details"]
     # ComfyUI's console: printed once
     assert log.read_text().count(needle) - logged_before == 1, log.read_text()[-3000:]

@@ -23,7 +23,7 @@ FAKE_CLI = textwrap.dedent(r'''
         print("\nwrote    3 cache file(s) in 0.1 s", flush=True)
     elif args[0] == "convert":
         if "--fail" in os.environ.get("FAKE_MODE", ""):
-            print("anima-train convert: --vae x.safetensors holds a Qwen3 text encoder, not a VAE", file=sys.stderr)
+            print("anima-train convert: \u27e6flag convert --vae\u27e7 x.safetensors holds a Qwen3 text encoder, not a VAE", file=sys.stderr)
             sys.exit(2)
         out = args[args.index("--out") + 1]
         for sub, name in [("transformer", "config.json"), ("text_conditioner", "config.json"),
@@ -139,7 +139,7 @@ def test_cli_errors_reach_the_node(env, fake_cli, monkeypatch):
     with pytest.raises(RuntimeError) as exc:
         env.nd.AnimaTrainConvert.execute(**env.names, out_dir=str(env.tmp / "repo"), tokenizers="none")
     msg = str(exc.value)
-    assert "anima-train convert failed (worker exit status 2)" in msg and "holds a Qwen3 text encoder" in msg
+    assert msg.startswith("conversion did not start: vae x.safetensors holds a Qwen3 text encoder"), msg
 
 
 def test_convert_runs_once_then_reuses_the_repo(env, fake_cli, tiny_anima, monkeypatch):

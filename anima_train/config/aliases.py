@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import difflib
 
+from anima_train.fixes import ref
+
 # sd-scripts' name (or a common synonym) -> our dotted key. Keys whose name is already the same here (seed,
 # output_dir, gradient_checkpointing, max_grad_norm, ...) need no entry: a same-named key in another table is found
 # by the loader itself.
@@ -83,7 +85,8 @@ ALIASES: dict[str, str] = {
     "lora_alpha": "adapter.alpha",
 }
 
-# Foreign names with no counterpart here, and what to do instead.
+# Foreign names with no counterpart here, and what to do instead (the cache command as the front says it: suggestion).
+CACHE_COMMAND = "`anima-train cache`"
 NO_EQUIVALENT: dict[str, str] = {
     "enable_bucket": "bucketing is always on here; remove the key",
     "caption_extension": "captions are always <stem>.txt (tags) and <stem>_nl.txt (natural language); remove the key",
@@ -123,7 +126,7 @@ def suggestion(key: str, table: str, keys_by_table: dict[str, list[str]]) -> tup
     if norm in ALIASES:
         return _split(ALIASES[norm])
     if norm in NO_EQUIVALENT:
-        return NO_EQUIVALENT[norm]
+        return NO_EQUIVALENT[norm].replace(CACHE_COMMAND, ref("name cache", CACHE_COMMAND))
     # spelling: the closest key of this table, unless a key of another table is clearly closer (`warmup_step`
     # in [train] is [schedule] warmup_steps, not [train] max_steps)
     for word in LOCAL_SYNONYMS.get(norm, ()):

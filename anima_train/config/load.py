@@ -19,7 +19,7 @@ import os
 import tomllib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from anima_train.config import aliases
 from anima_train.config.keys import ConfigError, ConfigWarning, Problems, Where, as_toml, is_key, toml_type
@@ -50,8 +50,14 @@ def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
     return None, source
 
 
-def load_config(source: str | os.PathLike) -> Config:
-    """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem."""
+def load_config(source: str | os.PathLike,
+                also: Callable[[Config, frozenset[str]], None] | None = None) -> Config:
+    """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem.
+
+    `also(cfg, bad)` checks more of the config (the files and folders it names: training.preflight.path_check) and
+    raises its own ConfigError: alone when the values are fine, else its problems join theirs in one message, so a
+    config is fixed in one pass. `bad` holds the keys whose values were refused (set back to their defaults, which
+    `also` should not judge)."""
     path, text = _read_source(source)
     name = str(path) if path is not None else TEXT_SOURCE
     try:
@@ -62,6 +68,14 @@ def load_config(source: str | os.PathLike) -> Config:
     cfg = _build_config(raw, p)
     validate(cfg, p, Context(toml=True, base_dir=path.parent if path is not None else Path.cwd(), require_data=True,
                              written=_written(raw)))
+    if also is not None:
+        cfg.source_path = path
+        try:
+            also(cfg, frozenset(p.bad))
+        except ConfigError as exc:
+            if not p.errors:
+                raise
+            p.errors += exc.errors
     if p.errors:
         n = len(p.errors)
         if n == 1:  # one problem, one line

@@ -27,7 +27,7 @@ from anima_train.data.batches import settings_not_followed, steps_per_epoch
 from anima_train.data.dataset import build_training_data
 from anima_train.errors import UserError
 from anima_train.files import atomic_path
-from anima_train.training.preflight import check_run_paths
+from anima_train.training.preflight import check_run_paths, path_check
 
 INTRO = """\
 # Config reference
@@ -181,8 +181,9 @@ def run(args) -> int:
         raise UserError("give a config file to check (anima-train config CFG.toml), or --reference for the list "
                         "of every key")
 
-    cfg = load_config(args.config)  # its warnings are printed as they come (cli.main formats them)
-    check_run_paths(cfg)
+    # its warnings are printed as they come (cli.main formats them); its paths' problems come with its values'
+    cfg = load_config(args.config, also=path_check())
+    check_run_paths(cfg)  # and the weights' shapes
     # what `train` checks before it loads the model: images (decoded when they will be), captions, caches, buckets
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=args.skip_unreadable,
                                allow_missing_captions=args.allow_missing_captions)

@@ -34,6 +34,7 @@ from anima_train.data.planning import (BucketSettings, cache_command, check_cach
 from anima_train.data.scan import scan_folders
 from anima_train.data.sources import Source, find_undecodable, image_sources, missing_captions
 from anima_train.errors import DATA_VERDICT_EXIT
+from anima_train.fixes import ref
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,9 +107,11 @@ def audit(args) -> tuple[list[str], bool]:
                                            min_source_area=settings.min_source_area)
             out.append(f"settings taken from the caches' records: resolutions {list(settings.tiers)}, "
                        f"bucket_reso_steps {settings.bucket_reso_steps}, bucket_no_upscale "
-                       f"{str(settings.bucket_no_upscale).lower()} (pass --resolution or --config to audit others)")
+                       f"{str(settings.bucket_no_upscale).lower()} ("
+                       + ref("flag audit --resolution", "pass --resolution or --config") + " to audit others)")
         else:
-            out.append(f"no --resolution/--config and no cache records: auditing the default tier {settings.tiers[0]}")
+            out.append(f"no tier given and no cache records: auditing the default tier {settings.tiers[0]} ("
+                       + ref("flag audit --resolution", "pass --resolution or --config") + " to audit others)")
 
     # sources: every image (header), plus cached stems whose image is gone (size from the cache metadata)
     for f in scan.folders:
@@ -161,8 +164,9 @@ def audit(args) -> tuple[list[str], bool]:
                        f"{src.stem.name}: {made_with(check, newest, settings, vae_id)}): "
                        + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in stale))
     if damaged:
-        reasons.append(f"{len(damaged)} cache file(s) are damaged and would not train (re-encode them with "
-                       f"anima-train cache while the images exist, or delete them): "
+        reasons.append(f"{len(damaged)} cache file(s) are damaged and would not train ("
+                       + ref("run cache", "re-encode them with anima-train cache") + " while the images exist, "
+                       "or delete them): "
                        + "; ".join(f"{p} ({why})" for p, why in list(damaged.items())[:4])
                        + (f" and {len(damaged) - 4} more" if len(damaged) > 4 else ""))
     uncaptioned = missing_captions(scan, sources + unsized)
@@ -188,13 +192,14 @@ def audit(args) -> tuple[list[str], bool]:
                f"{cache_bytes / 2**20:.1f} MiB" + (f", {len(cache_only)} cached stem(s) without image" if cache_only else ""))
     out += [f"warning: {text}" for text in plan_warnings(plan, settings, check, vae_id)]
     if vae_id is None:
-        out.append(f"note     VAE identity not checked (no VAE under {model_path}/vae; pass --model)")
+        out.append(f"note     VAE identity not checked (no VAE under {model_path}/vae; "
+                   + ref("flag audit --model", "pass --model") + ")")
     if reasons:
         out.append("verdict  NOT SAFE to delete the images:")
         out += [f"  - {r}" for r in reasons]
         tops = [Path(s.path) for s in subsets]
         if never or stale or damaged:
-            out.append(f"fix: {cache_command(tops, settings, model=model_path)}")
+            out.append(f"fix: {ref('run cache', cache_command(tops, settings, model=model_path))}")
         return out, False
     out.append(f"verdict  SAFE to delete the images: every image is cached at tier(s) {list(settings.tiers)} with the "
                f"current settings and every cache has its caption (keep the .txt files and the caches)")

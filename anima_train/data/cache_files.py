@@ -11,6 +11,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from anima_train.data.errors import DatasetError
+from anima_train.fixes import ref
 
 
 CACHE_TAIL = "_anima.safetensors"
@@ -22,7 +23,8 @@ class CacheUnreadable(DatasetError):
     """A latent cache whose safetensors header cannot be read (truncated, not safetensors)."""
 
     def __init__(self, path: Path, reason: str):
-        super().__init__(f"latent cache {path} cannot be read ({reason}): delete it and re-run anima-train cache")
+        super().__init__(f"latent cache {path} cannot be read ({reason}): delete it and "
+                         + ref("run cache", "re-run anima-train cache"))
         self.path, self.reason = path, reason
 
 
@@ -151,6 +153,7 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
         why = latents_problem(latents_layout(t.dtype, t.shape), bucket) or (
             f"its latents hold {_nonfinite(t)} non-finite value(s) (NaN/inf)" if _nonfinite(t) else None)
         if why is not None:
-            raise DatasetError(f"latent cache {path} is damaged: {why}; re-run anima-train cache (it re-encodes "
+            raise DatasetError(f"latent cache {path} is damaged: {why}; "
+                               + ref("run cache", "re-run anima-train cache") + " (it re-encodes "
                                f"damaged caches), or delete the file when its image is gone")
     return t.float()

@@ -52,6 +52,7 @@ from anima_train.data.scan import Scan, resolve_modes, scan_folders
 from anima_train.data.sources import (Source, UnreadableImages, cache_sources, find_undecodable, image_sources,
     missing_captions, read_failure, refuse_missing_captions, refuse_unreadable_captions)
 from anima_train.data.texture import TextureSchedule, feasibility_report, split_key, texture_phases, texture_sample
+from anima_train.fixes import ref
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,14 +243,16 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
         if len(settings.tiers) > 1:
             raise DatasetError(
                 f"caches for {s.stem} carry no original_size, so they cannot be attributed to one of the tiers "
-                f"{list(settings.tiers)}: re-cache from the images with anima-train cache, or use one resolution")
+                f"{list(settings.tiers)}: " + ref("run cache", "re-cache from the images with anima-train cache")
+                + ", or use one resolution")
         if len(paths) > 1:
             raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
                                f"per source: keep one of {', '.join(p.name for p in paths)}")
         bucket = cache_bucket(paths[0])
         if why := cache_damage(check.metadata[paths[0]], bucket):
             raise DatasetError(f"latent cache {paths[0]} is damaged: {why}; delete it (its image is gone, so it "
-                               f"cannot be re-encoded) or restore the image and re-run anima-train cache")
+                               f"cannot be re-encoded) or restore the image and "
+                               + ref("run cache", "re-run anima-train cache"))
         bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))
         plan.sources.append(s)
         extra.append(Entry(len(plan.sources) - 1, settings.tiers[0], bplan, False, paths[0]))

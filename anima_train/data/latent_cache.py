@@ -212,7 +212,8 @@ def _run(args) -> int:
         raise DatasetError("no readable images to cache in " + ", ".join(str(s.path) for s in subsets))
     missing = missing_captions(scan, sources)
     if not args.allow_missing_captions:
-        refuse_missing_captions(missing, escape="cache them anyway (training then needs the same flag)")
+        refuse_missing_captions(missing, escape="cache them anyway (training then needs the same flag)",
+                                command="cache")
     plan = plan_sources(sources, settings)
 
     print(f"images   {len(sources)} in {len(scan.folders)} folder(s)" +

@@ -20,6 +20,7 @@ from anima_train.data.cache_files import (CACHE_FORMAT, CacheUnreadable, cache_d
 from anima_train.data.errors import DatasetError
 from anima_train.data.scan import Scan
 from anima_train.data.sources import Source
+from anima_train.fixes import ref
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,7 +312,7 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
     tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
                    for e, _ in check.missing})
     fix = cache_command(tops, settings, model=model, config=config, allow_missing_captions=allow_missing_captions)
-    lines.append(f"fix: re-run `{fix}` (it re-encodes stale and damaged caches), or set the "
+    lines.append(f"fix: {ref('run cache', f're-run `{fix}` (it re-encodes stale and damaged caches)')}, or set the "
                  f"config back to the settings the caches were made with")
     if any(f.mode == "latents" for f in scan.folders):
         lines.append("(the images are gone from " + ", ".join(map(str, folders[:3]))

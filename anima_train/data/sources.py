@@ -15,6 +15,7 @@ from anima_train.data.captions import CaptionError, read_caption_files
 from anima_train.data.errors import DatasetError
 from anima_train.data.images import decoded_size, header_size
 from anima_train.data.scan import Scan
+from anima_train.fixes import ref
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -107,13 +108,15 @@ def missing_captions(scan: Scan, sources: Sequence[Source]) -> list[Path]:
 
 
 def refuse_missing_captions(missing: Sequence[Path], what: str = "image",
-                            escape: str = "train them on an empty caption") -> None:
-    """Refuse uncaptioned sources, naming them and the ways out; `escape` = what --allow-missing-captions does."""
+                            escape: str = "train them on an empty caption", command: str = "train") -> None:
+    """Refuse uncaptioned sources, naming them and the ways out; `escape` = what --allow-missing-captions does in
+    `command`."""
     if missing:
         shown = "\n".join(f"  {p}" for p in missing[:50])
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
+        escape = ref(f"flag {command} --allow-missing-captions", f", or pass --allow-missing-captions to {escape}")
         raise DatasetError(f"{len(missing)} {what}(s) have no caption file:\n{shown}{more}\nwrite a <stem>.txt "
-                           f"for each (tags), delete the {what}s, or pass --allow-missing-captions to {escape}")
+                           f"for each (tags), delete the {what}s{escape}")
 
 
 def refuse_unreadable_captions(sources: Sequence[Source]) -> None:

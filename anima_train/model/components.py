@@ -23,6 +23,7 @@ import torch
 
 from anima_train.config import DTYPE_NAMES
 from anima_train.errors import UserError
+from anima_train.fixes import ref
 
 # subfolder -> the file that must exist in it (any one of the names)
 REQUIRED_FILES = {
@@ -43,10 +44,11 @@ class ModelRepoError(UserError, FileNotFoundError):
 
 
 def tokenizer_fix_hint(model_path: str | os.PathLike) -> str:
-    return (f"Add them in one of two ways: run the same `anima-train convert` (or Convert node) again, same files "
-            f"and out folder, with `--tokenizers DIR|REPO_ID` (default repo {DEFAULT_TOKENIZER_REPO}): it adds them "
-            f"to the repo it wrote; or copy the two folders into the repo, e.g. `hf download "
-            f"{DEFAULT_TOKENIZER_REPO} --include 'tokenizer/*' 't5_tokenizer/*' --local-dir {model_path}`")
+    return ref("run convert --tokenizers",
+               f"Add them in one of two ways: run the same `anima-train convert` (or Convert node) again, same files "
+               f"and out folder, with `--tokenizers DIR|REPO_ID` (default repo {DEFAULT_TOKENIZER_REPO}): it adds "
+               f"them to the repo it wrote; or copy the two folders into the repo, e.g. `hf download "
+               f"{DEFAULT_TOKENIZER_REPO} --include 'tokenizer/*' 't5_tokenizer/*' --local-dir {model_path}`")
 
 
 def check_repo(model_path: str | os.PathLike) -> Path:
@@ -55,19 +57,22 @@ def check_repo(model_path: str | os.PathLike) -> Path:
     if not root.is_dir():
         raise ModelRepoError(
             f"model_path {str(root)!r} is not a directory. Point train.model_path (or ANIMA_MODEL) at a diffusers "
-            f"Anima repo; make one from the ComfyUI single files with `anima-train convert --anima F --qwen F "
-            f"--vae F --out DIR`")
+            f"Anima repo; " + ref("run convert", "make one from the ComfyUI single files with `anima-train convert "
+                                                "--anima F --qwen F --vae F --out DIR`"))
     missing = [sub for sub, names in REQUIRED_FILES.items() if not any((root / sub / n).is_file() for n in names)]
     missing_tok = [m for m in missing if m in TOKENIZER_FOLDERS]
     missing_weights = [m for m in missing if m not in TOKENIZER_FOLDERS]
     if missing_weights:
         raise ModelRepoError(
-            f"{root} is not a complete Anima diffusers repo: missing {', '.join(f'{m}/' for m in missing_weights)}"
+            f"model_path {str(root)!r} is not a complete Anima diffusers repo: missing "
+            f"{', '.join(f'{m}/' for m in missing_weights)}"
             f"{' and ' + ', '.join(f'{m}/' for m in missing_tok) if missing_tok else ''}. "
-            f"Convert the ComfyUI single files with `anima-train convert --anima F --qwen F --vae F --out DIR`")
+            + ref("run convert", "Convert the ComfyUI single files with `anima-train convert --anima F --qwen F "
+                                 "--vae F --out DIR`"))
     if missing_tok:
         raise ModelRepoError(
-            f"{root} has no {' and no '.join(f'{m}/' for m in missing_tok)} folder: the tokenizers are required to "
+            f"model_path {str(root)!r} has no {' and no '.join(f'{m}/' for m in missing_tok)} folder: the "
+            f"tokenizers are required to "
             f"train (captions are tokenized on every step) and conversion cannot synthesise them. "
             + tokenizer_fix_hint(root))
     return root
@@ -83,9 +88,10 @@ def damaged(path: Path, what: str) -> str:
     """The message for a damaged file of the repo: the component, the file, what is wrong and the fix."""
     component = path.parent.name
     source = WEIGHT_SOURCES.get(component, "--anima/--qwen/--vae")
-    return (f"{path} ({component}) is damaged: {what}. Re-convert the model into a new folder with `anima-train "
-            f"convert --anima F --qwen F --vae F --out DIR` (this file comes from {source}), or download the repo "
-            f"again, and point model_path at it")
+    return (f"{path} ({component}) is damaged: {what}. "
+            + ref("run convert", f"Re-convert the model into a new folder with `anima-train convert --anima F "
+                                 f"--qwen F --vae F --out DIR` (this file comes from {source}), or download the "
+                                 f"repo again, and point model_path at it"))
 
 
 def safetensors_header(path: Path) -> dict:

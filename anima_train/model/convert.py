@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 from anima_train.model import keymaps
 from anima_train.files import publish_dir
 from anima_train.errors import UserError
+from anima_train.fixes import ref
 from anima_train.model.components import DEFAULT_TOKENIZER_REPO, TOKENIZER_FOLDERS, tokenizer_fix_hint
 from anima_train.model.tiny import (  # the real constants (docs/model.md#configurations)
     CONDITIONER_FULL, QWEN3_FULL, TRANSFORMER_FULL, VAE_FULL)
@@ -71,18 +72,23 @@ class TokenizersMissingWarning(UserWarning):
 RECORD_NAME = "anima-convert.json"  # in the repo: the inputs it was converted from and the weight files written
 
 
+def _flag(name: str, node: str = "") -> str:
+    """A flag of this command as a message names it (anima_train/fixes.py): `--name` in a shell."""
+    return ref(f"flag convert --{name}", f"--{name}" + (f" ({node}'s `{name}`)" if node else ""))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Reading and checking the inputs
 
 
 def read_keys(path: Path, slot: str) -> list[str]:
     if not path.is_file():
-        raise ConvertError(f"--{slot} {path}: no such file")
+        raise ConvertError(f"{_flag(slot)} {path}: no such file")
     try:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys())
     except Exception as exc:  # SafetensorError, OSError: header unreadable or shorter than it claims
-        raise ConvertError(f"--{slot} {path}: cannot read it as safetensors ({exc}). The file is truncated or "
+        raise ConvertError(f"{_flag(slot)} {path}: cannot read it as safetensors ({exc}). The file is truncated or "
                            f"corrupt (an interrupted download?); download it again") from exc
 
 
@@ -91,9 +97,9 @@ def check_slot(path: Path, slot: str, keys: list[str]) -> None:
     kind = keymaps.state_dict_kind(keys)
     if kind == expected_kind:
         return
-    msg = f"--{slot} {path} {keymaps.describe_state_dict(keys)}, not {what}"
+    msg = f"{_flag(slot)} {path} {keymaps.describe_state_dict(keys)}, not {what}"
     if kind in KIND_TO_SLOT:
-        msg += f"; did you mean --{KIND_TO_SLOT[kind]}?"
+        msg += f"; did you mean {_flag(KIND_TO_SLOT[kind])}?"
     elif kind.startswith("diffusers_"):
         msg += "; it is already in diffusers layout (convert takes the ComfyUI single files)"
     elif kind == "unknown":
@@ -106,7 +112,8 @@ def rename(fn, sd: dict, slot: str, path: Path, *args):
     try:
         return fn(sd, *args)
     except KeyError as exc:
-        raise ConvertError(f"--{slot} {path}: {exc.args[0] if exc.args else exc}; the file holds a tensor this "
+        raise ConvertError(f"{_flag(slot)} {path}: {exc.args[0] if exc.args else exc}; the file holds a tensor "
+                           f"this "
                            f"converter has no mapping for (a modified or different model?)") from exc
 
 
@@ -114,7 +121,7 @@ def load_tensors(path: Path, slot: str) -> dict:
     try:
         return load_file(str(path))
     except Exception as exc:
-        raise ConvertError(f"--{slot} {path}: reading the tensors failed ({exc}); the file is truncated or "
+        raise ConvertError(f"{_flag(slot)} {path}: reading the tensors failed ({exc}); the file is truncated or "
                            f"corrupt, download it again") from exc
 
 
@@ -205,7 +212,7 @@ def vae_config(native_sd: dict, path: Path) -> dict:
     got = {k: tuple(v.shape) for k, v in native_sd.items()}
     if got != layout:
         bad = sorted(set(got) ^ set(layout)) or sorted(k for k in got if got[k] != layout[k])
-        raise ConvertError(f"--vae {path}: not the Wan2.1 VAE layout this converter knows (dim_mult "
+        raise ConvertError(f"{_flag('vae')} {path}: not the Wan2.1 VAE layout this converter knows (dim_mult "
                            f"{VAE_FULL['dim_mult']}); first difference at {bad[0]!r}")
     return dict(VAE_FULL, base_dim=base_dim, z_dim=z_dim, num_res_blocks=r)
 
@@ -253,11 +260,13 @@ def resolve_tokenizers(value: str) -> Path | str | None:
     if local.is_dir():
         missing = [t for t in TOKENIZER_FOLDERS if not (local / t).is_dir()]
         if missing:
-            raise ConvertError(f"--tokenizers {local}: folder has no {' or '.join(m + '/' for m in missing)}; point "
+            raise ConvertError(f"{_flag('tokenizers')} {local}: folder has no "
+                               f"{' or '.join(m + '/' for m in missing)}; point "
                                f"it at a diffusers Anima repo (or any folder holding tokenizer/ and t5_tokenizer/)")
         return local
     if not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", value):  # "./x", "/abs", "a/b/c": a missing folder
-        raise ConvertError(f"--tokenizers {value!r} is neither an existing folder nor a Hugging Face repo id "
+        raise ConvertError(f"{_flag('tokenizers')} {value!r} is neither an existing folder nor a Hugging Face repo "
+                           f"id "
                            f"(owner/name); use `none` to skip the tokenizers")
     return value
 
@@ -293,7 +302,8 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         earlier = _same_conversion(out, inputs)
         if earlier is None:
-            raise ConvertError(f"--out {out} exists and is not an empty folder; convert refuses to merge into an "
+            raise ConvertError(f"{_flag('out')} {out} exists and is not an empty folder; convert refuses to merge "
+                               f"into an "
                                f"existing repo (a stale file would survive). Choose a new folder or empty this one")
     token_source = resolve_tokenizers(tokenizers)
     for slot, path in inputs.items():
@@ -303,8 +313,8 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         fetched, why_not = fetch_tokenizers(token_source)
         if fetched is None:
             raise ConvertError(
-                f"--tokenizers {token_source}: could not fetch tokenizer/ and t5_tokenizer/ ({why_not}); nothing "
-                f"was written. Point --tokenizers (the Convert node's `tokenizers`) at a local folder holding "
+                f"{_flag('tokenizers')} {token_source}: could not fetch tokenizer/ and t5_tokenizer/ ({why_not}); "
+                f"nothing was written. Point {_flag('tokenizers', 'the Convert node')} at a local folder holding "
                 f"tokenizer/ and t5_tokenizer/, e.g. a downloaded diffusers Anima repo, or give `none` to convert "
                 f"without them (training then needs them added)")
         token_source = fetched

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from anima_train.config import Config, ConfigError
 from anima_train.outputs.run_folder import free_run_name
 
 
-def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False) -> list[str]:
+def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], bool] = lambda value: False,
+                  refused: Collection[str] = ()) -> list[str]:
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
-    True for a value not known yet (a ComfyUI input linked from another node)."""
+    True for a value not known yet (a ComfyUI input linked from another node); `refused`: dotted keys whose values
+    the config's own check refused (left to its message)."""
     # lazy: torch (~4.6 s, through resume_state and components): `anima-train config` checks paths without it
     from anima_train.outputs import resume_state
     from anima_train.model.components import ModelRepoError, check_weights
@@ -26,14 +28,15 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
 
     problems = []
     model = cfg.train.model_path
-    if not skip(model):
+    data_refused = any(k.startswith(("dataset.path", "dataset.subsets")) for k in refused)
+    if not skip(model) and "train.model_path" not in refused:
         try:
             check_weights(model)  # the folders, and every config.json and weight header (no weights read)
         except ModelRepoError as exc:
             problems.append(str(exc) if str(exc).startswith("model_path") else f"[train] model_path: {exc}")
         else:
             problems += block_count_problems(cfg, declared_blocks(model))
-    for i, sub in enumerate(cfg.dataset.resolved_subsets()):
+    for i, sub in enumerate([] if data_refused else cfg.dataset.resolved_subsets()):
         if skip(sub.path):
             continue
         key = "[dataset] path" if cfg.dataset.path is not None else f"[[dataset.subsets]] #{i + 1} path"
@@ -43,10 +46,10 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
                             f"path")
         elif not folder.is_dir():
             problems.append(f"{key} = {str(sub.path)!r} is a file, not a dataset folder of images; give its folder")
-    if saving and not skip(cfg.train.output_dir):
+    if saving and not skip(cfg.train.output_dir) and not {"train.output_dir", "train.run_name"} & set(refused):
         problems += _output_problems(Path(cfg.train.output_dir).expanduser(), cfg.run_stem)
     resume = cfg.train.resume_from
-    if resume is not None and not skip(resume):
+    if resume is not None and not skip(resume) and "train.resume_from" not in refused:
         try:
             state = resume_state.resolve_resume(resume)  # its state.json is read and checked there
             info = resume_state.read_state(state)
@@ -96,6 +99,16 @@ def _output_problems(output_dir: Path, run_stem: str) -> list[str]:
     return []
 
 
+def path_check(*, saving: bool = True, skip: Callable[[str], bool] = lambda value: False):
+    """path_problems as load_config's `also`: the paths' problems in the same message as the values'."""
+
+    def check(cfg: Config, refused) -> None:
+        if problems := path_problems(cfg, saving=saving, skip=skip, refused=refused):
+            _refuse(cfg, problems)
+
+    return check
+
+
 def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
     """Raise one ConfigError listing every unusable path of `cfg` (see path_problems)."""
     # lazy: torch (~4.6 s): see path_problems
@@ -108,7 +121,11 @@ def check_run_paths(cfg: Config, *, saving: bool = True) -> None:
         except ModelRepoError as exc:
             problems.append(f"[train] model_path: {exc}")
     if problems:
-        name = str(cfg.source_path) if cfg.source_path is not None else "the config"
-        n = len(problems)
-        raise ConfigError(f"{name}: {n} path{'s' if n > 1 else ''} cannot be used:\n"
-                          + "\n".join(f"  - {p}" for p in problems), problems)
+        _refuse(cfg, problems)
+
+
+def _refuse(cfg: Config, problems: list[str]) -> None:
+    name = str(cfg.source_path) if cfg.source_path is not None else "the config"
+    n = len(problems)
+    raise ConfigError(f"{name}: {n} path{'s' if n > 1 else ''} cannot be used:\n"
+                      + "\n".join(f"  - {p}" for p in problems), problems)

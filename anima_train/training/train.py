@@ -95,10 +95,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")
+    # the paths' problems in one message with the values' (the run checks them again before it loads the model)
+    cfg = load_config(args.config, also=preflight.path_check(saving=not (args.no_save or args.dry_run)))
     if args.max_steps is not None:
-        if args.max_steps < 1:
-            raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")
         cfg.train.max_steps = args.max_steps
     train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
           skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file, overwrite=args.overwrite,

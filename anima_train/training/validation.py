@@ -27,6 +27,7 @@ import torch
 from anima_train.data.cache_files import load_latents
 from anima_train.data.captions import build_caption, read_caption_files
 from anima_train.data.errors import DatasetError
+from anima_train.fixes import ref
 from anima_train.data.dataset import Item, build_training_data, encode_latents, load_pixels
 from anima_train.outputs.progress import VALIDATION_PREFIX
 from anima_train.training.fixed_eval import EvalResult, evaluate
@@ -167,8 +168,8 @@ def summary(points: list[Point], train_losses: list[float]) -> list[str]:
     fell, start, end = training_fell(train_losses)
     if last.loss > best.loss * (1 + ROSE_BY) and fell:
         lines.append(f"warning: validation loss rose {best.loss:.3f} (step {best.step}) → {last.loss:.3f} (step "
-                     f"{last.step}) while the training loss fell {start:.3f} → {end:.3f}: overfitting; compare the "
-                     f"checkpoints with anima-train evaluate")
+                     f"{last.step}) while the training loss fell {start:.3f} → {end:.3f}: overfitting"
+                     + ref("run evaluate", "; compare the checkpoints with anima-train evaluate"))
     return lines
 
 
