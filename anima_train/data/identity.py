@@ -67,3 +67,21 @@ def file_change(record, path: str | os.PathLike) -> str | None:
     if _digest(path, st) != record["sha256"]:
         return "has other content (same size, modified since)"
     return None
+
+
+def same_files(paths, others) -> list[tuple[Path, Path]]:
+    """(path, other) for each of `paths` that is one of `others` by content: the same file (a link, another spelling
+    of the path) or the same bytes (a copy). Only files of equal size are read."""
+    by_size: dict[int, list[Path]] = {}
+    for other in others:
+        by_size.setdefault(Path(other).stat().st_size, []).append(Path(other))
+    out = []
+    for path in paths:
+        path = Path(path)
+        st = path.stat()
+        for other in by_size.get(st.st_size, ()):
+            ost = other.stat()
+            if (st.st_dev, st.st_ino) == (ost.st_dev, ost.st_ino) or _digest(path, st) == _digest(other, ost):
+                out.append((path, other))
+                break
+    return out

@@ -152,7 +152,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- setup: refuse what cannot work, then data, model, optimizer, accelerator ---------------------------------
     state_dir, claim = _refuse_early(cfg, accelerator, run_dir, say, dry_run=dry_run, no_save=no_save,
                                      stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
-    data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
+    data = _scan_dataset(cfg, progress, state_dir, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
     held_out = validation_items(cfg, data, cfg.train.model_path) if cfg.validation.enabled else []
     accum = cfg.train.gradient_accumulation_steps
@@ -203,11 +203,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     cleanup.callback(tracker.close)
     run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
               run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
-              gens=gens, claim=claim, grad_norms=GradNorms(cfg, run_dir, result.saved, logged=tracker.on))
-    if state_dir is not None:  # the losses before the resume, for the plot and the next state
-        run.first_loss_step, run.earlier_losses = resume_state.read_losses(state_dir, start_step)
-    else:
-        run.first_loss_step = start_step + 1
+              gens=gens, claim=claim, grad_norms=GradNorms(cfg, run_dir, result.saved, logged=tracker.on),
+              inputs=resume_state.run_inputs(cfg, data))
+    run.first_loss_step, run.earlier_losses = resume_state.read_losses(state_dir, start_step)  # before a resume
     previews = Previewer(
         cfg, accelerator, progress, run_dir, parts=model.parts, device=device, dtype=dtype, parked=model.parked,
         models=lambda: tuple(accelerator.unwrap_model(m) for m in (model.transformer, model.conditioner,
@@ -409,13 +407,13 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     return state_dir, claim
 
 
-def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, allow_missing_captions: bool):
+def _scan_dataset(cfg: Config, progress: Progress, state_dir, *, skip_unreadable: bool, allow_missing_captions: bool):
     progress.event("status", message="scanning dataset")
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
                                allow_missing_captions=allow_missing_captions)
     for line in data.report:
         progress.message(line)
-    for text in data.warnings:
+    for text in data.warnings + resume_state.inputs_changed(state_dir, data):  # said before the model loads
         progress.warning(text)
     return data
 
