@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from anima_train import errors
 from anima_train.adapters import build_param_groups, inject_adapters
 from anima_train.config import Config, copy_config_verbatim, load_config
-from anima_train.data.batches import EpochKeys, settings_not_followed, steps_per_epoch
+from anima_train.data.batches import EpochKeys, steps_per_epoch
 from anima_train.data.dataset import build_training_data, collate, encode_latents
 from anima_train.data.texture import check_batch_phase, refuse_multi_process
 from anima_train.model import fp8_base
@@ -45,7 +45,7 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
-from anima_train.training import optimizers, preflight, readout, recompute, saving
+from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
@@ -157,7 +157,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     held_out = validation_items(cfg, data, cfg.train.model_path) if cfg.validation.enabled else []
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    for text in settings_not_followed(cfg, data.sampler, per_epoch):
+    for text in honoured.report(cfg, data, per_epoch):
         progress.warning(text)  # before the model loads: on the node before the run starts
     total = 1 if dry_run else _total_steps(cfg, per_epoch)
     compiling = _decide_compile(cfg, device, total, progress)  # before the model loads: a refusal costs nothing
