@@ -289,7 +289,8 @@ def dataset_record(data) -> dict:
         folder = data.scan.folders[src.folder]
         path = src.image or e.cache
         st = path.stat()
-        out[f"{folder.subset}/{path.relative_to(data.scan.subsets[folder.subset].path).as_posix()}"] = [
+        root = Path(data.scan.subsets[folder.subset].path).expanduser()  # as scan_folders reads it
+        out[f"{folder.subset}/{path.relative_to(root).as_posix()}"] = [
             st.st_size, st.st_mtime_ns]
     return out
 
