@@ -77,7 +77,10 @@ def refuse_training_images(cfg, items: list[Item], data) -> None:
     trained = {it.image or it.cache for it in data.dataset.items}
     shared = same_files([it.image or it.cache for it in items], trained)
     if shared:
-        shown = ", ".join(f"{p}" + (f" (= {q})" if p != q else "") for p, q in shared[:3])
+        def name(path):  # inside the validation folder: its name there, which the folder key already places
+            return path.relative_to(cfg.validation.folder) if path.is_relative_to(cfg.validation.folder) else path
+
+        shown = ", ".join(f"{name(p)}" + (f" = {q}" if p != q else "") for p, q in shared[:3])
         more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
         raise DatasetError(f"[validation] folder = {str(cfg.validation.folder)!r}: {len(shared)} of its {len(items)} "
                            f"image(s) are training images too ({shown}{more}), so its loss would measure memorising, "
