@@ -77,7 +77,7 @@ def test_warmup_beyond_the_run_is_refused(tmp_path, model):
     assert wrote_nothing(tmp_path)
     ok = anima_train_cli("config", config(tmp_path, model, tables="[schedule]\nwarmup_steps = 2\n", name="ok.toml"),
                          cwd=tmp_path)
-    assert ok.returncode == 0 and "warmup" not in ok.stdout + ok.stderr, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "warmup_steps" not in ok.stdout + ok.stderr, ok.stdout + ok.stderr
 
 
 # ------------------------------------------------------------------------------------------- inputs
