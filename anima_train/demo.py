@@ -51,7 +51,7 @@ lr = 5e-3                   # tiny random model; real LoRAs use ~1e-4
 
 [schedule]
 kind = "cosine"
-warmup_steps = 2
+warmup_steps = {warmup}
 """
 
 
@@ -102,7 +102,7 @@ def run(args) -> int:
     toml = out / "demo.toml"
     toml.write_text(DEMO_TOML.format(model=tiny.diffusers_dir.as_posix(), output=(out / "output").as_posix(),
                                      dataset=(out / "dataset").as_posix(), steps=args.steps, seed=args.seed,
-                                     progress="auto"), encoding="utf-8")
+                                     warmup=min(2, args.steps - 1), progress="auto"), encoding="utf-8")
     cfg = load_config(toml)
     print(f"demo: caching latents (anima-train cache --config {toml})")
     _cache(toml, device)

@@ -16,6 +16,7 @@ from anima_train import cli
 from anima_train.data.buckets import Bucketer, suggest_ladder
 from anima_train.data.latent_cache import save_cache
 from anima_train.data.cache_files import cache_path
+from anima_train.data.scan import IMAGE_EXTENSIONS
 from anima_train.data.planning import BucketSettings, plan_metadata
 
 SIZES = {"a": (160, 96), "b": (96, 160), "c": (128, 128), "d": (64, 64)}
@@ -30,6 +31,11 @@ def png_header(w: int, h: int) -> bytes:
         chunk(b"IDAT", b"") + chunk(b"IEND", b"")
 
 
+def image_of(stem: Path) -> Path | None:
+    """The image a hand-made cache is made from, as `anima-train cache` records it (None when there is none)."""
+    return next((p for p in sorted(stem.parent.glob(f"{stem.name}.*")) if p.suffix.lower() in IMAGE_EXTENSIONS), None)
+
+
 def fake_caches(folder: Path, sizes: dict, settings: BucketSettings):
     paths = []
     for stem, size in sizes.items():
@@ -38,7 +44,7 @@ def fake_caches(folder: Path, sizes: dict, settings: BucketSettings):
             path = cache_path(folder / stem, plan.bucket)
             if not path.exists():
                 save_cache(path, torch.zeros(16, 1, plan.bucket[1] // 8, plan.bucket[0] // 8),
-                           plan_metadata(plan, settings, t, None))
+                           plan_metadata(plan, settings, t, None, image_of(folder / stem)))
                 paths.append(path)
     return paths
 

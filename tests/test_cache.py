@@ -238,7 +238,7 @@ def test_cache_prints_the_dataset_warnings(images, tmp_path, capsys):
     plan = Bucketer(48, bucket_reso_steps=16).select(64, 64)
     leftover = cache_path(images / "img_0000", plan.bucket)
     save_cache(leftover, torch.zeros(16, 1, plan.bucket[1] // 8, plan.bucket[0] // 8),
-               plan_metadata(plan, other, 48, None))
+               plan_metadata(plan, other, 48, None, None))
     cfg = tmp_path / "cfg.toml"
     cfg.write_text(f'[dataset]\npath = "{images}"\nresolutions = [64, 128]\nbucket_reso_steps = 32\n'
                    f"min_source_area = 0.5\n", encoding="utf-8")

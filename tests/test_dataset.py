@@ -20,6 +20,7 @@ from anima_train.config import load_config
 from anima_train.data.cache_files import cache_path
 from anima_train.data.dataset import bucket_batch_sizes, build_training_data, collate
 from anima_train.data.errors import DatasetError
+from anima_train.data.scan import IMAGE_EXTENSIONS
 from anima_train.data.planning import BucketSettings, plan_metadata
 from anima_train.data.batches import BucketBatchSampler, steps_per_epoch
 
@@ -47,6 +48,11 @@ def config(paths, tiers=(128,), source="auto", steps=32, extra_dataset="", train
                        f'source = "{source}"\nmax_bucket_reso = 512\n{extra_dataset}\n{tail}')
 
 
+def image_of(stem: Path) -> Path | None:
+    """The image a hand-made cache is made from, as `anima-train cache` records it (None when there is none)."""
+    return next((p for p in sorted(stem.parent.glob(f"{stem.name}.*")) if p.suffix.lower() in IMAGE_EXTENSIONS), None)
+
+
 def fake_caches(folder: Path, sizes: dict, settings: BucketSettings, vae_id=None, keep_original_size=True):
     """Write the caches `anima-train cache` would write for these images (random latents)."""
     written = {}
@@ -59,7 +65,7 @@ def fake_caches(folder: Path, sizes: dict, settings: BucketSettings, vae_id=None
             if plan.bucket in seen:
                 continue
             seen.add(plan.bucket)
-            meta = plan_metadata(plan, settings, t, vae_id)
+            meta = plan_metadata(plan, settings, t, vae_id, image_of(folder / stem))
             if not keep_original_size:
                 del meta["original_size"]
             w, h = plan.bucket
@@ -214,7 +220,8 @@ def test_latents_mode_after_deleting_images(image_set):
     # a stale leftover from other settings matches no tier: warned, ignored
     extra = Bucketer(64, bucket_reso_steps=32, max_bucket_reso=512).select(*SIZES["a"])
     save_cache(cache_path(image_set / "a", extra.bucket), torch.zeros(16, 1, extra.bucket[1] // 8, extra.bucket[0] // 8),
-               plan_metadata(extra, BucketSettings(tiers=(64,), bucket_reso_steps=32, max_bucket_reso=512), 64, None))
+               plan_metadata(extra, BucketSettings(tiers=(64,), bucket_reso_steps=32, max_bucket_reso=512), 64, None,
+                             image_of(image_set / "a")))
     data = build_training_data(cfg)
     assert any("match no declared tier" in w and "resolutions=[64]" in w for w in data.warnings)
     # a cache without its caption

@@ -23,10 +23,11 @@ from anima_train.config.aliases import ALIASES, NO_EQUIVALENT
 from anima_train.config.constants import MODEL_PATH_ENV
 from anima_train.config.keys import REQUIRED, as_toml, describe
 from anima_train.config.load import load_config
-from anima_train.data.batches import settings_not_followed, steps_per_epoch
+from anima_train.data.batches import steps_per_epoch
 from anima_train.data.dataset import build_training_data
 from anima_train.errors import UserError
 from anima_train.files import atomic_path
+from anima_train.training import honoured
 from anima_train.training.preflight import check_run_paths, path_check
 
 INTRO = """\
@@ -188,7 +189,7 @@ def run(args) -> int:
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=args.skip_unreadable,
                                allow_missing_captions=args.allow_missing_captions)
     per_epoch = steps_per_epoch(len(data.sampler), 1, cfg.train.gradient_accumulation_steps)  # one process
-    for text in data.warnings + settings_not_followed(cfg, data.sampler, per_epoch):
+    for text in data.warnings + honoured.report(cfg, data, per_epoch):
         print(f"warning: {text}")
     print(f"{args.config}: OK ({cfg.adapter.kind if cfg.adapter.kind != 'none' else 'full finetune'}; the model, "
           f"dataset ({len(data.sources)} source(s), {len(data.entries)} entries, {data.mode}) and output folder are "

@@ -29,8 +29,8 @@ from anima_train.data.latent_cache import add_dataset_arguments, flag_overrides,
 from anima_train.data.cache_files import (CacheUnreadable, cache_bucket, cache_damage, cache_path, parse_wxh,
     read_cache_metadata, vae_identity)
 from anima_train.data.errors import DatasetError
-from anima_train.data.planning import (BucketSettings, cache_command, check_caches, made_with, plan_sources,
-    plan_tiers_checked, plan_warnings, settings_record)
+from anima_train.data.planning import (IMAGE_CHANGED, IMAGE_UNRECORDED, BucketSettings, cache_command, check_caches,
+    made_with, plan_sources, plan_tiers_checked, plan_warnings, settings_record)
 from anima_train.data.scan import scan_folders
 from anima_train.data.sources import Source, find_undecodable, image_sources, missing_captions
 from anima_train.errors import DATA_VERDICT_EXIT
@@ -152,8 +152,10 @@ def audit(args) -> tuple[list[str], bool]:
     unreadable += find_undecodable(plan.sources[e.source].image for e, _ in check.missing
                                    if plan.sources[e.source].image is not None)
     never = [e for e, _ in check.missing if not cached_stem(e)]
-    stale = [e for e, _ in check.missing
-             if cached_stem(e) and cache_path(plan.sources[e.source].stem, e.plan.bucket) not in damaged]
+    stale = [e for e, why in check.missing
+             if cached_stem(e) and cache_path(plan.sources[e.source].stem, e.plan.bucket) not in damaged
+             and not why.startswith(IMAGE_CHANGED) and why != IMAGE_UNRECORDED]
+    changed = [(e, why) for e, why in check.missing if why.startswith(IMAGE_CHANGED) or why == IMAGE_UNRECORDED]
     if never:
         reasons.append(f"{len(never)} (image, tier) pair(s) have no cache: "
                        + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in never))
@@ -163,6 +165,10 @@ def audit(args) -> tuple[list[str], bool]:
         reasons.append(f"{len(stale)} (image, tier) pair(s) have only caches made with other settings (e.g. "
                        f"{src.stem.name}: {made_with(check, newest, settings, vae_id)}): "
                        + _examples(f"{plan.sources[e.source].stem.name} (tier {e.tier})" for e in stale))
+    if changed:
+        reasons.append(f"{len(changed)} cache file(s) may not hold their image as it is now: "
+                       + _examples(f"{cache_path(plan.sources[e.source].stem, e.plan.bucket).name} ({why})"
+                                   for e, why in changed))
     if damaged:
         reasons.append(f"{len(damaged)} cache file(s) are damaged and would not train ("
                        + ref("run cache", "re-encode them with anima-train cache") + " while the images exist, "
@@ -198,7 +204,7 @@ def audit(args) -> tuple[list[str], bool]:
         out.append("verdict  NOT SAFE to delete the images:")
         out += [f"  - {r}" for r in reasons]
         tops = [Path(s.path) for s in subsets]
-        if never or stale or damaged:
+        if never or stale or damaged or changed:
             out.append(f"fix: {ref('run cache', cache_command(tops, settings, model=model_path))}")
         return out, False
     out.append(f"verdict  SAFE to delete the images: every image is cached at tier(s) {list(settings.tiers)} with the "

@@ -9,7 +9,8 @@ Per call, in this order:
   1. caption dropout: with probability `caption_dropout_percent` the caption is "" (unconditional, for CFG);
   2. variant: `caption_mode`, or under "mixed" a draw weighted by the positive `mixed_weights` (none positive
      -> "tags"); an NL variant without NL text falls back to "tags";
-  3. tags: split on the trimmed delimiter, strip, drop empties; the first `shuffle_keep_first_n` are pinned;
+  3. tags: split on the trimmed delimiter and on line breaks, strip, drop empties; the first
+     `shuffle_keep_first_n` are pinned;
      `protected_tags` (case-insensitive) are never dropped; round(droppable · tag_dropout_percent) random
      droppable tags are removed, capped so at least `min_tags_kept` tags remain; order kept, then the
      unpinned tail is shuffled if `shuffle_tags`; joined with `tag_delimiter`;
@@ -83,10 +84,10 @@ def parse_protected_tags(lines: Iterable[str]) -> list[str]:
 
 
 def split_tags(text: str, delimiter: str) -> list[str]:
-    """Split on the delimiter without its surrounding spaces (", " also splits "a,b"); whitespace-only
-    delimiters split on any whitespace."""
+    """Split on the delimiter without its surrounding spaces (", " also splits "a,b"), and on line breaks (tags on two
+    lines are two tags, not `big\nsquare` glued into one); whitespace-only delimiters split on any whitespace."""
     sep = delimiter.strip()
-    parts = text.split(sep) if sep else text.split()
+    parts = [p for line in text.splitlines() for p in line.split(sep)] if sep else text.split()
     return [p.strip() for p in parts if p.strip()]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections import Counter, defaultdict
@@ -23,13 +24,14 @@ from types import SimpleNamespace
 from tqdm import tqdm
 
 from anima_train.files import atomic_path
-from anima_train.data.buckets import DATASET_DEFAULTS, tier_counts, tier_report
+from anima_train.data.buckets import BUCKET_KEYS, DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import ConfigError, DTYPE_NAMES, DatasetConfig, TrainConfig, load_config
 from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
 from anima_train.data.cache_files import cache_path, vae_identity
 from anima_train.data.dataset import encode_latents, load_pixels
 from anima_train.data.errors import DatasetError
-from anima_train.data.planning import BucketSettings, check_caches, plan_metadata, plan_sources, plan_warnings
+from anima_train.data.planning import (IMAGE_CHANGED, IMAGE_UNRECORDED, BucketSettings, check_caches, plan_metadata,
+    plan_sources, plan_warnings)
 from anima_train.data.scan import scan_folders
 from anima_train.data.sources import (UnreadableImages, find_undecodable, image_sources, missing_captions,
     refuse_missing_captions)
@@ -94,10 +96,45 @@ def resolve_dataset_args(args, *, need_tiers: bool = True, with_validation: bool
     settings = dataclasses.replace(BucketSettings.from_config(dataset), **flag_overrides(args))
     if any(t <= 0 for t in settings.tiers):
         raise DatasetError(f"--resolution {list(settings.tiers)}: every tier must be > 0")
+    refuse_what_the_config_refuses(settings, flag_overrides(args))
+    subsets = _once_each(subsets)
     tiers_given = bool(args.resolution or args.config)
     if need_tiers and not tiers_given:
         raise DatasetError("give the tier(s) with --resolution R [R ...] (or --config): caches are made per tier")
     return subsets, settings, args.model or model_path, tiers_given
+
+
+FLAGS = {"tiers": "resolution", "bucket_reso_steps": "bucket-reso-steps", "max_bucket_reso": "max-bucket-reso",
+         "min_bucket_reso": "min-bucket-reso", "bucket_no_upscale": "upscale", "multires_training": "multires-training"}
+
+
+def refuse_what_the_config_refuses(settings: BucketSettings, flags: dict) -> None:
+    """The bucket settings of `cache` and `audit` pass the config's own [dataset] rules (one rule for both fronts: a
+    --bucket-reso-steps that a config refuses must not write latents the model cannot use); a refused value is named
+    by its flag when a flag gave it."""
+    try:
+        DatasetConfig(resolutions=list(settings.tiers), **{k: getattr(settings, k) for k in BUCKET_KEYS})
+    except ConfigError as e:
+        message = str(e)
+        for key, flag in FLAGS.items():
+            for name in (("resolution", "resolutions") if key == "tiers" else (key,)) if key in flags else ():
+                message = message.replace(f"[dataset] {name} = ", f"--{flag} ").replace(f"[dataset] {name}: ",
+                                                                                      f"--{flag}: ")
+        raise DatasetError(message) from None
+
+
+def _once_each(subsets: list) -> list:
+    """The folders to scan, each once: `cache DIR DIR` (or DIR and a link to it) names one folder twice, and would
+    encode it twice. Said, since the user typed it twice."""
+    seen, out = {}, []
+    for sub in subsets:
+        key = os.path.realpath(Path(sub.path).expanduser())
+        if key in seen:
+            print(f"note: {sub.path} is the folder {seen[key]} given before; it is scanned once")
+            continue
+        seen[key] = sub.path
+        out.append(sub)
+    return out
 
 
 def plan_lines(plan, settings: BucketSettings) -> list[str]:
@@ -229,6 +266,13 @@ def _run(args) -> int:
         print(f"warning: {text}")
     for path, why in sorted(check.damaged.items()):
         print(f"damaged  {path}: {why} (re-encoded)")
+    stale_why = {cache_path(plan.sources[e.source].stem, e.plan.bucket): why for e, why in check.missing}
+    for path, why in sorted(stale_why.items()):
+        if why.startswith(IMAGE_CHANGED):
+            print(f"stale    {path}: {why} (re-encoded)")
+    if unrecorded := sum(why == IMAGE_UNRECORDED for why in stale_why.values()):
+        print(f"stale    {unrecorded} cache file(s): {IMAGE_UNRECORDED}, so a changed image cannot be told "
+              f"(re-encoded)")
     # one job per (source, bucket): a collapsed tier shares the lower tier's file
     jobs, seen = [], set()
     todo = check.entries if args.overwrite else [e for e, _ in check.missing]
@@ -285,7 +329,7 @@ def _run(args) -> int:
                 for e, z in zip(chunk, latents):
                     src = plan.sources[e.source]
                     save_cache(cache_path(src.stem, e.plan.bucket), z,
-                               plan_metadata(e.plan, settings, e.tier, vae_id))
+                               plan_metadata(e.plan, settings, e.tier, vae_id, src.image))
                     written += 1
                 bar.update(len(chunk))
     dt = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError
 from anima_train.data.cache_files import (CACHE_FORMAT, CacheUnreadable, cache_damage, cache_path, read_cache_metadata,
     wxh)
 from anima_train.data.errors import DatasetError
+from anima_train.data.identity import file_change, file_identity
 from anima_train.data.scan import Scan
 from anima_train.data.sources import Source
 from anima_train.fixes import ref
@@ -134,8 +135,10 @@ def plan_sources(sources: Sequence[Source], settings: BucketSettings, *, drop_un
     return Plan(kept, entries, small, unsized, unbucketable)
 
 
-def plan_metadata(plan: BucketPlan, settings: BucketSettings, tier: int, vae_id: str | None) -> dict[str, str]:
-    """The metadata written into a cache (all strings, as safetensors requires)."""
+def plan_metadata(plan: BucketPlan, settings: BucketSettings, tier: int, vae_id: str | None,
+                  image: Path | None) -> dict[str, str]:
+    """The metadata written into a cache (all strings, as safetensors requires); `image`: the file it is encoded
+    from, whose identity it records (None: no image, as for a test's hand-made cache)."""
     return {
         "format": CACHE_FORMAT,
         "bucket": wxh(plan.bucket),
@@ -144,11 +147,18 @@ def plan_metadata(plan: BucketPlan, settings: BucketSettings, tier: int, vae_id:
         "trim": f"{plan.trim[0]},{plan.trim[1]}",
         "crop_ltrb": json.dumps(list(plan.crop_ltrb)),
         "settings": json.dumps({**settings.record(tier), "vae": vae_id}),
+        **({IMAGE_KEY: json.dumps(file_identity(image))} if image is not None else {}),
     }
 
 
-def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None) -> str | None:
-    """None if the cache matches the plan (and the VAE, when both are known); else a short reason."""
+IMAGE_KEY = "image"  # a cache's record of the image it was encoded from (identity.file_identity)
+IMAGE_CHANGED = "its image changed since it was encoded"  # how cache_problem starts that reason
+IMAGE_UNRECORDED = "it records no image identity (made by an older anima-train)"
+
+
+def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None, image: Path | None = None) -> str | None:
+    """None if the cache matches the plan (and the VAE, when both are known) and was encoded from `image` as it is
+    now (when the image exists: without it the cache is the only copy, and stands); else a short reason."""
     if meta.get("format") != CACHE_FORMAT:
         return "not an anima latent cache of this format"
     for key, want in (("original_size", wxh(plan.source)), ("bucket", wxh(plan.bucket)),
@@ -158,6 +168,13 @@ def cache_problem(meta: dict, plan: BucketPlan, vae_id: str | None) -> str | Non
     made_with = settings_record(meta).get("vae")
     if vae_id and made_with and made_with != vae_id:
         return "made with another VAE"
+    if image is not None:
+        try:
+            record = json.loads(meta[IMAGE_KEY])
+        except (KeyError, json.JSONDecodeError):
+            return IMAGE_UNRECORDED
+        if why := file_change(record, image):
+            return f"{IMAGE_CHANGED} ({image.name} {why})"
     return None
 
 
@@ -256,7 +273,7 @@ def check_caches(scan: Scan, plan: Plan, settings: BucketSettings, vae_id: str |
                 if why is not None:
                     damaged[path] = why
                 else:
-                    why = cache_problem(metadata[path], e.plan, vae_id)
+                    why = cache_problem(metadata[path], e.plan, vae_id, src.image)
             if why is None:
                 out.append(Entry(e.source, e.tier, e.plan, e.collapsed, path))
                 used.add(path)
@@ -292,7 +309,11 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
             damaged.append(f"{path} ({check.damaged[path]})")
             continue
         others = scan.folders[src.folder].caches.get(src.stem.name, [])
-        if not others:
+        if why.startswith(IMAGE_CHANGED):
+            reason = f"are stale: {IMAGE_CHANGED}"
+        elif why == IMAGE_UNRECORDED:
+            reason = f"are stale: {IMAGE_UNRECORDED}"
+        elif not others:
             reason = "are missing"
         else:
             latest = max(others, key=lambda p: p.stat().st_mtime_ns)

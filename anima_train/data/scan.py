@@ -14,6 +14,9 @@ from anima_train.data.errors import DatasetError
 
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
+# images a user may well drop in a dataset folder that are not read (animated or rarely decodable): said, not skipped
+OTHER_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".jp2", ".ico", ".psd", ".svg")
+_READ_EXTENSIONS = IMAGE_EXTENSIONS + OTHER_IMAGE_EXTENSIONS + (".txt", CACHE_TAIL)
 REPEAT_FOLDER = re.compile(r"^(?P<n>\d+)_(?P<name>.+)$")  # sd-scripts DreamBooth folders: "10_char"
 SOURCE_MODES = ("images", "latents", "encode", "auto")
 
@@ -33,6 +36,7 @@ class Folder:
     images: dict[str, Path] = field(default_factory=dict)  # stem -> image file
     caches: dict[str, list[Path]] = field(default_factory=dict)  # stem -> cache files
     captions: set[str] = field(default_factory=set)  # stems with a <stem>.txt
+    unused: list[Path] = field(default_factory=list)  # images in a format the trainer does not read
     mode: str = ""  # images | latents | encode, once resolved
 
 
@@ -53,6 +57,8 @@ def _entries(path: Path, want_dirs: bool) -> list[str]:
                 continue
             try:
                 kind = e.is_dir() if want_dirs else e.is_file()
+                if not kind and not want_dirs and e.is_symlink() and e.name.lower().endswith(_READ_EXTENSIONS):
+                    os.stat(e.path)  # a link to nothing is no file: an image (caption, cache) link is said, not skipped
             except OSError as exc:
                 raise DatasetError(f"{path / e.name}: a symbolic link that cannot be followed ({exc.strerror}): "
                                    f"remove it or point it at a real file or folder") from None
@@ -71,6 +77,8 @@ def _list_folder(folder: Folder) -> None:
                 folder.caches.setdefault(m["stem"], []).append(folder.path / name)
         elif lower.endswith(".txt"):
             folder.captions.add(name[:-4])
+        elif lower.endswith(OTHER_IMAGE_EXTENSIONS):
+            folder.unused.append(folder.path / name)
         elif lower.endswith(IMAGE_EXTENSIONS):
             stem = name.rsplit(".", 1)[0]
             if stem in folder.images:
@@ -105,12 +113,40 @@ def scan_folders(subsets) -> Scan:
             sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))
             _list_folder(sub_folder)
             mine.append(sub_folder)
+        unread = [p for f in mine for p in f.unused]
         mine = [f for f in mine if f.images or f.caches]
         if not mine:
+            also = (f" ({len(unread)} image(s) in a format it does not read, e.g. {unread[0].name}: convert them to "
+                    f"PNG)" if unread else "")
             raise DatasetError(f"dataset folder {root} holds no images ({' '.join(IMAGE_EXTENSIONS)}) and no "
-                               f"*{CACHE_TAIL} caches: check the path")
+                               f"*{CACHE_TAIL} caches{also}: check the path")
         folders += mine
+    _refuse_twice_seen(folders)
+    unused = [p for f in folders for p in f.unused]
+    if unused:
+        kinds = sorted({p.suffix.lower() for p in unused})
+        notes.append(f"{len(unused)} image(s) in a format the trainer does not read ({' '.join(kinds)}) are left out, "
+                     f"e.g. {unused[0]}: convert them to PNG to train on them")
     return Scan(folders, list(subsets), notes)
+
+
+def _refuse_twice_seen(folders: list[Folder]) -> None:
+    """One image file reached by two paths (a link `3_again -> .`, a folder linked into itself) would count as two
+    sources, each with its own caption lookup and cache: refused, naming both paths."""
+    seen: dict[tuple[int, int], Path] = {}
+    twice = []
+    for f in folders:
+        for path in f.images.values():
+            st = os.stat(path)
+            first = seen.setdefault((st.st_dev, st.st_ino), path)
+            if first != path:
+                twice.append((path, first))
+    if twice:
+        shown = "\n".join(f"  {p} is {first}" for p, first in twice[:10])
+        more = f"\n  ... and {len(twice) - 10} more" if len(twice) > 10 else ""
+        raise DatasetError(f"{len(twice)} image file(s) are reached by two paths (a symbolic or hard link), so each "
+                           f"would train as two sources:\n{shown}{more}\nremove the link (to weight a folder, "
+                           f"name it N_name or set num_repeats)")
 
 
 def resolve_modes(scan: Scan, source: str) -> str:

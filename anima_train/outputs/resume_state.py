@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from anima_train import adapters
+from anima_train.data.identity import file_change, file_identity
 from anima_train.errors import UserError
 from anima_train.files import publish_dir, write_json, write_text
 from anima_train.outputs.checkpoint_files import writing
@@ -108,7 +109,7 @@ def _saved_optimizer_state(checkpoint: Path) -> bool | None:
 def _check_state_files(state_dir: Path) -> None:
     """Cheap whole-file checks (headers and zip directories, not the tensors) so that a truncated or foreign file
     is named before minutes of model loading; `load_state_file` names one that fails later."""
-    read_state(state_dir)
+    read_losses(state_dir, read_state(state_dir)["global_step"])
     inner = state_dir / ACCELERATOR_DIR
     with load_state_file(inner / TRAINABLE_FILE):
         with safe_open(str(inner / TRAINABLE_FILE), "pt"):  # checks the header covers the whole file
@@ -241,17 +242,106 @@ def refuse_older_state(state_dir: Path, step: int, run_dir: Path, free_name: str
         f"[train] run_name = \"{free_name}\".")
 
 
-def read_losses(state_dir: Path, step: int) -> tuple[int, list[float]]:
-    """(first step, losses up to `step`) from the state's losses.json; (step + 1, []) when it has none (a state
-    from before the file) or it does not end at `step`."""
+def read_losses(state_dir: Path | None, step: int) -> tuple[int, list[float]]:
+    """(first step, losses up to `step`) from the state's losses.json; (step + 1, []) for a fresh run (no state) or a
+    state from before the file. A file that is there but damaged is refused like a damaged state.json: resuming
+    without it would silently drop the run's loss history from the plot and from every later state."""
+    if state_dir is None or not (Path(state_dir) / LOSSES_FILE).exists():
+        return step + 1, []
+    path = Path(state_dir) / LOSSES_FILE
     try:
-        data = json.loads((Path(state_dir) / LOSSES_FILE).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
         first, losses = int(data["first_step"]), [float(v) for v in data["losses"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return step + 1, []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ResumeError(_bad_losses(path, f"cannot be read as the run's loss history ({type(e).__name__})")
+                          ) from None
     if first < 1 or first + len(losses) - 1 != step:
-        return step + 1, []
+        raise ResumeError(_bad_losses(path, f"holds the losses of steps {first} to {first + len(losses) - 1}, but "
+                                            f"the state is at step {step}"))
     return first, losses
+
+
+def _bad_losses(path: Path, what: str) -> str:
+    return (f"{path} {what}; the file was edited or is damaged, and resuming would lose the run's loss history. "
+            f"Restore the file, resume from another state, or delete the file to resume without the earlier "
+            f"losses.{_states_hint(path.parent.parent, path.parent)}")
+
+
+# -- what a state was trained on: the base model and the dataset (data/identity.py) ------------------------------
+
+def run_inputs(cfg, data) -> dict:
+    """state.json's `inputs`: the base model's files (identities) and the dataset's (size, mtime), so a resume on
+    another model is refused and one on a changed dataset is said (refuse_model_change, inputs_changed)."""
+    root = Path(cfg.train.model_path)
+    weights = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix == ".safetensors"
+                                                                    or p.name == "config.json"))
+    return {"model_path": str(cfg.train.model_path),
+            "model": {p.relative_to(root).as_posix(): file_identity(p) for p in weights},
+            "dataset": dataset_record(data)}
+
+
+def dataset_record(data) -> dict:
+    """{"<subset>/<path in its folder>": [size, mtime_ns]} of the file each training entry reads (its image, or its
+    cache when the image is gone): what a resume compares (build_training_data's TrainingData)."""
+    out = {}
+    for e in data.entries:
+        src = data.sources[e.source]
+        folder = data.scan.folders[src.folder]
+        path = src.image or e.cache
+        st = path.stat()
+        root = Path(data.scan.subsets[folder.subset].path).expanduser()  # as scan_folders reads it
+        out[f"{folder.subset}/{path.relative_to(root).as_posix()}"] = [
+            st.st_size, st.st_mtime_ns]
+    return out
+
+
+def refuse_model_change(state_dir: Path, info: dict, cfg) -> None:
+    """A resume continues the adapter on the base model it was trained on: another model (a file that differs, not
+    merely another path) is refused before it loads."""
+    saved = info.get("inputs", {}).get("model") if isinstance(info.get("inputs"), dict) else None
+    if not isinstance(saved, dict):
+        return  # a state from before the record: inputs_changed says so
+    root = Path(cfg.train.model_path)
+    differ = [(rel, why) for rel, record in sorted(saved.items()) if (why := file_change(record, root / rel))]
+    if differ:
+        then = info["inputs"].get("model_path")
+        rel, why = differ[0]
+        raise ResumeError(
+            f"resume_from = {str(state_dir)!r} was trained on another base model: [train] model_path = "
+            f"{str(cfg.train.model_path)!r} has {rel} that {why}" + (f" (and {len(differ) - 1} more file(s))"
+                                                                     if len(differ) > 1 else "")
+            + ". A run resumes on the model it was trained on: set [train] model_path = "
+            + (f"{json.dumps(then)} again" if then else "back to that model")
+            + ", or start a new run (no resume_from) on this one.")
+
+
+def inputs_changed(state_dir: Path | None, data) -> list[str]:
+    """The warning for a resume whose dataset is not the one its state was trained on (files gone, new or changed),
+    or whose state records no inputs; [] when there is nothing to say."""
+    if state_dir is None:
+        return []
+    info = read_state(state_dir)
+    saved = info.get("inputs") if isinstance(info.get("inputs"), dict) else {}
+    if not isinstance(saved.get("dataset"), dict):
+        return [f"{Path(state_dir).name} does not record the base model and the dataset it was trained on (saved by "
+                f"an older anima-train), so a resume on another model or a changed dataset cannot be told: check that "
+                f"[train] model_path and the dataset are the run's"]
+    before, now = saved["dataset"], dataset_record(data)
+    gone, new = sorted(set(before) - set(now)), sorted(set(now) - set(before))
+    changed = sorted(k for k in set(before) & set(now) if before[k] != now[k])
+    if not (gone or new or changed):
+        return []
+
+    def some(keys):
+        names = [k.split("/", 1)[1] for k in keys]
+        return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+    parts = [f"{len(keys)} {what} ({some(keys)})" for keys, what in ((gone, "gone"), (new, "new"),
+                                                                       (changed, "changed")) if keys]
+    mid = (f"; epoch {info.get('epoch', 0) + 1} goes on at batch {info['batch_in_epoch']} of the new set's order, "
+           f"so some of its images come twice or not at all" if info.get("batch_in_epoch") else "")
+    return [f"the dataset changed since {Path(state_dir).name} was saved ({len(before)} source file(s) then, "
+            f"{len(now)} now): {', '.join(parts)}. The resumed run trains on the dataset as it is now{mid}"]
 
 
 def _states_hint(folder: Path, exclude: Path | None = None) -> str:

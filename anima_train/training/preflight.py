@@ -54,6 +54,8 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
             state = resume_state.resolve_resume(resume)  # its state.json is read and checked there
             info = resume_state.read_state(state)
             resume_state.refuse_adapter_change(state, info, cfg)
+            if not skip(model):
+                resume_state.refuse_model_change(state, info, cfg)
             if saving:  # a run that writes nothing replaces nothing
 
                 run_dir = Path(cfg.train.output_dir).expanduser() / cfg.run_stem

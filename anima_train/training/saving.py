@@ -32,6 +32,7 @@ class Run:
     grad_norms: GradNorms
     earlier_losses: list = field(default_factory=list)  # a resumed run's losses before it (its state's losses.json)
     first_loss_step: int = 1  # the step of earlier_losses[0] (or of this run's first loss when there are none)
+    inputs: dict = field(default_factory=dict)  # resume_state.run_inputs: what the run trains from, in each state
 
 
 def every_steps_due(cfg: Config, step: int) -> bool:
@@ -71,7 +72,7 @@ def save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epo
         resume_state.save_state(
             run_dir / f"{stem}{STATE_SUFFIX}", accelerator, run.trainable, run.optimizer, run.scheduler, run.gens,
             dict(global_step=result.global_step, epoch=epoch, batch_in_epoch=batch_index, steps_per_epoch=per_epoch,
-                 run=cfg.run_stem, checkpoint=stem, adapter=resume_state.describe_adapter(cfg)),
+                 run=cfg.run_stem, checkpoint=stem, adapter=resume_state.describe_adapter(cfg), inputs=run.inputs),
             losses=dict(first_step=run.first_loss_step, losses=run.earlier_losses + result.losses))
     if accelerator.is_main_process:
         run.claim.published()

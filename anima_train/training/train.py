@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from anima_train import errors
 from anima_train.adapters import build_param_groups, inject_adapters
 from anima_train.config import Config, copy_config_verbatim, load_config
-from anima_train.data.batches import EpochKeys, settings_not_followed, steps_per_epoch
+from anima_train.data.batches import EpochKeys, steps_per_epoch
 from anima_train.data.dataset import build_training_data, collate, encode_latents
 from anima_train.data.texture import check_batch_phase, refuse_multi_process
 from anima_train.model import fp8_base
@@ -45,7 +45,7 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
-from anima_train.training import optimizers, preflight, readout, recompute, saving
+from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
@@ -153,12 +153,12 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # -- setup: refuse what cannot work, then data, model, optimizer, accelerator ---------------------------------
     state_dir, claim = _refuse_early(cfg, accelerator, run_dir, say, dry_run=dry_run, no_save=no_save,
                                      stop_file=stop_file, overwrite=overwrite, cleanup=cleanup)
-    data = _scan_dataset(cfg, progress, skip_unreadable=skip_unreadable,
+    data = _scan_dataset(cfg, progress, state_dir, skip_unreadable=skip_unreadable,
                          allow_missing_captions=allow_missing_captions)
     held_out = validation_items(cfg, data, cfg.train.model_path) if cfg.validation.enabled else []
     accum = cfg.train.gradient_accumulation_steps
     per_epoch = steps_per_epoch(len(data.sampler), world, accum)
-    for text in settings_not_followed(cfg, data.sampler, per_epoch):
+    for text in honoured.report(cfg, data, per_epoch):
         progress.warning(text)  # before the model loads: on the node before the run starts
     total = 1 if dry_run else _total_steps(cfg, per_epoch)
     compiling = _decide_compile(cfg, device, total, progress)  # before the model loads: a refusal costs nothing
@@ -192,8 +192,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     start_step = global_step
 
     progress.set_total(total, start_step=global_step)
-    first_loss_step, earlier_losses = (resume_state.read_losses(state_dir, start_step) if state_dir is not None
-                                       else (start_step + 1, []))
+    first_loss_step, earlier_losses = resume_state.read_losses(state_dir, start_step)  # before a resume: the whole run
     progress.event("start", total=total, steps_per_epoch=per_epoch, processes=world, run_dir=str(run_dir),
                    epochs=-(-total // per_epoch), resumed_step=global_step, device=device.type,  # max_steps may cut
                    first_loss_step=first_loss_step, losses=earlier_losses)  # a resumed chart: the whole run
@@ -207,7 +206,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     cleanup.callback(tracker.close)
     run = Run(cfg=cfg, accelerator=accelerator, progress=progress, parts=model.parts, result=result,
               run_dir=run_dir, per_epoch=per_epoch, trainable=trainable, optimizer=optimizer, scheduler=scheduler,
-              gens=gens, claim=claim, grad_norms=GradNorms(cfg, run_dir, result.saved, logged=tracker.on))
+              gens=gens, claim=claim, grad_norms=GradNorms(cfg, run_dir, result.saved, logged=tracker.on),
+              inputs=resume_state.run_inputs(cfg, data))
     run.first_loss_step, run.earlier_losses = first_loss_step, earlier_losses  # the plot's and the next state's
     previews = Previewer(
         cfg, accelerator, progress, run_dir, parts=model.parts, device=device, dtype=dtype, parked=model.parked,
@@ -410,13 +410,13 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     return state_dir, claim
 
 
-def _scan_dataset(cfg: Config, progress: Progress, *, skip_unreadable: bool, allow_missing_captions: bool):
+def _scan_dataset(cfg: Config, progress: Progress, state_dir, *, skip_unreadable: bool, allow_missing_captions: bool):
     progress.event("status", message="scanning dataset")
     data = build_training_data(cfg, cfg.train.model_path, skip_unreadable=skip_unreadable,
                                allow_missing_captions=allow_missing_captions)
     for line in data.report:
         progress.message(line)
-    for text in data.warnings:
+    for text in data.warnings + resume_state.inputs_changed(state_dir, data):  # said before the model loads
         progress.warning(text)
     return data
 

@@ -27,8 +27,9 @@ import torch
 from anima_train.data.cache_files import load_latents
 from anima_train.data.captions import build_caption, read_caption_files
 from anima_train.data.errors import DatasetError
-from anima_train.fixes import ref
+from anima_train.data.identity import same_files
 from anima_train.data.dataset import Item, build_training_data, encode_latents, load_pixels
+from anima_train.fixes import ref
 from anima_train.outputs.progress import VALIDATION_PREFIX
 from anima_train.training.fixed_eval import EvalResult, evaluate
 
@@ -64,8 +65,28 @@ def validation_items(cfg, data=None, model_path=None) -> list[Item]:
     a missing caption or stale cache is refused here, before the model loads), or the `fraction` of the dataset
     that `data` (build_training_data) split off."""
     if cfg.validation.folder is not None:
-        return folder_items(cfg, model_path)
+        items = folder_items(cfg, model_path)
+        if data is not None:
+            refuse_training_images(cfg, items, data)
+        return items
     return list(data.held_out)
+
+
+def refuse_training_images(cfg, items: list[Item], data) -> None:
+    """A validation image that is also a training image (the same folder, one inside the other, a link or a copy)
+    measures memorising, not learning: refused, naming the images."""
+    trained = {it.image or it.cache for it in data.dataset.items}
+    shared = same_files([it.image or it.cache for it in items], trained)
+    if shared:
+        def name(path):  # inside the validation folder: its name there, which the folder key already places
+            return path.relative_to(cfg.validation.folder) if path.is_relative_to(cfg.validation.folder) else path
+
+        shown = ", ".join(f"{name(p)}" + (f" = {q}" if p != q else "") for p, q in shared[:3])
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+        raise DatasetError(f"[validation] folder = {str(cfg.validation.folder)!r}: {len(shared)} of its {len(items)} "
+                           f"image(s) are training images too ({shown}{more}), so its loss would measure memorising, "
+                           f"not learning: give it images that are not in the training folders, or use [validation] "
+                           f"fraction to hold some out of the dataset")
 
 
 def folder_items(cfg, model_path=None) -> list[Item]:
