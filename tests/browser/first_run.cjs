@@ -1,0 +1,148 @@
+// Drives a real headless Chromium against a running ComfyUI for tests/test_browser_first_run.py.
+//   node first_run.cjs '<json: {url, chromium, userDataDir, outDir, category, template, set, run, timeoutMs}>'
+// Plays a user's first run: opens the Templates dialog with the side bar's button, picks the `category` item of its
+// Extensions group and clicks the `template` card; reports the view it opens at (zoom, whether the canvas draws
+// titles and widgets, every node's box on the screen and whether its corners are visible); sets the `set` widget
+// values ({node type: {widget name: value}}, as a user types them), presses Run once (the Run button's command) and
+// waits for the prompt (run = false: it stops after the view). Then it reports what the user sees: the error overlay and Errors panel text, the nodes marked
+// as failing, the nodes the server ran, and the text every node shows. Writes <outDir>/result.json and page.png;
+// it asserts nothing itself.
+"use strict";
+const fs = require("fs");
+const path = require("path");
+const { launch, openPage, waitForPack } = require("./comfy_page.cjs");
+
+const cfg = JSON.parse(process.argv[2]);
+
+async function main() {
+  const result = { console: [], pageErrors: [] };
+  const browser = await launch(cfg, { width: 1600, height: 1000 });
+  try {
+    const page = await openPage(browser, cfg, result);
+    await waitForPack(page, "AnimaTrainConfig");
+    await page.evaluate(() => document.querySelectorAll(".p-dialog-mask, .p-dialog").forEach((e) => e.remove()));
+
+    // Templates -> Extensions -> <category> -> the template's card
+    await page.click(".templates-tab-button");
+    await page.waitForSelector('[data-testid^="template-workflow-"]', { timeout: 60000 });
+    result.categoryFound = await page.evaluate((label) => {
+      const item = [...document.querySelectorAll('[role="button"]')].find((b) => b.textContent.trim() === label);
+      if (item) item.click();
+      return !!item;
+    }, cfg.category);
+    const card = `[data-testid="template-workflow-${cfg.template}"]`;
+    await page.waitForSelector(card, { timeout: 30000 });
+    await page.click(card);
+    await page.waitForFunction(() => {
+      const app = window.comfyAPI.app.app;
+      return app.graph?.nodes?.some((n) => n.type === "AnimaTrainConfig") &&
+        !document.querySelector('[data-testid^="template-workflow-"]');
+    }, null, { timeout: 60000, polling: 250 });
+    await page.waitForTimeout(1500); // the view is fitted in an animation frame; nodes grow to their widgets
+
+    // the view as it opens: zoom, low-detail mode, and every node's box in CSS pixels with its corners' visibility
+    result.view = await page.evaluate(() => {
+      const app = window.comfyAPI.app.app;
+      const canvas = app.canvas;
+      const rect = canvas.canvas.getBoundingClientRect();
+      const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+      const toScreen = (x, y) => [(x + canvas.ds.offset[0]) * canvas.ds.scale + rect.left,
+        (y + canvas.ds.offset[1]) * canvas.ds.scale + rect.top];
+      const visible = (x, y) => {
+        if (x < 0 || y < 0 || x >= window.innerWidth || y >= window.innerHeight) return false;
+        const el = document.elementFromPoint(x, y);
+        return el === canvas.canvas || !!el?.closest?.(".dom-widget, .lg-node, .graph-canvas-container canvas");
+      };
+      return {
+        scale: canvas.ds.scale, lowQuality: canvas.low_quality, threshold: canvas.low_quality_zoom_threshold ?? null,
+        viewport: [window.innerWidth, window.innerHeight], canvasRect: [rect.left, rect.top, rect.width, rect.height],
+        nodes: app.graph.nodes.map((n) => {
+          const [x0, y0] = toScreen(n.pos[0], n.pos[1] - title);
+          const [x1, y1] = toScreen(n.pos[0] + n.size[0], n.pos[1] + n.size[1]);
+          const inset = 3;
+          const corners = [[x0 + inset, y0 + inset], [x1 - inset, y0 + inset], [x0 + inset, y1 - inset],
+            [x1 - inset, y1 - inset]].map(([x, y]) => visible(x, y));
+          return { id: n.id, type: n.type, title: n.title, box: [x0, y0, x1, y1], corners };
+        }),
+      };
+    });
+    await page.screenshot({ path: path.join(cfg.outDir, "opened.png") });
+    if (cfg.run === false) { // the view only
+      fs.writeFileSync(path.join(cfg.outDir, "result.json"), JSON.stringify(result, null, 1));
+      return;
+    }
+
+    result.set = await page.evaluate((set) => {
+      const done = [];
+      for (const node of window.comfyAPI.app.app.graph.nodes) {
+        for (const [name, value] of Object.entries(set[node.type] ?? {})) {
+          const widget = node.widgets?.find((w) => w.name === name);
+          if (!widget) { done.push({ id: node.id, type: node.type, name, missing: true }); continue; }
+          widget.value = value;
+          widget.callback?.(widget.value);
+          done.push({ id: node.id, type: node.type, name, value: widget.value });
+        }
+      }
+      return done;
+    }, cfg.set ?? {});
+
+    // Run, once: the Run button's command; the queue's answer and the prompt's events are recorded
+    result.run = await page.evaluate(async (timeoutMs) => {
+      const { app } = window.comfyAPI.app;
+      const { api } = window.comfyAPI.api;
+      const events = [];
+      for (const type of ["execution_start", "execution_success", "execution_error", "execution_interrupted",
+        "executing", "executed", "execution_cached"]) {
+        api.addEventListener(type, (e) => events.push({ type, detail: e.detail }));
+      }
+      const queued = [];
+      const original = api.queuePrompt.bind(api);
+      api.queuePrompt = async (...args) => {
+        try { const r = await original(...args); queued.push({ response: r }); return r; }
+        catch (e) { queued.push({ error: String(e), response: e.response ?? null }); throw e; }
+      };
+      const t0 = performance.now();
+      try { await app.extensionManager.command.execute("Comfy.QueuePrompt"); }
+      catch (e) { queued.push({ thrown: String(e) }); }
+      const deadline = performance.now() + 30000;
+      while (!queued.length && performance.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+      const promptId = queued[0]?.response?.prompt_id;
+      let end = null;
+      if (promptId) {
+        const ends = ["execution_success", "execution_error", "execution_interrupted"];
+        end = await new Promise((resolve) => {
+          const started = performance.now();
+          const poll = () => {
+            const hit = events.find((e) => ends.includes(e.type) && e.detail?.prompt_id === promptId);
+            if (hit) resolve(hit);
+            else if (performance.now() - started > timeoutMs) resolve({ type: "timeout" });
+            else setTimeout(poll, 250);
+          };
+          poll();
+        });
+      }
+      const ran = [...new Set(events.filter((e) => e.type === "executing" && e.detail?.node != null &&
+        (e.detail.prompt_id ?? promptId) === promptId).map((e) => String(e.detail.node)))];
+      return { queued, promptId, end, ran, seconds: (performance.now() - t0) / 1000 };
+    }, cfg.timeoutMs ?? 900000);
+    await page.waitForTimeout(1500);
+
+    // what the user reads: the overlay ("N errors found"), the Errors panel behind "View details", each node's text
+    result.overlay = await page.evaluate(() => document.body.innerText);
+    const details = page.getByText("View details");
+    if (await details.count()) { await details.first().click(); await page.waitForTimeout(1500); }
+    result.afterDetails = await page.evaluate(() => document.body.innerText);
+    result.nodes = await page.evaluate(() => window.comfyAPI.app.app.graph.nodes.map((n) => ({
+      id: n.id, type: n.type, title: n.title, hasErrors: !!n.has_errors,
+      texts: (n.widgets ?? []).filter((w) => w.element && w.options?.serialize === false || w.name === "anima_text")
+        .map((w) => w.element?.innerText ?? String(w.value ?? "")),
+    })));
+    result.lastNodeErrors = await page.evaluate(() => window.comfyAPI.app.app.lastNodeErrors ?? null);
+    await page.screenshot({ path: path.join(cfg.outDir, "page.png") });
+  } finally {
+    await browser.close();
+  }
+  fs.writeFileSync(path.join(cfg.outDir, "result.json"), JSON.stringify(result, null, 1));
+}
+
+main().catch((err) => { console.error(err && err.stack ? err.stack : String(err)); process.exit(1); });
