@@ -272,7 +272,8 @@ def to_api(workflow: dict, object_info: dict) -> dict:
     return prompt
 
 
-TRAIN_TEMPLATE = "Train a LoRA on your images, then sample with it"  # example_workflows/<name>.json: the file name is the title the Templates dialog shows
+# example_workflows/<name>.json: the file name is the title the Templates dialog shows
+TRAIN_TEMPLATE = "Train a LoRA on your images, then sample with it"
 ANCHOR_TEMPLATE = "Sample with an Anchor adapter"
 
 

@@ -1,12 +1,14 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_first_run.py.
-//   node first_run.cjs '<json: {url, chromium, userDataDir, outDir, category, template, set, run, timeoutMs}>'
+//   node first_run.cjs '<json: {url, chromium, userDataDir, outDir, category, template, set, run, stopAtType,
+//                               timeoutMs}>'
 // Plays a user's first run: opens the Templates dialog with the side bar's button, picks the `category` item of its
 // Extensions group and clicks the `template` card; reports the view it opens at (zoom, whether the canvas draws
 // titles and widgets, every node's box on the screen and whether its corners are visible); sets the `set` widget
 // values ({node type: {widget name: value}}, as a user types them), presses Run once (the Run button's command) and
-// waits for the prompt (run = false: it stops after the view). Then it reports what the user sees: the error overlay and Errors panel text, the nodes marked
-// as failing, the nodes the server ran, and the text every node shows. Writes <outDir>/result.json and page.png;
-// it asserts nothing itself.
+// waits for the prompt (run = false: it stops after the view; stopAtType: it interrupts the prompt once a node
+// of that type runs), noting the output nodes ComfyUI queued it with. Then it reports what the user sees: the
+// error overlay and Errors panel text, the nodes marked as failing, the nodes the server ran, and the text every
+// node shows. Writes <outDir>/result.json and page.png; it asserts nothing itself.
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -87,7 +89,7 @@ async function main() {
     }, cfg.set ?? {});
 
     // Run, once: the Run button's command; the queue's answer and the prompt's events are recorded
-    result.run = await page.evaluate(async (timeoutMs) => {
+    result.run = await page.evaluate(async ([timeoutMs, stopAtType]) => {
       const { app } = window.comfyAPI.app;
       const { api } = window.comfyAPI.api;
       const events = [];
@@ -108,6 +110,23 @@ async function main() {
       while (!queued.length && performance.now() < deadline) await new Promise((r) => setTimeout(r, 100));
       const promptId = queued[0]?.response?.prompt_id;
       let end = null;
+      let outputs = null; // the output nodes ComfyUI runs for the prompt (its queue entry's last element)
+      for (let i = 0; promptId && outputs === null && i < 200; i++) {
+        const q = await (await fetch("/api/queue")).json();
+        const entry = [...q.queue_running, ...q.queue_pending].find((e) => e[1] === promptId);
+        if (entry) outputs = entry[4].map(String);
+        else if (events.some((e) => e.detail?.prompt_id === promptId && e.type.startsWith("execution_") &&
+          e.type !== "execution_start" && e.type !== "execution_cached")) break;
+        else await new Promise((r) => setTimeout(r, 100));
+      }
+      if (promptId && stopAtType) {
+        // stop once a node of that type runs: what runs before it is what the test is about
+        const started = performance.now();
+        const types = Object.fromEntries(app.graph.nodes.map((n) => [String(n.id), n.type]));
+        while (performance.now() - started < timeoutMs && !events.some((e) => e.type === "executing" &&
+          types[String(e.detail)] === stopAtType)) await new Promise((r) => setTimeout(r, 250));
+        await api.interrupt(promptId);
+      }
       if (promptId) {
         const ends = ["execution_success", "execution_error", "execution_interrupted"];
         end = await new Promise((resolve) => {
@@ -121,10 +140,11 @@ async function main() {
           poll();
         });
       }
-      const ran = [...new Set(events.filter((e) => e.type === "executing" && e.detail?.node != null &&
-        (e.detail.prompt_id ?? promptId) === promptId).map((e) => String(e.detail.node)))];
-      return { queued, promptId, end, ran, seconds: (performance.now() - t0) / 1000 };
-    }, cfg.timeoutMs ?? 900000);
+      // the api hands an "executing" event on as the node's id alone (null at the end); one prompt runs here
+      const ran = [...new Set(events.filter((e) => e.type === "executing" && e.detail != null)
+        .map((e) => String(e.detail)))];
+      return { queued, promptId, outputs, end, ran, seconds: (performance.now() - t0) / 1000 };
+    }, [cfg.timeoutMs ?? 900000, cfg.stopAtType ?? null]);
     await page.waitForTimeout(1500);
 
     // what the user reads: the overlay ("N errors found"), the Errors panel behind "View details", each node's text
