@@ -6,7 +6,7 @@
 // titles and widgets, every node's box on the screen and whether its corners are visible); sets the `set` widget
 // values ({node type: {widget name: value}}, as a user types them), presses Run once (the Run button's command) and
 // waits for the prompt (run = false: it stops after the view; stopAtType: it interrupts the prompt once a node
-// of that type runs), noting the output nodes ComfyUI queued it with. Then it reports what the user sees: the
+// of one of these types runs), noting the output nodes ComfyUI queued it with. Then it reports what the user sees: the
 // error overlay and Errors panel text, the nodes marked as failing, the nodes the server ran, and the text every
 // node shows. Writes <outDir>/result.json and page.png; it asserts nothing itself.
 "use strict";
@@ -35,11 +35,14 @@ async function main() {
     const card = `[data-testid="template-workflow-${cfg.template}"]`;
     await page.waitForSelector(card, { timeout: 30000 });
     await page.click(card);
-    await page.waitForFunction(() => {
+    await page.waitForFunction((name) => {
       const app = window.comfyAPI.app.app;
-      return app.graph?.nodes?.some((n) => n.type === "AnimaTrainConfig") &&
+      return app.graph?.nodes?.length > 0 && app.extensionManager.workflow.activeWorkflow?.filename === name &&
         !document.querySelector('[data-testid^="template-workflow-"]');
-    }, null, { timeout: 60000, polling: 250 });
+    }, cfg.template, { timeout: 60000, polling: 250 }).catch(async (e) => {
+      await page.screenshot({ path: path.join(cfg.outDir, "not-opened.png") });
+      throw e;
+    });
     await page.waitForTimeout(1500); // the view is fitted in an animation frame; nodes grow to their widgets
 
     // the view as it opens: zoom, low-detail mode, and every node's box in CSS pixels with its corners' visibility
@@ -124,7 +127,7 @@ async function main() {
         const started = performance.now();
         const types = Object.fromEntries(app.graph.nodes.map((n) => [String(n.id), n.type]));
         while (performance.now() - started < timeoutMs && !events.some((e) => e.type === "executing" &&
-          types[String(e.detail)] === stopAtType)) await new Promise((r) => setTimeout(r, 250));
+          stopAtType.includes(types[String(e.detail)]))) await new Promise((r) => setTimeout(r, 250));
         await api.interrupt(promptId);
       }
       if (promptId) {
