@@ -82,6 +82,10 @@ def comfy(tmp_path_factory):
                                    ("text_encoders", "my_qwen3_small.safetensors", tiny.qwen3_file)]:
         (base / "models" / folder).mkdir(parents=True, exist_ok=True)
         (base / "models" / folder / file_name).symlink_to(src)
+    # the anchor template's file: listed only (nothing of that template runs here), so that no missing-model
+    # warning covers the view
+    (base / "models" / "anchors").mkdir(parents=True)
+    (base / "models" / "anchors" / "your_anchor.safetensors").write_bytes(b"")
     # the user's images, in ComfyUI's input folder (the nodes read datasets from ComfyUI's folders)
     make_synthetic_dataset(base / "input" / "my_images", n=4, sizes=[(64, 64)])
     # the tiny tokenizers live outside ComfyUI's folders: allowed as a user would (README, "Folders the nodes use")
