@@ -1,5 +1,6 @@
-"""The template's path (example_workflows/anima_train_lora.json) through a real ComfyUI server, over its API:
-random weights written as ComfyUI single files -> Convert -> Train (the worker) -> Load trained LoRA -> KSampler.
+"""The LoRA template's path (example_workflows/, the one with the Train node) through a real ComfyUI server, over its
+API: random weights written as ComfyUI single files -> Convert -> Train (the worker) -> Load trained LoRA -> KSampler.
+The template samples through ComfyUI's CLIPLoader, which loads a full-size Qwen3 only: --size comfy needs one there.
 
     python bench/comfyui_template_path.py --comfy-root DIR --out DIR [--size comfy|full] [--python PY] [--cpu]
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.test_comfyui_pack import (Messages, _free_port, _get, _post, finished, load_workflow,  # noqa: E402
-                                     progress_events, set_widgets, to_api, PACK_NAME)
+from tests.test_comfyui_pack import (TRAIN_TEMPLATE, Messages, _free_port, _get, _post, finished,  # noqa: E402
+                                     load_workflow, progress_events, set_widgets, to_api, PACK_NAME)
 
 
 def build_models(work: Path, size: str):
@@ -107,9 +108,10 @@ def main():
                 time.sleep(0.5)
         summary["server_start_s"] = round(time.perf_counter() - t, 1); say("server up", summary["server_start_s"])
         threading.Thread(target=poll, daemon=True).start()
-        wf = load_workflow("anima_train_lora")
+        wf = load_workflow(TRAIN_TEMPLATE)
         set_widgets(wf, info, 1, unet_name="anima.safetensors")
         set_widgets(wf, info, 2, vae_name="vae.safetensors")
+        set_widgets(wf, info, 17, clip_name="qwen3.safetensors")
         set_widgets(wf, info, 3, anima="anima.safetensors", qwen="qwen3.safetensors", vae="vae.safetensors",
                     out_dir="anima_repo", tokenizers=str(m.diffusers_dir))
         knobs = dict(dataset_path=str(dataset), run_name="gpu_path", epochs=100, resolution=res, rank=32, alpha=32.0,

@@ -133,8 +133,9 @@ class AnimaTrainConvert(io.ComfyNode):
                                 tooltip="folder with tokenizer/ and t5_tokenizer/, a Hugging Face repo id (only "
                                         "those two folders are downloaded), or none"),
             ],
+            # not an output node: it runs only for a node that needs its repo, so a graph whose training config
+            # fails validation converts and downloads nothing (ComfyUI runs every valid output node of a queued graph)
             outputs=[io.String.Output(display_name="model_path")],
-            is_output_node=True,
         )
 
     @classmethod

@@ -239,9 +239,8 @@ def config_toml(values: dict) -> str:
     (nodes/paths.py; PathRefused otherwise), before anything reads it.
 
     A value of None is a linked input not known yet (validation before the graph runs): a placeholder is used."""
-    extra_text = values.get(EXTRA_TOML) or ""
     try:
-        extra = tomllib.loads(extra_text)
+        extra = tomllib.loads(values.get(EXTRA_TOML) or "")
     except ValueError as exc:
         raise ConfigError(f"{EXTRA_TOML}: not valid TOML: {exc}") from None
     tree: dict = {}
@@ -263,8 +262,9 @@ def config_toml(values: dict) -> str:
     if not _has(tree, "train.output_dir") and not _has(extra, "train.output_dir"):
         _set(tree, "train.output_dir", default_output_dir())
     tree = _merge(tree, extra)
-    problems = paths.confine_tree(tree, paths.current_policy(), skip=_is_linked)
-    if problems:
+    if not (_has(tree, "dataset.path") or _has(tree, "dataset.subsets")):  # the LoRA template ships it empty
+        raise ConfigError("set the dataset_path widget on Anima: Training config to the folder of your images")
+    if problems := paths.confine_tree(tree, paths.current_policy(), skip=_is_linked):
         raise paths.refused(problems)
     return tomlkit.dumps(tree)
 

@@ -45,6 +45,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -96,7 +97,18 @@ def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = 
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHONIOENCODING", "utf-8")
     env[REFS_ENV] = "refs"  # its messages name flags and commands as references the node says (nodes/fixes.py)
+    # ComfyUI sets the allocator under its old name (cuda_malloc.py); torch >= 2.9 reads the new one and warns about
+    # the old in every worker log, a line the user cannot act on
+    if "PYTORCH_CUDA_ALLOC_CONF" in env and "PYTORCH_ALLOC_CONF" not in env and _torch_version() >= (2, 9):
+        env["PYTORCH_ALLOC_CONF"] = env.pop("PYTORCH_CUDA_ALLOC_CONF")
     return env
+
+
+def _torch_version() -> tuple[int, int]:
+    try:
+        return tuple(int(p) for p in metadata.version("torch").split(".")[:2])  # "2.9.1+cu128" -> (2, 9)
+    except (metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
 
 
 def job_stop_file(run_dir: str | os.PathLike) -> Path:

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.comfyui, pytest.mark.slow]
 ROOT = comfy_browser.ROOT
 DRIVER = comfy_browser.BROWSER_DIR / "advanced.cjs"
 NODE = "AnimaTrainConfig"
-WORKFLOW = "anima_train_lora"
+WORKFLOW = "Train a LoRA on your images, then sample with it"
 EXTRA_TOML = "extra_toml"
 
 

@@ -150,6 +150,8 @@ def test_the_stale_cache_fix_command_works_as_printed(tiny_anima, tmp_path):
     data = tmp_path / "images"
     make_synthetic_dataset(data, n=4, seed=1, sizes=[(128, 128), (160, 96)])
     cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, data, tmp_path / "out")
+    # the caches are required (source = "auto" would encode the images in the loop instead)
+    cfg.write_text(cfg.read_text().replace("resolution = 128", 'resolution = 128\nsource = "images"'))
     cached = anima_train_cli("cache", "--config", cfg, "--device", "cpu", cwd=tmp_path)
     assert cached.returncode == 0, cached.stderr[-3000:]
     # the user changes a bucket setting: every cache is stale

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -194,10 +195,13 @@ def comfy(tmp_path_factory):
     t_build = time.perf_counter() - t0
     base = tmp_path_factory.mktemp("comfy_base")
     models = base / "models"
+    # the template samples through ComfyUI's CLIPLoader, which loads only a full-size Qwen3: a random one
     for folder, name, src in [("diffusion_models", "anima_tiny.safetensors", tiny.anima_file),
                               ("text_encoders", "qwen3_tiny.safetensors", tiny.qwen3_file),
+                              ("text_encoders", "qwen3_full.safetensors", fixtures_tiny.comfy_text_encoder(
+                                  tmp_path_factory)),
                               ("vae", "vae_tiny.safetensors", tiny.vae_file)]:
-        (models / folder).mkdir(parents=True)
+        (models / folder).mkdir(parents=True, exist_ok=True)
         (models / folder / name).symlink_to(src)
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_NAME).symlink_to(ROOT, target_is_directory=True)
@@ -268,6 +272,11 @@ def to_api(workflow: dict, object_info: dict) -> dict:
     return prompt
 
 
+# example_workflows/<name>.json: the file name is the title the Templates dialog shows
+TRAIN_TEMPLATE = "Train a LoRA on your images, then sample with it"
+ANCHOR_TEMPLATE = "Sample with an Anchor adapter"
+
+
 def load_workflow(name: str) -> dict:
     return json.loads((ROOT / "example_workflows" / f"{name}.json").read_text())
 
@@ -290,9 +299,10 @@ def set_widgets(workflow: dict, object_info: dict, node_id: int, **values):
 
 def tiny_train_workflow(comfy, run_name: str, **config) -> dict:
     info, tiny = comfy["info"], comfy["tiny"]
-    wf = load_workflow("anima_train_lora")
+    wf = load_workflow(TRAIN_TEMPLATE)
     set_widgets(wf, info, 1, unet_name="anima_tiny.safetensors")
     set_widgets(wf, info, 2, vae_name="vae_tiny.safetensors")
+    set_widgets(wf, info, 17, clip_name="qwen3_full.safetensors")
     set_widgets(wf, info, 3, anima="anima_tiny.safetensors", qwen="qwen3_tiny.safetensors", vae="vae_tiny.safetensors",
                 out_dir="anima_repo", tokenizers=str(tiny.diffusers_dir))  # relative: in models/
     knobs = dict(dataset_path=str(comfy["dataset"]), run_name=run_name, epochs=2, max_steps=6, resolution=64,
@@ -335,8 +345,8 @@ def test_every_node_is_listed_and_the_workflows_are_templates(comfy):
     assert info["AnimaTrainConfig"]["output"] == ["ANIMA_TRAIN_CONFIG"]
     assert info["AnimaTrainTrain"]["output_node"] is True
     templates = json.loads(_get(comfy["port"], "/workflow_templates")[1])
-    assert sorted(templates[PACK_NAME]) == ["anima_anchor_sample", "anima_train_lora"]
-    status, body = _get(comfy["port"], f"/api/workflow_templates/{PACK_NAME}/anima_train_lora.json")
+    assert sorted(templates[PACK_NAME]) == sorted([ANCHOR_TEMPLATE, TRAIN_TEMPLATE])
+    status, body = _get(comfy["port"], f"/api/workflow_templates/{PACK_NAME}/{urllib.parse.quote(TRAIN_TEMPLATE)}.json")
     assert status == 200 and json.loads(body)["nodes"]
     # both templates map onto the live schemas: every widget value has its input, every link its socket
     for name in templates[PACK_NAME]:
@@ -496,10 +506,12 @@ def test_paths_outside_comfys_folders_are_refused(comfy, tmp_path_factory):
         errors = body.get("node_errors", {}).get("4", {}).get("errors", [])
         assert status == 400 and any(refusal in e["details"] and "ANIMA_TRAIN_ALLOWED_DIRS" in e["details"]
                                      for e in errors), (knobs, body)
-    # Convert has no check before it runs: it refuses when executed, before its worker starts
+    # Convert has no check before it runs: it refuses when executed, before its worker starts (it runs for a node
+    # that takes its model_path: it is no output node)
     prompt = {"1": {"class_type": "AnimaTrainConvert", "inputs": {
         "anima": "anima_tiny.safetensors", "qwen": "qwen3_tiny.safetensors", "vae": "vae_tiny.safetensors",
-        "out_dir": "../../" + elsewhere.name + "/repo", "tokenizers": "none"}}}
+        "out_dir": "../../" + elsewhere.name + "/repo", "tokenizers": "none"}},
+        "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
     prompt_id = queue(comfy, prompt, messages, client)
     end = messages.wait(finished(prompt_id), 120, "the Convert prompt")
     assert end["type"] == "execution_error" and refusal in end["data"]["exception_message"], end

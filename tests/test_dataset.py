@@ -6,6 +6,7 @@ tests need no VAE; tests/test_cache.py covers the VAE encode end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_same_stem_twice_is_refused(image_set):
 
 
 def test_images_mode_needs_every_cache_then_yields_them(image_set):
-    cfg = config(image_set)
+    cfg = config(image_set, source="images")
     settings = BucketSettings.from_config(cfg.dataset)
     with pytest.raises(DatasetError, match="4 \\(source, tier\\) pair\\(s\\) have no valid latent cache") as exc:
         build_training_data(cfg)
@@ -177,23 +178,43 @@ def test_changed_settings_refuse_naming_the_setting(image_set, change, expect):
     # validity is decided by the plan (a cache whose crop would be identical stays valid), so include a source
     # whose plan each change moves: 64x64 is kept as is without upscaling and enlarged to 128x128 with it
     write_image(image_set, "e", (64, 64))
-    cfg = config(image_set)
+    cfg = config(image_set, source="images")
     fake_caches(image_set, dict(SIZES, e=(64, 64)), BucketSettings.from_config(cfg.dataset))
     build_training_data(cfg)  # valid as cached
     if change == "bucket_reso_steps":
-        cfg = config(image_set, steps=64)
+        cfg = config(image_set, steps=64, source="images")
     elif change == "resolution":
-        cfg = config(image_set, tiers=(96,))
+        cfg = config(image_set, tiers=(96,), source="images")
     else:
-        cfg = config(image_set, extra_dataset="bucket_no_upscale = false\nmin_bucket_reso = 64")
+        cfg = config(image_set, extra_dataset="bucket_no_upscale = false\nmin_bucket_reso = 64", source="images")
     with pytest.raises(DatasetError) as exc:
         build_training_data(cfg)
     assert expect in str(exc.value)
     assert "re-run `anima-train cache" in str(exc.value)
+    # source = "auto" never trains on the stale caches either: it encodes every image in the loop, and says so
+    auto = build_training_data(dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, source="auto")))
+    assert auto.mode == "encode" and all("pixels" in auto.dataset[i] for i in range(len(auto.dataset)))
+    assert any(line.startswith("source   auto: ") and "Cache latents" in line for line in auto.report), auto.report
+
+
+def test_auto_trains_on_the_caches_when_all_are_valid_and_encodes_all_images_otherwise(image_set):
+    cfg = config(image_set)  # source = "auto"
+    none = build_training_data(cfg)
+    live = [line for line in none.report if line.startswith("source   auto: ")]
+    assert none.mode == "encode" and "pixels" in none.dataset[0] and len(live) == 1, none.report
+    assert f"{len(SIZES)} of {len(SIZES)} image(s) have no valid latent cache" in live[0]
+    written = fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset))
+    written[("a", 128)][0].unlink()  # one image without its cache: every image is encoded (one kind per batch)
+    some = build_training_data(cfg)
+    assert some.mode == "encode" and any("1 of 4 image(s)" in line for line in some.report), some.report
+    fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset))
+    cached = build_training_data(cfg)
+    assert cached.mode == "images" and "latents" in cached.dataset[0]
+    assert not [line for line in cached.report if line.startswith("source   auto: ")]
 
 
 def test_vae_identity_mismatch_is_stale(image_set, tmp_path):
-    cfg = config(image_set)
+    cfg = config(image_set, source="images")
     fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset), vae_id="sha256:" + "1" * 64)
     model = tmp_path / "model"
     (model / "vae").mkdir(parents=True)
@@ -276,7 +297,7 @@ def rewrite_latents(path: Path, latents: torch.Tensor) -> None:
 
 def test_a_cache_of_the_wrong_shape_or_dtype_is_refused_naming_the_file(image_set):
     # the report: an 8x8 latent in a 128x128-bucket cache, metadata kept, was trained on
-    cfg = config(image_set)
+    cfg = config(image_set, source="images")  # caches required (source = "auto" would encode the images instead)
     written = fake_caches(image_set, SIZES, BucketSettings.from_config(cfg.dataset))
     bad = written[("c", 128)][0]  # c is 128x128: latents [16, 1, 16, 16]
     assert bad.name == "c_0128x0128_anima.safetensors"
@@ -295,6 +316,7 @@ def test_a_cache_of_the_wrong_shape_or_dtype_is_refused_naming_the_file(image_se
     for p in list(image_set.iterdir()):
         if p.suffix in (".png", ".jpg", ".webp", ".bmp"):
             p.unlink()
+    cfg = config(image_set)  # source = "auto": latents, the images being gone
     with pytest.raises(DatasetError) as exc:
         build_training_data(cfg)
     assert str(bad) in str(exc.value) and "needs float32 [16, 1, 16, 16]" in str(exc.value)

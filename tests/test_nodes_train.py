@@ -258,8 +258,8 @@ def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):
     import json
 
     nt = comfy_env.nt
-    workflow = json.loads((Path(__file__).resolve().parents[1] / "example_workflows" / "anima_train_lora.json")
-                          .read_text())
+    workflow = json.loads((Path(__file__).resolve().parents[1] / "example_workflows"
+                           / "Train a LoRA on your images, then sample with it.json").read_text())
     node = next(n for n in workflow["nodes"] if n["type"] == "AnimaTrainConfig")
     values = list(node["widgets_values"])
     named = {}

@@ -197,7 +197,9 @@ class DatasetConfig:
     multires_training: bool = _key(False, help="area tie-break among equal aspect ratios (upscale branch)")
     num_repeats: int = _key(1, ge=1, le=MAX_REPEATS, help="repeat factor of the single-path form")
     source: str = _key("auto", choices=("images", "latents", "encode", "auto"),
-                       help="images (cached latents), latents (caches only), encode (VAE in the loop), auto")
+                       help="auto: the latent caches when every image has a valid one, else every image encoded "
+                            "in the loop (the start-up report says which); images: cached latents, a missing or "
+                            "stale cache refused; latents: caches only; encode: the VAE in the loop")
     caption: CaptionConfig = _table(CaptionConfig, "caption handling")
     texture: TextureConfig = _table(TextureConfig, "texture-mode crops, read only when a [[curriculum]] phase has "
                                                    "mode = \"texture\" (which needs source = \"encode\")")

@@ -16,7 +16,8 @@ repeats are what the config says. Scanning is not recursive below the `N_name` l
 Source modes (`[dataset] source`): `images` buckets from the images and reads their caches (every expected
 (image, bucket) pair must have a valid cache); `latents` reads caches only (images may be deleted: the source
 size comes from the cache's `original_size`); `encode` buckets like `images` and yields pixels for the trainer's
-VAE; `auto` is `images` for a folder with any image, else `latents`. Every folder must end up in one mode.
+VAE; `auto` is `latents` for a folder without images, and for image folders `images` when every pair has a valid
+cache, else `encode` (said in the report). Every folder must end up in one mode.
 
 Caches. One safetensors file per (source, bucket) beside the image: tensor `latents` (16, 1, H/8, W/8), float32,
 normalised per channel with the VAE's `latents_mean/std`; metadata `bucket`, `original_size`, `resized`, `trim`,
@@ -263,6 +264,22 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
     return sources, plan, check
 
 
+def _auto_mode(scan: Scan, settings: BucketSettings, vae_id: str | None) -> tuple[str, str | None]:
+    """source = "auto" on image folders: "images" (train on the caches) when every image has a valid cache at every
+    tier, else "encode" for all of them (a batch is all latents or all pixels) and the line that says so. A stale
+    cache is never trained on: it counts as missing. source = "images" refuses instead (stale_cache_error)."""
+    sources, _ = image_sources(scan, skip_unreadable=True, decode=False)
+    plan = plan_sources(sources, settings)
+    missing = {plan.sources[e.source].image for e, _ in check_caches(scan, plan, settings, vae_id).missing}
+    if not missing:
+        return "images", None
+    for f in scan.folders:
+        f.mode = "encode"
+    return "encode", (f"source   auto: {len(missing)} of {len(plan.sources)} image(s) have no valid latent cache for "
+                      f"these settings, so every image is encoded in the training loop; caching the latents first "
+                      f"(the Cache latents node, or the cache command) makes later runs faster")
+
+
 def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
                         allow_missing_captions: bool = False) -> TrainingData:
     """Scan, plan, check caches and build the dataset + sampler + startup report for a loaded Config.
@@ -282,6 +299,9 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
         if vae_id is None:
             warn.append(f"no VAE under {model_path}/vae: the caches' VAE identity is not checked")
 
+    live = None  # source = "auto" without a valid cache for every image: the line that says so
+    if mode == "images" and d.source == "auto":
+        mode, live = _auto_mode(scan, settings, vae_id)
     if mode == "latents":
         sources, plan, check = _latents_entries(scan, settings, vae_id, warn)
     else:
@@ -349,7 +369,8 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     n_sized = sum(1 for s in plan.sources if s.size is not None)
     sized_entries = [e for e in entries if plan.sources[e.source].size is not None]
     lines = tier_report(tier_counts(sized_entries, n_sized, settings.tiers), n_sized)[0]
-    report = startup_report(scan, plan, entries, items, sampler, mode) + lines + texture_lines
+    report = startup_report(scan, plan, entries, items, sampler, mode) + ([live] if live else []) + lines \
+        + texture_lines
     warn += plan_warnings(plan, settings, check, vae_id) + scan.notes
     if held_out:
         report.append(f"validation: {len(held_out)} image(s) held out (fraction {cfg.validation.fraction}, seed "

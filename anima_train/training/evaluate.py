@@ -62,7 +62,7 @@ def run(args) -> int:
     what = "the base model"
     if args.checkpoint:
         what = apply_checkpoint(parts, Path(args.checkpoint), tensors)
-    vset = ValidationSet.build(cfg, items, vae=parts.vae)
+    vset = ValidationSet.build(cfg, items, vae=lambda: parts.vae)
     print(f"validation: {len(vset.names)} image(s): " + ", ".join(vset.names))
     point = Validation(cfg, vset, parts).at(0)
     print(f"{what}: " + describe(point, len(vset.names), len(cfg.validation.timesteps)).split(": ", 1)[1])

@@ -375,7 +375,7 @@ def _validation(cfg: Config, model: Model, held_out: list, progress: Progress, t
     if not cfg.validation.enabled or not enabled:
         return None
     progress.event("status", message="loading the validation set")
-    vset = ValidationSet.build(cfg, held_out, vae=model.vae)
+    vset = ValidationSet.build(cfg, held_out, vae=lambda: model.parts.vae)
     v = cfg.validation
     if v.folder:
         progress.message(f"validation: {len(vset.names)} image(s) from {v.folder}, timesteps {list(v.timesteps)}: "
@@ -515,7 +515,7 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
     return Model(parts=parts, device=device, dtype=dtype, groups=groups, train_conditioner=train_conditioner,
                  train_text_encoder=train_text_encoder, block_ckpt=block_ckpt, recompute=recomputed, parked=parked,
                  swap=swap,
-                 vae=parts.vae if cfg.dataset.source == "encode" else None,
+                 vae=parts.vae if data.mode == "encode" else None,
                  transformer=transformer, conditioner=conditioner, text_encoder=text_encoder)
 
 

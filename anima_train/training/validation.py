@@ -47,8 +47,8 @@ class ValidationSet:
 
     @classmethod
     def build(cls, cfg, items: list[Item], *, vae=None) -> "ValidationSet":
-        """The latents and fixed captions of the held-out `items` (validation_items). `vae`: the encoder when they
-        have no caches (source = "encode")."""
+        """The latents and fixed captions of the held-out `items` (validation_items). `vae`: a function giving the
+        encoder, called for an item without a cache only (source = "encode", or "auto" on a folder not cached)."""
         v = cfg.validation
         options = dataclasses.replace(cfg.dataset.caption, shuffle_tags=False, tag_dropout_percent=0.0,
                                       caption_dropout_percent=0.0, nl_shuffle_sentences=False)
@@ -105,7 +105,7 @@ def folder_items(cfg, model_path=None) -> list[Item]:
 def _latents(item: Item, vae) -> torch.Tensor:
     if item.cache is not None:
         return load_latents(item.cache, item.plan.bucket)
-    return encode_latents(vae, load_pixels(item.image, item.plan)[None])[0].cpu()
+    return encode_latents(vae(), load_pixels(item.image, item.plan)[None])[0].cpu()
 
 
 @dataclass
