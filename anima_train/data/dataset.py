@@ -276,8 +276,8 @@ def _auto_mode(scan: Scan, settings: BucketSettings, vae_id: str | None) -> tupl
     for f in scan.folders:
         f.mode = "encode"
     return "encode", (f"source   auto: {len(missing)} of {len(plan.sources)} image(s) have no valid latent cache for "
-                      f"these settings, so every image is encoded in the training loop; caching the latents first "
-                      f"(the Cache latents node, or the cache command) makes later runs faster")
+                      f"these settings, so every image is encoded in the training loop; caching the latents first with "
+                      f"{ref('name cache', '`anima-train cache`')} makes later runs faster")
 
 
 def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
