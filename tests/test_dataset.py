@@ -194,7 +194,7 @@ def test_changed_settings_refuse_naming_the_setting(image_set, change, expect):
     # source = "auto" never trains on the stale caches either: it encodes every image in the loop, and says so
     auto = build_training_data(dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, source="auto")))
     assert auto.mode == "encode" and all("pixels" in auto.dataset[i] for i in range(len(auto.dataset)))
-    assert any(line.startswith("source   auto: ") and "Cache latents" in line for line in auto.report), auto.report
+    assert any(line.startswith("source   auto: ") and "`anima-train cache`" in line for line in auto.report), auto.report
 
 
 def test_auto_trains_on_the_caches_when_all_are_valid_and_encodes_all_images_otherwise(image_set):
