@@ -112,7 +112,9 @@ def test_a_renamed_variable_moves_to_its_new_name_only_for_versions_that_read_it
     monkeypatch.setattr(third_party_noise, "_version", lambda package: var.since)
     with third_party_noise.filtered(environ=environ):
         assert environ == {var.new: "backend:cudaMallocAsync"}
-    assert environ == {var.old: "backend:cudaMallocAsync"}  # an in-process caller gets its environment back
+    # it stays moved: torch 2.9 reads the variable as late as the process's exit, and would say it then
+    assert environ == {var.new: "backend:cudaMallocAsync"}
+    environ = {var.old: "backend:cudaMallocAsync"}
     monkeypatch.setattr(third_party_noise, "_version", lambda package: (var.since[0], var.since[1] - 1))
     with third_party_noise.filtered(environ=environ):
         assert environ == {var.old: "backend:cudaMallocAsync"}  # an older torch reads only the old name

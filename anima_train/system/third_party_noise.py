@@ -89,8 +89,10 @@ def _version(package: str) -> tuple[int, int] | None:
 
 @contextlib.contextmanager
 def filtered(environ: dict | None = None) -> Iterator[None]:
-    """Apply the table until the block ends (an in-process caller of cli.main gets its loggers and environment
-    back). The environment rows act on `environ` (default os.environ) before anything imports the library."""
+    """Apply the table until the block ends (an in-process caller of cli.main gets its loggers back). The
+    environment rows act on `environ` (default os.environ) before anything imports the library, and stay: torch
+    reads the variable lazily, as late as the process's exit, and the new name means the same to the versions
+    that read it."""
     environ = os.environ if environ is None else environ
     by_logger: dict[str, list[str]] = {}
     for line in LOG_LINES:
@@ -98,17 +100,12 @@ def filtered(environ: dict | None = None) -> Iterator[None]:
     installed = [(logging.getLogger(name), _DropLines(tuple(starts))) for name, starts in by_logger.items()]
     for logger, drop in installed:
         logger.addFilter(drop)
-    moved = []
     for var in RENAMED_VARIABLES:
         version = _version(var.package)
         if var.old in environ and var.new not in environ and version is not None and version >= var.since:
             environ[var.new] = environ.pop(var.old)
-            moved.append(var)
     try:
         yield
     finally:
         for logger, drop in installed:
             logger.removeFilter(drop)
-        for var in moved:
-            if var.new in environ and var.old not in environ:
-                environ[var.old] = environ.pop(var.new)
