@@ -109,7 +109,7 @@ def run(args) -> int:
     _cache(toml, device)
     latents, captions = cached_eval_set(out / "dataset")
     print(f"demo: measuring the base model's eval loss on the {len(latents)} cached images (fixed timesteps and "
-          "noise, so that the trained LoRA's compares)", flush=True)
+          "noise: the trained LoRA is measured on the same)", flush=True)
     before = evaluate(load_components(tiny.diffusers_dir, dtype="float32", device=device), latents, captions)
 
     print(f"demo: training a rank-8 LoRA for {args.steps} steps on the {device} (anima-train train {toml})")
