@@ -13,6 +13,7 @@ exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import shlex
@@ -22,7 +23,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from anima_train import __version__, errors
+from anima_train import __version__, adapters, errors
+from anima_train.system import third_party_noise
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ COMMANDS: dict[str, Command] = {
     "convert": Command("anima_train.model.convert", "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
     "cache": Command("anima_train.data.latent_cache", "encode a dataset's images into latent caches next to them"),
     "audit": Command("anima_train.data.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
-    "train": Command("anima_train.training.train", "train a LoRA / LoKr / full finetune from a TOML config"),
+    "train": Command("anima_train.training.train", f"train a {adapters.table_help()} from a TOML config"),
     "evaluate": Command("anima_train.training.evaluate",
                         "print a config's validation loss and text-conditioning margin for the base model or a "
                         "checkpoint (--checkpoint FILE), to compare the checkpoints of a run"),
@@ -94,7 +96,7 @@ def _load(name: str):
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="anima-train",
-        description="Train and load Anima adapters (LoRA, LoKr, full finetune) from a shell.",
+        description=f"Train and load Anima adapters ({adapters.table_help()}) from a shell.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="commands:\n" + "\n".join(f"  {n:<15} {c.help}" for n, c in COMMANDS.items())
         + "\n\nRun `anima-train COMMAND --help` for a command's options.",
@@ -117,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         top.parse_args([name])  # argparse's own "invalid choice" message, exit 2
         return 2
+    # known before the command's module loads (the flag is parsed with its options below): several of the lines
+    # the filter drops are printed while a library is imported
+    debug = debug or "--debug" in rest
+    with contextlib.nullcontext() if debug else third_party_noise.filtered():
+        return _run(name, rest, debug)
+
+
+def _run(name: str, rest: list[str], debug: bool) -> int:
     try:
         add_arguments, run = _load(name)
     except NotYetImplemented as exc:

@@ -26,7 +26,7 @@ DEMO_TOML = """\
 model_path = "{model}"
 output_dir = "{output}"
 run_name = "demo"
-epochs = 100
+epochs = {steps}               # an epoch is at least one step, so max_steps ends the run
 max_steps = {steps}
 batch_size = 4
 dtype = "float32"           # the tiny model trains in fp32; use bfloat16 on a GPU
@@ -74,6 +74,15 @@ def _cache(config: Path, device: str) -> None:
 
 
 def run(args) -> int:
+    t0 = time.perf_counter()
+    for flag, value in (("--steps", args.steps), ("--images", args.images)):
+        if value < 1:  # before anything is built or written
+            raise UserError(f"{flag} {value}: must be at least 1 (defaults: --steps 40, --images 24)")
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        print(f"demo: {args.out} is not empty; give an empty or new folder with --out (nothing was written)",
+              file=sys.stderr)
+        return 2
+    print("demo: loading torch, diffusers and transformers", flush=True)  # the first seconds are imports
     # lazy: torch (4.6-7.7 s measured) through the trainer: `anima-train demo --help` imports this module
     import torch
     from anima_train.training.fixed_eval import cached_eval_set, evaluate
@@ -81,15 +90,7 @@ def run(args) -> int:
     from anima_train.model.tiny import build_tiny_anima, make_synthetic_dataset
     from anima_train.training.train import train
 
-    for flag, value in (("--steps", args.steps), ("--images", args.images)):
-        if value < 1:  # before anything is built or written
-            raise UserError(f"{flag} {value}: must be at least 1 (defaults: --steps 40, --images 24)")
-    t0 = time.perf_counter()
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="anima-train-demo-"))
-    if out.exists() and any(out.iterdir()):
-        print(f"demo: {out} is not empty; give an empty or new folder with --out (nothing was written)",
-              file=sys.stderr)
-        return 2
     out.mkdir(parents=True, exist_ok=True)
     use_cuda = torch.cuda.is_available() and not args.cpu
     device = "cuda" if use_cuda else "cpu"
@@ -107,10 +108,13 @@ def run(args) -> int:
     print(f"demo: caching latents (anima-train cache --config {toml})")
     _cache(toml, device)
     latents, captions = cached_eval_set(out / "dataset")
+    print(f"demo: measuring the base model's eval loss on the {len(latents)} cached images (fixed timesteps and "
+          "noise: the trained LoRA is measured on the same)", flush=True)
     before = evaluate(load_components(tiny.diffusers_dir, dtype="float32", device=device), latents, captions)
 
     print(f"demo: training a rank-8 LoRA for {args.steps} steps on the {device} (anima-train train {toml})")
     result = train(cfg, cpu=not use_cuda)
+    print("demo: measuring the trained LoRA's eval loss (the same timesteps and noise)", flush=True)
     after = evaluate(result.components, latents, captions)
     plot = result.run_dir / LOSS_PLOT_NAME  # every run writes its loss plot
 
@@ -136,6 +140,7 @@ TINY_MODEL_TOML = """\
 model_path = "{model}"
 dtype = "float32"            # the tiny model trains in fp32
 max_steps = 20
+epochs = 20                  # an epoch is at least one step, so max_steps ends the run (the default is 1 epoch)
 [dataset]
 path = "/your/images"        # images with a <stem>.txt caption each
 resolution = 256

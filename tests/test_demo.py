@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 
 import pytest
 from safetensors import safe_open
@@ -26,6 +27,12 @@ def test_demo_writes_lora_config_and_plot(tmp_path, capsys):
     model = out.resolve() / "model" / "diffusers"  # kept for reuse, and said so
     assert f"tiny model (diffusers repo):   {model}" in text and (model / "transformer").is_dir()
     assert f'model_path at "{model}"' in text
+    # every phase says what it does before it starts: nothing runs for seconds without a line (the base model's
+    # eval loss took 18-34 s on a busy 2-core machine, silently)
+    said = [line for line in text.splitlines() if line.startswith("demo: ")]
+    assert [line.split(" ")[1] for line in said] == ["loading", "building", "caching", "measuring", "training",
+                                                     "measuring"], said
+    assert "base model's eval loss" in said[3] and "trained LoRA's eval loss" in said[5]
 
 
 def test_demo_refuses_a_non_empty_folder(tmp_path, capsys):
@@ -55,6 +62,11 @@ def test_tiny_model_writes_a_model_path_and_a_config_that_trains_on_your_images(
     run = anima_train_cli("train", cfg, "--dry-run", "--cpu", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "done: 1 step(s)" in run.stdout
+    # and it trains the steps it says (3 images: one epoch is 3 steps, so epochs alone would stop it early)
+    steps = tomllib.loads(printed)["train"]["max_steps"]
+    run = anima_train_cli("train", cfg, "--cpu", "--no-save", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"done: {steps} step(s)" in run.stdout and "warning" not in run.stdout + run.stderr, run.stdout[-3000:]
     # it never writes into a folder that holds something
     again = anima_train_cli("tiny-model", tmp_path / "tiny", cwd=tmp_path)
     assert again.returncode == 2 and "not an empty folder" in again.stderr and "Traceback" not in again.stderr

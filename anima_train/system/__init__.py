@@ -1,1 +1,2 @@
-"""The machine: the environment check, Windows specifics, and the watch on the parent process."""
+"""The machine: the environment check, Windows specifics, the watch on the parent process, and the filter of
+third-party lines a user cannot act on."""

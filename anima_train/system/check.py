@@ -61,7 +61,7 @@ REQUIRED = [
     ("diffusers", "diffusers", "Anima DiT, LLM adapter, VAE, scheduler"),
     ("transformers", "transformers", "Qwen3 text encoder, tokenizers"),
     ("tokenizers", "tokenizers", "fast tokenizers"),
-    ("peft", "peft", "LoRA / LoKr adapters"),
+    ("peft", "peft", "the adapter layers of every [adapter] kind"),
     ("accelerate", "accelerate", "single/multi-GPU training loop"),
     ("safetensors", "safetensors", "every file we read and write"),
     ("sdnq", "sdnq", "int8 quantization and quantized optimizers"),
