@@ -45,7 +45,6 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -53,6 +52,7 @@ from anchor.atomic import atomic_path, write_json
 from anima_train.errors import USER_ERROR_EXIT
 from anima_train.fixes import REFS_ENV
 from anima_train.outputs.layout import LOCK_NAME
+from anima_train.system import third_party_noise
 from anima_train.system.parent_watch import PARENT_PID_ENV
 from anima_train.system.proc import group_has_live_member
 
@@ -97,18 +97,10 @@ def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = 
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("PYTHONIOENCODING", "utf-8")
     env[REFS_ENV] = "refs"  # its messages name flags and commands as references the node says (nodes/fixes.py)
-    # ComfyUI sets the allocator under its old name (cuda_malloc.py); torch >= 2.9 reads the new one and warns about
-    # the old in every worker log, a line the user cannot act on
-    if "PYTORCH_CUDA_ALLOC_CONF" in env and "PYTORCH_ALLOC_CONF" not in env and _torch_version() >= (2, 9):
-        env["PYTORCH_ALLOC_CONF"] = env.pop("PYTORCH_CUDA_ALLOC_CONF")
+    # ComfyUI sets the allocator under its old name: renamed here too, since accelerate's launcher (2+ GPUs)
+    # imports torch before our CLI's own filter runs
+    third_party_noise.rename_variables(env)
     return env
-
-
-def _torch_version() -> tuple[int, int]:
-    try:
-        return tuple(int(p) for p in metadata.version("torch").split(".")[:2])  # "2.9.1+cu128" -> (2, 9)
-    except (metadata.PackageNotFoundError, ValueError):
-        return (0, 0)
 
 
 def job_stop_file(run_dir: str | os.PathLike) -> Path:

@@ -87,6 +87,16 @@ def _version(package: str) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+def rename_variables(environ: dict) -> None:
+    """The RENAMED_VARIABLES rows on `environ`: the old name becomes the new one where the installed version reads
+    the new one and the user has not set it. Also for a child's environment (the ComfyUI worker's, whose launcher
+    imports torch before our CLI runs)."""
+    for var in RENAMED_VARIABLES:
+        version = _version(var.package)
+        if var.old in environ and var.new not in environ and version is not None and version >= var.since:
+            environ[var.new] = environ.pop(var.old)
+
+
 @contextlib.contextmanager
 def filtered(environ: dict | None = None) -> Iterator[None]:
     """Apply the table until the block ends (an in-process caller of cli.main gets its loggers back). The
@@ -100,10 +110,7 @@ def filtered(environ: dict | None = None) -> Iterator[None]:
     installed = [(logging.getLogger(name), _DropLines(tuple(starts))) for name, starts in by_logger.items()]
     for logger, drop in installed:
         logger.addFilter(drop)
-    for var in RENAMED_VARIABLES:
-        version = _version(var.package)
-        if var.old in environ and var.new not in environ and version is not None and version >= var.since:
-            environ[var.new] = environ.pop(var.old)
+    rename_variables(environ)
     try:
         yield
     finally:
