@@ -17,7 +17,9 @@ import importlib
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -117,26 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         top.parse_args([name])  # argparse's own "invalid choice" message, exit 2
         return 2
-    try:
-        add_arguments, run = _load(name)
-    except NotYetImplemented as exc:
-        print(f"anima-train: {exc}", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
-    add_arguments(parser)
-    parser.add_argument("--debug", action="store_true",
-                        help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
-    args = parser.parse_args(rest)
-    debug = debug or args.debug
-    default_format = warnings.formatwarning
-    if not debug:
-        warnings.formatwarning = _plain_format(name)
-    try:
+    default_format, default_term = warnings.formatwarning, _sigterm_as_interrupt()
+    try:  # the interrupt policy covers the whole command: importing it (seconds of torch), its arguments, its run
+        try:
+            add_arguments, run = _load(name)
+        except NotYetImplemented as exc:
+            print(f"anima-train: {exc}", file=sys.stderr)
+            return 2
+        parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
+        add_arguments(parser)
+        parser.add_argument("--debug", action="store_true",
+                            help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
+        args = parser.parse_args(rest)
+        debug = debug or args.debug
+        if not debug:
+            warnings.formatwarning = _plain_format(name)
         return int(run(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             raise
-        print(f"anima-train {name}: interrupted", file=sys.stderr)
+        if errors.is_main_process():  # under a launcher every rank gets the signal: the main one says it
+            print(f"anima-train {name}: {errors.interrupted_message(exc)}", file=sys.stderr)
         return errors.INTERRUPTED_EXIT
     except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
         if debug:
@@ -144,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         return _report(name, exc)
     finally:
         warnings.formatwarning = default_format  # in-process callers get theirs back
+        if default_term is not None:
+            signal.signal(signal.SIGTERM, default_term)
+
+
+def _raise_terminated(signum, frame):
+    raise errors.Interrupted("terminated (SIGTERM)")
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) unwinds like Ctrl-C instead of killing
+    the process where it stands: the same cleanup, message and exit status 130. Returns the handler to put back
+    (None where none could be set: off the main thread, as in-process callers may be)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def _plain_format(name: str):

@@ -31,7 +31,7 @@ INTERNAL_ERROR_EXIT = 1  # a bug in anima-train
 USER_ERROR_EXIT = 2  # bad input: a config key, a path, a flag, a damaged file
 DATA_VERDICT_EXIT = 4  # the command ran and judged the data: `cache` found images it cannot decode, `audit` NOT SAFE
 DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (training/divergence.py)
-INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT)
+INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT), or SIGTERM (timeout, Slurm, a service manager): one interrupt policy
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 
@@ -45,6 +45,23 @@ class UserError(Exception):
     exit_code = USER_ERROR_EXIT
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, with what the command had done by then (`detail`: the newest saved state and the line that
+    resumes it). SIGINT raises a plain KeyboardInterrupt; cli.main turns SIGTERM into this, so both unwind alike
+    (a run set aside by --overwrite is put back, the run-folder lock released) at every phase of every command."""
+
+    def __init__(self, how: str = "interrupted", detail: str = ""):
+        super().__init__(how)
+        self.how, self.detail = how, detail
+
+
+def interrupted_message(exc: BaseException) -> str:
+    """The one line an interrupt prints: how, then what was kept and how to go on."""
+    how = getattr(exc, "how", "interrupted")
+    detail = getattr(exc, "detail", "")
+    return f"{how}; {detail}" if detail else how
+
+
 def exit_code(exc: BaseException) -> int:
     """The exit status for an error that user_message describes: its class's own code (a diverged run: 5), else 2."""
     code = getattr(exc, "exit_code", USER_ERROR_EXIT)
@@ -55,6 +72,8 @@ def user_message(exc: BaseException) -> str | None:
     """The message to show for a user error, or None when `exc` is not one (an internal error: a bug)."""
     if isinstance(exc, UserError):
         return _without_worker_traceback(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return interrupted_message(exc)
     anchor = sys.modules.get("anchor")  # a separate package that does not import anima_train
     if anchor is not None and isinstance(exc, getattr(anchor, "AnchorError", ())):
         return _without_worker_traceback(exc)
