@@ -35,8 +35,23 @@ INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT), or SIGTERM (timeout, Slurm, a service
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 
-# OSErrors that describe the user's machine, not a bug: the message (with its file name) is the whole story.
-_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EMFILE}
+# OSErrors that describe the user's machine or the paths given, not a bug: each with its fix. The writers name the
+# file they were writing (anchor/atomic.py: also a full disk met inside safetensors, and no temp files left).
+_FREE_SPACE = "free some space (or give a path on another disk) and run again"
+_ENVIRONMENT_FIXES = {
+    errno.ENOSPC: _FREE_SPACE, errno.EDQUOT: _FREE_SPACE,
+    errno.EFBIG: "the file is larger than this disk or account allows: give a path on another disk",
+    errno.EACCES: "give a path your account may write (or read), or change its permissions",
+    errno.EPERM: "give a path your account may write (or read), or change its permissions",
+    errno.EROFS: "the disk is read-only: give a path on a writable one",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
+    errno.ENFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
+    errno.ENOTDIR: "a part of this path is a file, not a folder: give another path",
+    errno.EISDIR: "this is a folder: give a file path",
+    errno.EEXIST: "it already exists: give a new name, or move it away first",
+    errno.ENOTEMPTY: "it already exists and is not empty: give a new name, or move it away first",
+    errno.ENAMETOOLONG: "give a shorter path",
+}
 
 
 class UserError(Exception):
@@ -79,10 +94,11 @@ def user_message(exc: BaseException) -> str | None:
         return _without_worker_traceback(exc)
     if _is_out_of_memory(exc):
         return out_of_memory_message(str(exc))
-    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
-        where = f"{exc.filename}: " if exc.filename else ""
-        return f"{where}{exc.strerror or exc}" + (
-            "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_FIXES:
+        # a rename names its source and its target: the target is the path the user gave (or will give)
+        named = exc.filename2 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and exc.filename2 else exc.filename
+        where = f"{named}: " if named else ""
+        return f"{where}{exc.strerror or os.strerror(exc.errno)}; {_ENVIRONMENT_FIXES[exc.errno]}"
     return None
 
 
