@@ -46,7 +46,7 @@ _ENVIRONMENT_FIXES = {
     errno.EROFS: "the disk is read-only: give a path on a writable one",
     errno.EMFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
     errno.ENFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
-    errno.ENOTDIR: "a part of this path is a file, not a folder: give another path",
+    errno.ENOTDIR: "this path, or a folder on it, is a file: give a path of folders",
     errno.EISDIR: "this is a folder: give a file path",
     errno.EEXIST: "it already exists: give a new name, or move it away first",
     errno.ENOTEMPTY: "it already exists and is not empty: give a new name, or move it away first",
