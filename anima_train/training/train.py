@@ -297,7 +297,7 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
             run.grad_norms.check(before=step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = readout.receive(step_readout, accelerator)
             if not math.isfinite(stats[0]):
-                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}")
+                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}", model=model)
             result.losses.append(stats[0])
             _report_step(run, model, tracker, stats, step=step, epoch=epoch, lrs=lrs, phase=phase, peaks=peaks,
                          images=totals.images * world)
