@@ -17,6 +17,7 @@ from pathlib import Path
 from anima_train.config import TrainConfig, load_config
 from anima_train.config.keys import flag_type
 from anima_train.data import latent_cache
+from anima_train import errors
 from anima_train.errors import UserError
 from anima_train.outputs.run_folder import LOSS_PLOT_NAME
 
@@ -161,7 +162,11 @@ def tiny_model_run(args) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} is not an empty folder; give a new or empty one (nothing was written)")
-    tiny = build_tiny_anima(out, seed=args.seed)
+    try:
+        tiny = build_tiny_anima(out, seed=args.seed)
+    except KeyboardInterrupt as exc:  # build_tiny_anima leaves nothing half-written
+        raise errors.Interrupted(getattr(exc, "how", "interrupted"),
+                                 f"nothing was written to {out}: run the command again") from None
     print(f"tiny model (diffusers repo, a config's model_path): {tiny.diffusers_dir}")
     print(f"tiny model (ComfyUI single files):                 {tiny.native_dir}")
     print("Random weights: it trains and loads like Anima but draws noise. A config to try it on your own images:\n")
