@@ -7,7 +7,8 @@ second and a broken optional dependency in one command cannot take the others do
 Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
 ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
 returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line,
-exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1.
+exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1. Ctrl-C and SIGTERM are one interrupt policy for
+the whole command, its imports included: the same unwinding, one line, exit 130 (docs/architecture.md#nothing-lost).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         top.parse_args([name])  # argparse's own "invalid choice" message, exit 2
         return 2
-    default_format, default_term = warnings.formatwarning, _sigterm_as_interrupt()
+    default_format, default_handlers = warnings.formatwarning, _interrupt_policy()
     try:  # the interrupt policy covers the whole command: importing it (seconds of torch), its arguments, its run
         try:
             add_arguments, run = _load(name)
@@ -144,24 +145,40 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
         if debug:
             raise
+        if _signals_received and errors.is_main_process():
+            # a library swallowed the interrupt and failed later (numpy cut off mid-import: "cannot load module more
+            # than once"): the interrupt is what happened
+            print(f"anima-train {name}: {_signals_received[-1]}", file=sys.stderr)
+            return errors.INTERRUPTED_EXIT
         return _report(name, exc)
     finally:
         warnings.formatwarning = default_format  # in-process callers get theirs back
-        if default_term is not None:
-            signal.signal(signal.SIGTERM, default_term)
+        for sig, handler in default_handlers.items():
+            signal.signal(sig, handler)
+        _signals_received.clear()
 
 
-def _raise_terminated(signum, frame):
-    raise errors.Interrupted("terminated (SIGTERM)")
+_signals_received: list[str] = []  # how this command was interrupted, if it was
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) unwinds like Ctrl-C instead of killing
-    the process where it stands: the same cleanup, message and exit status 130. Returns the handler to put back
-    (None where none could be set: off the main thread, as in-process callers may be)."""
+def _raise_interrupted(signum, frame):
+    how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    _signals_received.append(how)
+    raise errors.Interrupted(how)
+
+
+def _interrupt_policy() -> dict:
+    """Ctrl-C and SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) alike: both unwind as
+    KeyboardInterrupt instead of killing the process where it stands (the same cleanup, one line, exit status 130),
+    and both are remembered, so an error a library raises after swallowing one is said as the interrupt. Returns the
+    handlers to put back (none off the main thread, where in-process callers may run)."""
     if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_terminated)
+        return {}
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    kept = {sig: handler for sig, handler in kept.items() if handler is not signal.SIG_IGN}  # nohup, `cmd &`: theirs
+    for sig in kept:
+        signal.signal(sig, _raise_interrupted)
+    return kept
 
 
 def _plain_format(name: str):

@@ -195,7 +195,7 @@ class Progress:
         if self._bar is not None:
             self._bar.write(line, file=self.stream)  # above the bar
         else:
-            print(line, file=self.stream, flush=True)
+            print(line + "\n", end="", file=self.stream, flush=True)  # one write: an interrupt cannot split it
 
     # -- per step ----------------------------------------------------------------------------------------
     def eta_seconds(self, step: int) -> float | None:
@@ -238,7 +238,7 @@ class Progress:
             pct = 100 * stats.step / self.total if self.total else 100.0
             fields = [f"e{stats.epoch} step {stats.step}/{self.total} ({pct:.0f}%)", body, f"{rate}/it",
                       _peak(stats), f"eta {format_duration(eta) if eta is not None else '?'}"]
-            print("  ".join(f for f in fields if f), file=self.stream, flush=True)
+            print("  ".join(f for f in fields if f) + "\n", end="", file=self.stream, flush=True)  # one write, as above
 
     def close(self) -> None:
         if self._bar is not None:
