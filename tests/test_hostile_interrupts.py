@@ -41,8 +41,10 @@ def signalled(args: list, cwd, sig, *, after: str | None = None, delay: float = 
     """Run `python -m anima_train ARGS`, send `sig` once `after` has appeared in its output (stdout and stderr
     together; None: `delay` seconds after the start), and return (exit status, the whole output, what it said
     before the signal). The child must have got as far as `after`: a child that ends first fails the test."""
+    # a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would inherit that
     proc = subprocess.Popen([sys.executable, "-m", "anima_train", *map(str, args)], cwd=cwd, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = b""
     try:
         if after is None:
