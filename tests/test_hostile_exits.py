@@ -88,8 +88,8 @@ rank = 4
 
 GATED_COMMANDS = {"config": [], "train": [], "plan": ["--vram", "12"], "evaluate": [], "cache": None}
 BAD_VALUES = [  # (where it goes in the config, the key the refusal names, what the refusal says)
-    ({"optimizer": "lr = 1e300"}, "[optimizer] lr = 1e+300", "must be <= 1000.0"),
-    ({"optimizer": "lr = 1e38"}, "[optimizer] lr = 1e+38", "must be <= 1000.0"),
+    ({"optimizer": "lr = 1e300"}, "[optimizer] lr = 1e+300", "must be <= 1000000.0"),
+    ({"optimizer": "lr = 1e38"}, "[optimizer] lr = 1e+38", "must be <= 1000000.0"),
     ({"train": "seed = 99999999999999999999"}, "[train] seed = 99999999999999999999", "64-bit integer"),
     ({"train": "seed = 9223372036854775808"}, "[train] seed = 9223372036854775808", "64-bit integer"),
 ]

@@ -19,7 +19,8 @@ MAX_RANK = 4096  # above every layer width of Anima and Qwen3: a larger rank add
 INT_LIMIT = 2**63 - 1
 FLOAT_LIMIT = 3.4028234663852886e38  # the largest float32
 # A learning rate (or a multiplier of one) above this cannot train: Adam's first steps move each weight by ~lr / (1 -
-# beta1), so 1e38 overflows float32 there (an internal error, not a divergence) and 1e3 already breaks any model.
-MAX_LEARNING_RATE = 1000.0
+# beta1), so 1e38 overflows float32 there (an internal error, not a divergence); up to 1e6 (times a multiplier of
+# 1e6, over 1 - beta1 = 1e-4) it stays far inside float32 and a run that blows up is the divergence check's (exit 5).
+MAX_LEARNING_RATE = 1e6
 MAX_REPEATS = 10_000  # per subset/folder; an epoch holds every repeat, so 10**20 would never end (or overflow)
 SAMPLE_SHIFT = 3.0  # ComfyUI's Anima model_sampling (supported_models.Anima: shift 3.0, multiplier 1.0)
