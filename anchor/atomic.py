@@ -7,6 +7,11 @@ The one helper of the pack: `anchor` owns it because `anchor` must not depend on
 The finished file gets the mode a plain `open()` would give it (0666 minus the umask). safetensors' `save_file` and
 `tempfile.mkstemp` create 0600 files, which other accounts sharing a ComfyUI models folder could not read.
 
+A write that fails for the machine's sake (a full disk, no permission, ...) leaves no temp file or folder behind and
+raises an OSError that names the file being written, not its temp name: the trainer's error policy
+(anima_train/errors.py) says it in one line with the fix. Libraries that write natively (safetensors) report such a
+failure as their own error type with the OS error number in the text; `as_os_error` recovers it.
+
 `overwrite=False` publishes with `os.link`, which fails if the name appeared while the file was being written: no
 silent overwrite even under a race (a filesystem without hard links falls back to an existence check + replace).
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -59,8 +65,44 @@ def atomic_path(final: str | os.PathLike, overwrite: bool = True) -> Iterator[Pa
     try:
         yield tmp
         publish(tmp, final, overwrite)
+    except Exception as exc:
+        raise as_os_error(exc, final) from exc
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def temp_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """`with temp_dir(d) as tmp: fill tmp; os.replace(tmp, d)` — a hidden folder beside `d`, removed on any failure
+    (a later run must not find it), and a write failure named after `d`."""
+    tmp = temp_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception):
+            raise as_os_error(exc, final) from exc
+        raise
+
+
+_LIBRARY_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's io::Error (safetensors) shows an errno
+
+
+def as_os_error(exc: Exception, path: str | os.PathLike) -> Exception:
+    """A failure met while writing `path`: an OSError (also one a library wrapped in its own type) naming `path`
+    where it named a temp file or nothing; anything else unchanged."""
+    if isinstance(exc, OSError):
+        code, named = exc.errno, exc.filename
+    else:
+        found = _LIBRARY_OS_ERROR.search(str(exc))
+        code, named = (int(found.group(1)) if found else None), None
+    if code is None:
+        return exc
+    if named is not None and ".tmp-" not in os.path.basename(str(named)):
+        return exc  # it names a file of its own (a source read while writing): keep that name
+    return OSError(code, os.strerror(code), str(path))
 
 
 def write_text(final: str | os.PathLike, text: str) -> Path:

@@ -55,9 +55,10 @@ def convert_run(args):
     try:
         anchor = load(args.input)
         chash = save(anchor, args.output, key_layout=args.key_layout, overwrite=False)
-    except FileExistsError as e:
-        print(f"anchor-convert: {e}", file=sys.stderr)
-        return 1
+    except FileExistsError:  # also when it appeared while converting: never replaced
+        print(f"anchor-convert: {args.output} already exists; give a new output name, or move that file away first "
+              "(nothing was written)", file=sys.stderr)
+        return 2
     except AnchorError as e:
         print(f"anchor-convert: {e}", file=sys.stderr)
         return 2

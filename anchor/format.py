@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from . import ATTACHABLE_KINDS, FORMAT, VERSION, AnchorError
 from .atomic import atomic_path
+from .readable import damaged, why_unreadable
 
 HASH_PREFIX = "sha256v2:"
 
@@ -205,8 +206,9 @@ def is_safetensors(path):
 def load(path):
     """Read an anchor file (either container, any legacy shape), verify its hash, check it is usable as data."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise AnchorError(f"{path}: no such file")
+    problem = why_unreadable(path, "an anchor file")
+    if problem:
+        raise AnchorError(problem)
     anchor = _load_safetensors(path) if is_safetensors(path) else _load_pt(path)
     anchor.path = path
     _validate(anchor)
@@ -219,7 +221,7 @@ def _load_safetensors(path):
             md = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a damaged header
-        raise AnchorError(f"{path}: damaged safetensors file ({e}); re-export or re-download it") from e
+        raise AnchorError(damaged(path, "safetensors file", str(e), "re-export or re-download it")) from e
     if md.get("format") != FORMAT:
         raise AnchorError(f"{path}: metadata 'format' is {md.get('format')!r}, expected {FORMAT!r}; "
                           "this safetensors file is not an anchor (a LoRA or a checkpoint?)")
@@ -265,6 +267,19 @@ def _check_version(path, version):
         raise AnchorError(f"{path}: format version {version!r} is not supported (this loader reads {VERSION})")
 
 
+_TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80\x02\x8a\x0a")  # torch.save's zip container; its legacy pickle
+
+
+def _looks_like_torch_file(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) in _TORCH_FILE_STARTS
+
+
+def _first_line(exc: Exception) -> str:
+    """The reader's own first sentence (torch's zip reader goes on with advice for its own developers)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:200]
+
+
 def _load_pt(path):
     try:  # a file object, not the path: torch.load would route a '.safetensors' name to safetensors itself
         with open(path, "rb") as f, warnings.catch_warnings():
@@ -272,6 +287,8 @@ def _load_pt(path):
             blob = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
         # not torch's text: it advises weights_only=False, which would run whatever code the file holds
+        if _looks_like_torch_file(path):  # damaged (cut short, say), not a file of another kind
+            raise AnchorError(damaged(path, "torch (.pt) file", _first_line(e), "re-export or re-download it")) from e
         raise AnchorError(f"{path}: not an anchor file: neither safetensors nor a torch file of plain tensors "
                           f"(random bytes, or a pickle of other objects); give the anchor's .safetensors or .pt "
                           f"file") from e

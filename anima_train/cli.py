@@ -7,7 +7,8 @@ second and a broken optional dependency in one command cannot take the others do
 Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
 ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
 returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line,
-exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1.
+exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1. Ctrl-C and SIGTERM are one interrupt policy for
+the whole command, its imports included: the same unwinding, one line, exit 130 (docs/architecture.md#nothing-lost).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import importlib
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -127,33 +130,65 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(name: str, rest: list[str], debug: bool) -> int:
-    try:
-        add_arguments, run = _load(name)
-    except NotYetImplemented as exc:
-        print(f"anima-train: {exc}", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
-    add_arguments(parser)
-    parser.add_argument("--debug", action="store_true",
-                        help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
-    args = parser.parse_args(rest)
-    debug = debug or args.debug
-    default_format = warnings.formatwarning
-    if not debug:
-        warnings.formatwarning = _plain_format(name)
-    try:
+    default_format, default_handlers = warnings.formatwarning, _interrupt_policy()
+    try:  # the interrupt policy covers the whole command: importing it (seconds of torch), its arguments, its run
+        try:
+            add_arguments, run = _load(name)
+        except NotYetImplemented as exc:
+            print(f"anima-train: {exc}", file=sys.stderr)
+            return 2
+        parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
+        add_arguments(parser)
+        parser.add_argument("--debug", action="store_true",
+                            help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
+        args = parser.parse_args(rest)
+        debug = debug or args.debug
+        if not debug:
+            warnings.formatwarning = _plain_format(name)
         return int(run(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             raise
-        print(f"anima-train {name}: interrupted", file=sys.stderr)
+        if errors.is_main_process():  # under a launcher every rank gets the signal: the main one says it
+            print(f"anima-train {name}: {errors.interrupted_message(exc)}", file=sys.stderr)
         return errors.INTERRUPTED_EXIT
     except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
         if debug:
             raise
+        if _signals_received and errors.is_main_process():
+            # a library swallowed the interrupt and failed later (numpy cut off mid-import: "cannot load module more
+            # than once"): the interrupt is what happened
+            print(f"anima-train {name}: {_signals_received[-1]}", file=sys.stderr)
+            return errors.INTERRUPTED_EXIT
         return _report(name, exc)
     finally:
         warnings.formatwarning = default_format  # in-process callers get theirs back
+        for sig, handler in default_handlers.items():
+            signal.signal(sig, handler)
+        _signals_received.clear()
+
+
+_signals_received: list[str] = []  # how this command was interrupted, if it was
+
+
+def _raise_interrupted(signum, frame):
+    how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    _signals_received.append(how)
+    raise errors.Interrupted(how)
+
+
+def _interrupt_policy() -> dict:
+    """Ctrl-C and SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) alike: both unwind as
+    KeyboardInterrupt instead of killing the process where it stands (the same cleanup, one line, exit status 130),
+    and both are remembered, so an error a library raises after swallowing one is said as the interrupt. Returns the
+    handlers to put back (none off the main thread, where in-process callers may run)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    kept = {sig: handler for sig, handler in kept.items() if handler is not signal.SIG_IGN}  # nohup, `cmd &`: theirs
+    for sig in kept:
+        signal.signal(sig, _raise_interrupted)
+    return kept
 
 
 def _plain_format(name: str):

@@ -14,8 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from anima_train.config import load_config
+from anima_train.config import TrainConfig, load_config
+from anima_train.config.keys import flag_type
 from anima_train.data import latent_cache
+from anima_train import errors
 from anima_train.errors import UserError
 from anima_train.outputs.run_folder import LOSS_PLOT_NAME
 
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "temporary folder)")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps (default 40)")
     parser.add_argument("--images", type=int, default=24, help="generated images (default 24)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=flag_type(TrainConfig, "seed"), default=0)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
 
 
@@ -153,7 +155,8 @@ lr = 5e-3                    # tiny random model; real LoRAs use ~1e-4
 def tiny_model_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", metavar="DIR", help="folder to write (absent or empty): DIR/diffusers is the model_path "
                                                    "for a config, DIR/native holds the same weights as ComfyUI files")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument("--seed", type=flag_type(TrainConfig, "seed"), default=0,
+                        help="seed of the random weights (default 0)")
 
 
 def tiny_model_run(args) -> int:
@@ -164,7 +167,11 @@ def tiny_model_run(args) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} is not an empty folder; give a new or empty one (nothing was written)")
-    tiny = build_tiny_anima(out, seed=args.seed)
+    try:
+        tiny = build_tiny_anima(out, seed=args.seed)
+    except KeyboardInterrupt as exc:  # build_tiny_anima leaves nothing half-written
+        raise errors.Interrupted(getattr(exc, "how", "interrupted"),
+                                 f"nothing was written to {out}: run the command again") from None
     print(f"tiny model (diffusers repo, a config's model_path): {tiny.diffusers_dir}")
     print(f"tiny model (ComfyUI single files):                 {tiny.native_dir}")
     print("Random weights: it trains and loads like Anima but draws noise. A config to try it on your own images:\n")

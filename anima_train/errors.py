@@ -34,18 +34,50 @@ INTERNAL_ERROR_EXIT = 1  # a bug in anima-train
 USER_ERROR_EXIT = 2  # bad input: a config key, a path, a flag, a damaged file
 DATA_VERDICT_EXIT = 4  # the command ran and judged the data: `cache` found images it cannot decode, `audit` NOT SAFE
 DIVERGED_EXIT = 5  # training stopped because the loss or the gradient norm became non-finite (training/divergence.py)
-INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT)
+INTERRUPTED_EXIT = 130  # Ctrl-C (SIGINT), or SIGTERM (timeout, Slurm, a service manager): one interrupt policy
 DEBUG_ENV = "ANIMA_TRAIN_DEBUG"
 QUIET_RANK_GRACE_S = 10.0  # how long a non-main rank waits for the main one to report a user error
 
-# OSErrors that describe the user's machine, not a bug: the message (with its file name) is the whole story.
-_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS, errno.EPERM, errno.EMFILE}
+# OSErrors that describe the user's machine or the paths given, not a bug: each with its fix. The writers name the
+# file they were writing (anchor/atomic.py: also a full disk met inside safetensors, and no temp files left).
+_FREE_SPACE = "free some space (or give a path on another disk) and run again"
+_ENVIRONMENT_FIXES = {
+    errno.ENOSPC: _FREE_SPACE, errno.EDQUOT: _FREE_SPACE,
+    errno.EFBIG: "the file is larger than this disk or account allows: give a path on another disk",
+    errno.EACCES: "give a path your account may write (or read), or change its permissions",
+    errno.EPERM: "give a path your account may write (or read), or change its permissions",
+    errno.EROFS: "the disk is read-only: give a path on a writable one",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
+    errno.ENFILE: "too many open files: raise the limit (ulimit -n) or close other programs",
+    errno.ENOTDIR: "this path, or a folder on it, is a file: give a path of folders",
+    errno.EISDIR: "this is a folder: give a file path",
+    errno.EEXIST: "it already exists: give a new name, or move it away first",
+    errno.ENOTEMPTY: "it already exists and is not empty: give a new name, or move it away first",
+    errno.ENAMETOOLONG: "give a shorter path",
+}
 
 
 class UserError(Exception):
     """A problem the user can fix. The message names the file/key and the fix; it is shown without a traceback."""
 
     exit_code = USER_ERROR_EXIT
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM, with what the command had done by then (`detail`: the newest saved state and the line that
+    resumes it). SIGINT raises a plain KeyboardInterrupt; cli.main turns SIGTERM into this, so both unwind alike
+    (a run set aside by --overwrite is put back, the run-folder lock released) at every phase of every command."""
+
+    def __init__(self, how: str = "interrupted", detail: str = ""):
+        super().__init__(how)
+        self.how, self.detail = how, detail
+
+
+def interrupted_message(exc: BaseException) -> str:
+    """The one line an interrupt prints: how, then what was kept and how to go on."""
+    how = getattr(exc, "how", "interrupted")
+    detail = getattr(exc, "detail", "")
+    return f"{how}; {detail}" if detail else how
 
 
 def exit_code(exc: BaseException) -> int:
@@ -58,15 +90,18 @@ def user_message(exc: BaseException) -> str | None:
     """The message to show for a user error, or None when `exc` is not one (an internal error: a bug)."""
     if isinstance(exc, UserError):
         return _without_worker_traceback(exc)
+    if isinstance(exc, KeyboardInterrupt):
+        return interrupted_message(exc)
     anchor = sys.modules.get("anchor")  # a separate package that does not import anima_train
     if anchor is not None and isinstance(exc, getattr(anchor, "AnchorError", ())):
         return _without_worker_traceback(exc)
     if _is_out_of_memory(exc):
         return out_of_memory_message(str(exc))
-    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_ERRNOS:
-        where = f"{exc.filename}: " if exc.filename else ""
-        return f"{where}{exc.strerror or exc}" + (
-            "; free some space and run again" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+    if isinstance(exc, OSError) and exc.errno in _ENVIRONMENT_FIXES:
+        # a rename names its source and its target: the target is the path the user gave (or will give)
+        named = exc.filename2 if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and exc.filename2 else exc.filename
+        where = f"{named}: " if named else ""
+        return f"{where}{exc.strerror or os.strerror(exc.errno)}; {_ENVIRONMENT_FIXES[exc.errno]}"
     return None
 
 

@@ -96,8 +96,8 @@ def test_anchor_convert_pt_to_safetensors_and_refuses_to_overwrite(tmp_path, cap
     assert back.card()["display_name"] == "CLI Test Anchor" and back.card()["nc"] is True
 
     before = out.read_bytes()
-    assert main(["anchor-convert", str(pt), str(out)]) == 1
-    assert "refusing to overwrite" in capsys.readouterr().err
+    assert main(["anchor-convert", str(pt), str(out)]) == 2  # bad input (README's exit table), not a bug
+    assert "already exists; give a new output name" in capsys.readouterr().err
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["relay.pt", "relay.safetensors"]  # no temp file left
 

@@ -265,8 +265,8 @@ def test_cli_info_and_convert(tmp_path, capsys):
     assert convert_run(_cli(convert_add_arguments, [str(tmp_path / "legacy.pt"), str(out)])) == 0
     assert load(out).meta["imported_from"] == "legacy_mods"
     before = out.read_bytes()
-    assert convert_run(_cli(convert_add_arguments, [str(tmp_path / "legacy.pt"), str(out)])) == 1
-    assert out.read_bytes() == before and "refusing to overwrite" in capsys.readouterr().err
+    assert convert_run(_cli(convert_add_arguments, [str(tmp_path / "legacy.pt"), str(out)])) == 2  # bad input
+    assert out.read_bytes() == before and "already exists; give a new output name" in capsys.readouterr().err
 
     save(anchor, tmp_path / "card.safetensors")
     assert info_run(_cli(info_add_arguments, [str(tmp_path / "card.safetensors")])) == 0

@@ -1,6 +1,7 @@
 """What a config key is, how one value of it is checked, and how messages name it.
 
-A key is a dataclass field whose metadata carries its `help`, its `choices`, its bounds (`ge`/`gt`/`le`/`lt`),
+A key is a dataclass field whose metadata carries its `help`, its `choices`, its bounds (`ge`/`gt`/`le`/`lt`; beyond
+them every integer must fit 64 bits and every number a float32, the types the values reach),
 `nonempty`, a `hint` for the bound's message and a `type_desc` for the type's; its annotation is its type. `check_key`
 checks one value against all of that (the type first: an int is converted where a float is expected, a TOML
 table's string keys to integers) and reports a problem into a `Problems` collector, naming the key as a config file
@@ -9,6 +10,7 @@ does (`[train] epochs`) or as code does (`train.epochs`), see `Where`. Nothing h
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -19,6 +21,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
+from anima_train.config.constants import FLOAT_LIMIT, INT_LIMIT
 from anima_train.errors import UserError
 
 
@@ -307,7 +310,35 @@ def check_value(value: Any, f: dataclasses.Field, where: Where, p: Problems) -> 
                 p.error(f"{where.key(f.name)} = {as_toml(value)}: must be {word} {as_toml(b)}{hint}",
                         f"{where.dotted}.{f.name}")
                 return False
+        limit, what = (INT_LIMIT, "a 64-bit integer, what torch and numpy take") if isinstance(value, int) else (
+            FLOAT_LIMIT, "a float32, what the model's tensors hold")
+        if abs(value) > limit:  # the type's own bound, for every key: no value may overflow where it goes
+            p.error(f"{where.key(f.name)} = {as_toml(value)}: too large; at most {as_toml(limit)} in size ({what})",
+                    f"{where.dotted}.{f.name}")
+            return False
     if m.get("nonempty") and isinstance(value, str) and not value.strip():
         p.error(f"{where.key(f.name)} is empty; give a path or remove the key", f"{where.dotted}.{f.name}")
         return False
     return True
+
+
+def flag_type(cls: type, name: str):
+    """An argparse `type` for a flag that stands for config key `name` of table class `cls` (`--seed` of the demo is
+    [train] seed): the value passes the key's own check, type limits included, so a flag and a config file refuse
+    the same values (argparse prints the reason after the flag's name, exit 2)."""
+    f = next(x for x in dataclasses.fields(cls) if x.name == name)
+    tp = hints(cls)[name]
+
+    def convert(text: str) -> Any:
+        try:
+            value = int(text) if tp is int else float(text) if tp is float else text
+        except ValueError:
+            raise ValueError(text) from None  # argparse's own "invalid value" message
+        p, where = Problems(), Where("")
+        ok, value = check_key(value, f, tp, where, p)
+        if not ok:
+            raise argparse.ArgumentTypeError(p.errors[0].split(": ", 1)[-1] + f" (as the config key {name})")
+        return value
+
+    convert.__name__ = {int: "integer", float: "number"}.get(tp, "text")  # argparse: "invalid integer value"
+    return convert

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Literal, NamedTuple
 
 from anima_train import adapters
 from anima_train.data.captions import CAPTION_MODES, CAPTION_VARIANTS
-from anima_train.config.constants import (DEFAULT_MODEL_PATH, DIT_COMPONENTS, DTYPE_NAMES, LORA_FORMATS, MAX_RANK,
-                                          MAX_REPEATS, MODEL_PATH_ENV, SAMPLE_SHIFT, SDNQ_OPTIMIZERS,
-                                          TIER_COLLAPSE_MODES)
+from anima_train.config.constants import (DEFAULT_MODEL_PATH, DIT_COMPONENTS, DTYPE_NAMES, LORA_FORMATS,
+                                          MAX_LEARNING_RATE, MAX_RANK, MAX_REPEATS, MODEL_PATH_ENV, SAMPLE_SHIFT,
+                                          SDNQ_OPTIMIZERS, TIER_COLLAPSE_MODES)
 from anima_train.config.keys import field_default, hints, is_key
 from anima_train.config.validate import array_tables, root, section, tables
 
@@ -28,6 +28,8 @@ from anima_train.config.validate import array_tables, root, section, tables
 # other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
 # whole table / every phase.
 NOT_IMPLEMENTED: dict[str, str] = {}
+
+_LR_HINT = "LoRAs train at about 1e-4, Prodigy-style optimizers at 1.0"
 
 def _key(default: Any = MISSING, *, help: str, factory: Any = MISSING, choices: tuple | None = None,
          ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
@@ -38,6 +40,11 @@ def _key(default: Any = MISSING, *, help: str, factory: Any = MISSING, choices: 
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _lr_key(default: float | None, *, help: str, gt: float | None = None) -> Any:
+    """A learning rate (or a multiplier of one): at least 0 (or above `gt`), at most MAX_LEARNING_RATE."""
+    return _key(default, ge=None if gt is not None else 0.0, gt=gt, le=MAX_LEARNING_RATE, hint=_LR_HINT, help=help)
 
 
 def _table(cls: type, help: str) -> Any:
@@ -237,7 +244,7 @@ class FlowConfig:
 class OptimizerConfig:
     kind: str = _key("adamw", choices=("adamw",) + SDNQ_OPTIMIZERS,
                      help="adamw (torch, fp32 moments) or an SDNQ optimizer")
-    lr: float = _key(1e-5, gt=0.0, help="peak LR for groups without a component_lr")
+    lr: float = _lr_key(1e-5, gt=0.0, help="peak LR for groups without a component_lr")
     betas: list[float] = _key(factory=lambda: [0.9, 0.95], help="2 values; 3 for came")
     eps: float = _key(1e-8, gt=0.0, help="denominator epsilon")
     weight_decay: float = _key(0.01, ge=0.0, help="decoupled weight decay, per param group")
@@ -265,13 +272,13 @@ class ScheduleConfig:
 @section
 @dataclass
 class ComponentLRConfig:
-    self_attn: float | None = _key(None, ge=0.0, help="LR of self-attention (attn1); unset = optimizer.lr")
-    cross_attn: float | None = _key(None, ge=0.0, help="LR of cross-attention (attn2); unset = optimizer.lr")
-    mlp: float | None = _key(None, ge=0.0, help="LR of the MLP (ff); unset = optimizer.lr")
-    adaln: float = _key(0.0, ge=0.0, help="LR of the adaLN modulation; 0 = frozen")
-    base: float = _key(0.0, ge=0.0, help="LR of the in/out projections; 0 = frozen")
-    llm_adapter: float = _key(0.0, ge=0.0, help="LR of the LLM adapter (text conditioner); 0 = frozen")
-    text_encoder: float | None = _key(None, ge=0.0, help="LR of the Qwen3 LoRA; unset = optimizer.lr")
+    self_attn: float | None = _lr_key(None, help="LR of self-attention (attn1); unset = optimizer.lr")
+    cross_attn: float | None = _lr_key(None, help="LR of cross-attention (attn2); unset = optimizer.lr")
+    mlp: float | None = _lr_key(None, help="LR of the MLP (ff); unset = optimizer.lr")
+    adaln: float = _lr_key(0.0, help="LR of the adaLN modulation; 0 = frozen")
+    base: float = _lr_key(0.0, help="LR of the in/out projections; 0 = frozen")
+    llm_adapter: float = _lr_key(0.0, help="LR of the LLM adapter (text conditioner); 0 = frozen")
+    text_encoder: float | None = _lr_key(None, help="LR of the Qwen3 LoRA; unset = optimizer.lr")
 
 
 @section
@@ -318,7 +325,7 @@ class CurriculumPhase:
     at: float = _key(0.0, ge=0.0, lt=1.0, help="training progress at which the phase starts, in [0, 1)")
     t_range: list[float] = _key(factory=lambda: [0.0, 1.0], help="[lo, hi] continuous timestep range")
     mode: str = _key("fullres", choices=("fullres", "texture"), help="full-resolution or texture crops")
-    lr_mul: float = _key(1.0, gt=0.0, help="multiplies the scheduler's current LR")
+    lr_mul: float = _lr_key(1.0, gt=0.0, help="multiplies the scheduler's current LR")
 
 
 

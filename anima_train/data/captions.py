@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from anima_train.errors import UserError
+from anima_train.files import why_unreadable
 
 CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")
 CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
@@ -54,7 +55,12 @@ class CaptionError(UserError, ValueError):
 def read_caption_file(path: str | Path) -> str:
     """One caption file as text: UTF-8, with or without a byte-order mark."""
     path = Path(path)
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise  # a missing caption is its callers' business (refused, or trained on an empty caption)
+    except OSError as exc:  # a folder, no read permission, ...: the reader policy's message and fix
+        raise UserError(why_unreadable(path, "a caption file") or f"caption {path}: {exc.strerror}") from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -15,6 +15,8 @@ from anima_train.data.captions import CaptionError, read_caption_files
 from anima_train.data.errors import DatasetError
 from anima_train.data.images import decoded_size, header_size
 from anima_train.data.scan import Scan
+from anima_train.errors import UserError
+from anima_train.files import why_unreadable
 from anima_train.fixes import ref
 
 
@@ -111,6 +113,9 @@ def refuse_missing_captions(missing: Sequence[Path], what: str = "image",
                             escape: str = "train them on an empty caption", command: str = "train") -> None:
     """Refuse uncaptioned sources, naming them and the ways out; `escape` = what --allow-missing-captions does in
     `command`."""
+    there = [why_unreadable(p, "a caption file") for p in missing if os.path.lexists(p)]  # a folder named <stem>.txt
+    if there:
+        raise DatasetError("\n".join(why for why in there if why))
     if missing:
         shown = "\n".join(f"  {p}" for p in missing[:50])
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
@@ -129,11 +134,11 @@ def refuse_unreadable_captions(sources: Sequence[Source]) -> None:
         except FileNotFoundError:
             continue  # missing captions are refuse_missing_captions' business
         except CaptionError as e:
-            bad.append(f"{e.path} {e.problem}")
-        except OSError as e:
+            bad.append(f"{e.path} {e.problem}: re-save it as UTF-8 (in most editors: Save As, encoding UTF-8)")
+        except (UserError, OSError) as e:  # a folder, no read permission: the reader policy's own fix
             bad.append(str(e))
     if bad:
         shown = "\n".join(f"  {line}" for line in bad[:50])
         more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
-        raise DatasetError(f"{len(bad)} caption file(s) cannot be read:\n{shown}{more}\nre-save each as UTF-8 "
-                           f"(in most editors: Save As, encoding UTF-8), then start the run again")
+        raise DatasetError(f"{len(bad)} caption file(s) cannot be read:\n{shown}{more}\nfix each as said, then start "
+                           f"the run again")

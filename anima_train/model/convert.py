@@ -221,17 +221,52 @@ def vae_config(native_sd: dict, path: Path) -> dict:
 # Building and saving
 
 
-def _materialise(cls_factory, sd: dict, what: str, path: Path):
-    """Build the model without allocating weights, then adopt the converted tensors (strict: every key used)."""
+# A problem found after renaming is said with the file's own key (what a user can look up in the file): each slot's
+# way back from a diffusers key to its single file's key.
+FILE_KEYS = {
+    "transformer": lambda key: next(iter(keymaps.join_anima_native({key: None}, {}))),
+    "text_conditioner": lambda key: next(iter(keymaps.join_anima_native({}, {key: None}))),
+    "text encoder": lambda key: next(iter(keymaps.qwen3_diffusers_to_native({key: None}))),
+    "VAE": keymaps.vae_diffusers_key_to_native,
+}
+_DOWNLOAD_AGAIN = "the file is damaged or not the released model: download it again"
+
+
+def file_key(what: str, key: str) -> str:
+    try:
+        return FILE_KEYS[what](key)
+    except Exception:  # noqa: BLE001 (a name the map does not know: the converted name is still a name)
+        return key
+
+
+def inferred_config(config_fn, sd: dict, what: str, slot: str, path: Path) -> dict:
+    """The model's config from the shapes of `sd`; a tensor it needs that the file lacks is named as the file names
+    it."""
+    try:
+        return config_fn(sd)
+    except KeyError as exc:
+        raise ConvertError(f"--{slot} {path}: the tensor {file_key(what, str(exc.args[0]))} is missing; "
+                           f"{_DOWNLOAD_AGAIN}") from None
+
+
+def _materialise(cls_factory, sd: dict, what: str, path: Path, slot: str):
+    """Build the model without allocating weights, then adopt the converted tensors (strict: every key used). A
+    missing, extra or wrongly shaped tensor is refused in one line with the file's own key."""
     # lazy: accelerate (~4 s measured cold): only materialising needs it
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         model = cls_factory()
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as exc:
-        raise ConvertError(f"{path}: the converted {what} does not fit the model built from its shapes: {exc}") from exc
+    wanted = model.state_dict()
+    problems = [f"the tensor {file_key(what, k)} is missing" for k in wanted if k not in sd]
+    problems += [f"the tensor {file_key(what, k)} has shape {list(sd[k].shape)} where the file's other tensors make "
+                 f"a model that needs {list(wanted[k].shape)}" for k in wanted
+                 if k in sd and tuple(sd[k].shape) != tuple(wanted[k].shape)]
+    problems += [f"the tensor {file_key(what, k)} belongs to no part of the {what}" for k in sd if k not in wanted]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConvertError(f"--{slot} {path}: {problems[0]}{more}; {_DOWNLOAD_AGAIN}")
+    model.load_state_dict(sd, strict=True, assign=True)
     return model.eval()
 
 
@@ -333,13 +368,14 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         dit_sd, cond_sd = rename(keymaps.split_anima_native, native, "anima", inputs["anima"])
         blocks = check_blocks(native, inputs["anima"])  # after the rename, which names a tensor it cannot map
         del native
-        cfg = transformer_config(dit_sd)
-        model = _materialise(lambda: CosmosTransformer3DModel(**cfg), dit_sd, "transformer", inputs["anima"])
+        cfg = inferred_config(transformer_config, dit_sd, "transformer", "anima", inputs["anima"])
+        model = _materialise(lambda: CosmosTransformer3DModel(**cfg), dit_sd, "transformer", inputs["anima"], "anima")
         model.save_pretrained(tmp / "transformer")
         counts["transformer"] = len(dit_sd)
         del model, dit_sd
-        cfg = conditioner_config(cond_sd)
-        model = _materialise(lambda: AnimaTextConditioner(**cfg), cond_sd, "text_conditioner", inputs["anima"])
+        cfg = inferred_config(conditioner_config, cond_sd, "text_conditioner", "anima", inputs["anima"])
+        model = _materialise(lambda: AnimaTextConditioner(**cfg), cond_sd, "text_conditioner", inputs["anima"],
+                             "anima")
         model.save_pretrained(tmp / "text_conditioner")
         counts["text_conditioner"] = len(cond_sd)
         del model, cond_sd
@@ -350,8 +386,8 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
         counts["qwen file"] = len(native)
         te_sd = rename(keymaps.qwen3_native_to_diffusers, native, "qwen", inputs["qwen"])
         del native
-        cfg = qwen3_config(te_sd)
-        model = _materialise(lambda: Qwen3Model(Qwen3Config(**cfg)), te_sd, "text encoder", inputs["qwen"])
+        cfg = inferred_config(qwen3_config, te_sd, "text encoder", "qwen", inputs["qwen"])
+        model = _materialise(lambda: Qwen3Model(Qwen3Config(**cfg)), te_sd, "text encoder", inputs["qwen"], "qwen")
         model.save_pretrained(tmp / "text_encoder")
         counts["text_encoder"] = len(te_sd)
         dropped = counts["qwen file"] - counts["text_encoder"]
@@ -361,10 +397,10 @@ def convert(anima: str | os.PathLike, qwen: str | os.PathLike, vae: str | os.Pat
 
         native = load_tensors(inputs["vae"], "vae")
         counts["vae file"] = len(native)
-        cfg = vae_config(native, inputs["vae"])
+        cfg = inferred_config(lambda sd: vae_config(sd, inputs["vae"]), native, "the file", "vae", inputs["vae"])
         vae_sd = rename(keymaps.vae_native_to_diffusers, native, "vae", inputs["vae"], cfg["num_res_blocks"])
         del native
-        model = _materialise(lambda: AutoencoderKLQwenImage(**cfg), vae_sd, "VAE", inputs["vae"])
+        model = _materialise(lambda: AutoencoderKLQwenImage(**cfg), vae_sd, "VAE", inputs["vae"], "vae")
         model.save_pretrained(tmp / "vae")
         counts["vae"] = len(vae_sd)
         log(f"vae: {counts['vae file']} tensors -> vae {counts['vae']}")

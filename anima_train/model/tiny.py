@@ -45,7 +45,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
 from anima_train.model import keymaps
-from anima_train.files import atomic_path, write_text
+from anima_train.files import atomic_path, temp_dir, write_text
 from anima_train.data.cache_files import cache_path
 
 # ----------------------------------------------------------------------------------------------------------
@@ -251,30 +251,33 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
     t5_tokenizer = build_t5_tokenizer(min(110, CONFIGS[size]["text_conditioner"]["target_vocab_size"]))
 
     # diffusers repo: written by the real pipeline's save_pretrained into a temp folder, then renamed into place
-    tmp_repo = out_dir / f".diffusers.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_repo, ignore_errors=True)
-    pipe = AnimaAutoBlocks().init_pipeline()
-    pipe.update_components(tokenizer=tokenizer, t5_tokenizer=t5_tokenizer,
-                           scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **models)
-    pipe.save_pretrained(str(tmp_repo), overwrite_modular_index=True)
-    # the index records the save folder; point it at the final one (diffusers loads local folders from the
-    # folder it is given anyway, so this only keeps the file truthful)
-    index = tmp_repo / "modular_model_index.json"
-    text = index.read_text().replace(json.dumps(str(tmp_repo))[1:-1], json.dumps(str(final_repo))[1:-1])
-    index.write_text(text)
-    os.replace(tmp_repo, final_repo)
+    # (temp_dir: a failure, a full disk or Ctrl-C, leaves no temp folder behind)
+    with temp_dir(final_repo) as tmp_repo:
+        pipe = AnimaAutoBlocks().init_pipeline()
+        pipe.update_components(tokenizer=tokenizer, t5_tokenizer=t5_tokenizer,
+                               scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **models)
+        pipe.save_pretrained(str(tmp_repo), overwrite_modular_index=True)
+        # the index records the save folder; point it at the final one (diffusers loads local folders from the
+        # folder it is given anyway, so this only keeps the file truthful)
+        index = tmp_repo / "modular_model_index.json"
+        text = index.read_text().replace(json.dumps(str(tmp_repo))[1:-1], json.dumps(str(final_repo))[1:-1])
+        index.write_text(text)
+        os.replace(tmp_repo, final_repo)
 
     # native single files, ComfyUI names
-    tmp_native = out_dir / f".native.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_native, ignore_errors=True)
-    tmp_native.mkdir()
-    _save_safetensors(keymaps.join_anima_native(models["transformer"].state_dict(),
-                                                models["text_conditioner"].state_dict()),
-                      tmp_native / "anima.safetensors")
-    _save_safetensors(keymaps.qwen3_diffusers_to_native(models["text_encoder"].state_dict()),
-                      tmp_native / "qwen3.safetensors")
-    _save_safetensors(keymaps.vae_diffusers_to_native(models["vae"].state_dict()), tmp_native / "vae.safetensors")
-    os.replace(tmp_native, final_native)
+    try:
+        with temp_dir(final_native) as tmp_native:
+            _save_safetensors(keymaps.join_anima_native(models["transformer"].state_dict(),
+                                                        models["text_conditioner"].state_dict()),
+                              tmp_native / "anima.safetensors")
+            _save_safetensors(keymaps.qwen3_diffusers_to_native(models["text_encoder"].state_dict()),
+                              tmp_native / "qwen3.safetensors")
+            _save_safetensors(keymaps.vae_diffusers_to_native(models["vae"].state_dict()),
+                              tmp_native / "vae.safetensors")
+            os.replace(tmp_native, final_native)
+    except BaseException:
+        shutil.rmtree(final_repo, ignore_errors=True)  # published by this call a moment ago: both parts or neither
+        raise
 
     return TinyAnima(root=out_dir, size=size, seed=seed, dtype=str(next(models["transformer"].parameters()).dtype),
                      diffusers_dir=final_repo, native_dir=final_native,

@@ -23,6 +23,7 @@ Only the main process reports; the trainer passes `enabled=False` on other ranks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from anima_train import errors
 from anima_train.errors import UserError
 
 # The memory plan's `message` events start with this (training/memory.py says them): the Train node keeps the
@@ -131,7 +133,7 @@ class Progress:
             if events == "-":
                 self._events = sys.stdout
             else:
-                self._events = _open_events(events)
+                self._events, self._events_path = _open_events(events), events
                 self._own_events = True
         if mode == "auto":
             mode = "bar" if _isatty(self.stream) else "plain"
@@ -164,6 +166,16 @@ class Progress:
             # The reader went away (the ComfyUI that started this worker ended): losing the events must not end the
             # run before anima_train.system.parent_watch has had it save its state.
             self._events = None
+        except OSError as exc:  # a full disk, say: the flag's to fix, said once (later events are dropped)
+            self._drop_events()
+            said = errors.user_message(OSError(exc.errno, exc.strerror)) or f"{exc.strerror or exc}; give another path"
+            raise UserError(f"--events {self._events_path}: {said}") from None
+
+    def _drop_events(self) -> None:
+        if self._own_events and self._events is not None:
+            with contextlib.suppress(OSError):  # what it still buffers cannot be written either
+                self._events.close()
+        self._events = None
 
     # -- human messages ----------------------------------------------------------------------------------
     def message(self, text: str) -> None:
@@ -185,7 +197,7 @@ class Progress:
         if self._bar is not None:
             self._bar.write(line, file=self.stream)  # above the bar
         else:
-            print(line, file=self.stream, flush=True)
+            print(line + "\n", end="", file=self.stream, flush=True)  # one write: an interrupt cannot split it
 
     # -- per step ----------------------------------------------------------------------------------------
     def eta_seconds(self, step: int) -> float | None:
@@ -228,15 +240,13 @@ class Progress:
             pct = 100 * stats.step / self.total if self.total else 100.0
             fields = [f"e{stats.epoch} step {stats.step}/{self.total} ({pct:.0f}%)", body, f"{rate}/it",
                       _peak(stats), f"eta {format_duration(eta) if eta is not None else '?'}"]
-            print("  ".join(f for f in fields if f), file=self.stream, flush=True)
+            print("  ".join(f for f in fields if f) + "\n", end="", file=self.stream, flush=True)  # one write, as above
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._own_events and self._events is not None:
-            self._events.close()
-        self._events = None
+        self._drop_events()
 
 
 def _isatty(stream) -> bool:

@@ -3,6 +3,9 @@
 The loss is checked when its step is read (training/readout.py). A gradient norm is queued on the device and read
 one step late (reading this step's would wait for its backward), and always before a checkpoint is written, so no
 saved weights were touched by a non-finite gradient.
+
+A non-finite loss is blamed on the learning rate only when the base model's own weights are finite: a damaged model
+file is said as such (the lr did not cause it, and lowering it would not help).
 """
 
 from __future__ import annotations
@@ -29,18 +32,40 @@ def grad_norm(params) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
-def diverged(cfg, run_dir: Path, saved: list, step: int, what: str) -> Diverged:
-    """Every rank sees the same loss (the mean over ranks) and norm (after the all-reduce): all stop here."""
+def diverged(cfg, run_dir: Path, saved: list, step: int, what: str, model=None) -> Diverged:
+    """Every rank sees the same loss (the mean over ranks) and norm (after the all-reduce): all stop here. `model`
+    (training.train.Model): its frozen weights are looked at first, as a learning rate cannot have made them
+    non-finite."""
     newest = latest_state(run_dir) if run_dir.is_dir() else None
     kept = (f"the last good checkpoint and state are kept (newest: {newest})" if newest is not None
             else "the checkpoints saved before it are kept" if saved
             else "nothing was saved before it")
+    damaged = _non_finite_frozen(model) if model is not None else []
+    if damaged:
+        shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        return Diverged(
+            f"training diverged at step {step}: {what}, because the base model itself holds non-finite weights "
+            f"({shown}), which training never changes: the model files in [train] model_path = "
+            f"{cfg.train.model_path!r} are damaged; convert or download them again ({kept})")
     clip = ("" if cfg.optimizer.max_grad_norm > 0
             else ", set [optimizer] max_grad_norm (gradient clipping, e.g. 1.0)")
     return Diverged(
         f"training diverged at step {step}: {what}; nothing from this step on was saved, {kept}. Lower [optimizer] "
         f"lr (now {cfg.optimizer.lr:g}){clip}, or look for damaged data, then resume from the newest state or start "
         f"again")
+
+
+def _non_finite_frozen(model) -> list[str]:
+    """The names of the frozen floating-point weights (the base model's) that hold a NaN or an infinity."""
+    bad, seen = [], set()
+    for module in (model.transformer, model.conditioner, model.text_encoder):
+        for name, p in module.named_parameters():
+            if p.requires_grad or id(p) in seen or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            if not bool(torch.isfinite(p).all()):
+                bad.append(name)
+    return bad
 
 
 class GradNorms:

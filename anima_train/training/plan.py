@@ -331,6 +331,9 @@ def render(plan: Plan, cfg_name: str) -> str:
     return "\n".join(lines)
 
 
+MAX_VRAM_GIB = 1e6  # far above any card, far below where the byte count stops being a finite number
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the training config (TOML)")
     parser.add_argument("--vram", type=float, default=None, metavar="GiB",
@@ -347,8 +350,9 @@ def visible_gpu_bytes() -> int | None:
 def run(args) -> int:
     cfg = load_config(args.config)
     if args.vram is not None:
-        if args.vram <= 0:
-            raise UserError("--vram must be a positive number of GiB")
+        if not 0 < args.vram <= MAX_VRAM_GIB:  # also nan and inf
+            raise UserError(f"--vram {args.vram:g}: give the card's memory in GiB, a number above 0 and at most "
+                            f"{MAX_VRAM_GIB:g} (e.g. --vram 12)")
         budget = int(args.vram * GIB)
     else:
         budget = visible_gpu_bytes()

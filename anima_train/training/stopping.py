@@ -1,6 +1,9 @@
 """Stopping a run early, saving first: the stop file (`--stop-file`, the ComfyUI node's Cancel), the parent process
 gone (ComfyUI ended: system/parent_watch.py), or the console window closing (Windows: system/windows.py).
 
+An interrupt (Ctrl-C, SIGTERM: cli.main's policy) does not save: it stops where it is, and its message names the
+newest state the run did save, with the line that resumes it (with_resume_line).
+
 Under several processes each rank votes once per optimizer step, sent with the step's loss (training/readout.py):
 every rank reads the same votes and all stop at the same step (a lone rank leaving would hang the others).
 """
@@ -8,7 +11,10 @@ every rank reads the same votes and all stop at the same step (a lone rank leavi
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+from anima_train import errors
+from anima_train.outputs.layout import checkpoint_step, latest_state
 from anima_train.system import parent_watch, windows
 
 
@@ -35,3 +41,20 @@ class StopRequests:
     def reason(self) -> str:
         return ("the parent process ended" if parent_watch.parent_gone() else windows.close_reason()
                 if windows.close_requested() else str(self.stop_file))
+
+
+def with_resume_line(exc: BaseException, cfg) -> BaseException:
+    """An interrupt as errors.Interrupted naming the run's newest saved state and the `resume_from` line that goes on
+    from it (or that nothing was saved); any other exception unchanged."""
+    if not isinstance(exc, KeyboardInterrupt) or getattr(exc, "detail", ""):
+        return exc
+    run_dir = Path(cfg.train.output_dir) / cfg.run_stem
+    state = latest_state(run_dir, cfg.run_stem)
+    if state is not None:
+        detail = f'the newest saved state is {state.as_posix()}: resume with [train] resume_from = "{state.as_posix()}"'
+    else:
+        saved = [(checkpoint_step(p) or 0, p) for p in run_dir.glob(f"{cfg.run_stem}*.safetensors")]
+        newest = f"its newest checkpoint is {max(saved)[1].as_posix()}, but " if saved else ""
+        detail = (f"{newest}no resume state was saved ([train] save_optimizer_state = true saves one with "
+                  "each checkpoint): run it again to start over")
+    return errors.Interrupted(getattr(exc, "how", "interrupted"), detail)

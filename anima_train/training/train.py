@@ -55,7 +55,7 @@ from anima_train.training.memory import (ParkedWeights, plan_checkpointing, reli
 from anima_train.training.previews import Previewer
 from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
-from anima_train.training.stopping import StopRequests
+from anima_train.training.stopping import StopRequests, with_resume_line
 from anima_train.training.validation import Validation, ValidationSet, validation_items
 from anima_train.training.weight_swap import WeightSwap
 
@@ -132,10 +132,10 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
                           skip_unreadable=skip_unreadable, stop_file=stop_file, overwrite=overwrite,
                           allow_missing_captions=allow_missing_captions, cleanup=cleanup)
     except BaseException as exc:
-        user = errors.user_message(exc)  # a user error is its message alone, as on the command line
+        user = errors.user_message(exc := with_resume_line(exc, cfg))  # a user error, an interrupt: the message alone
         progress.event("error", message=user or f"{type(exc).__name__}: {exc}",
                        traceback="" if user else traceback.format_exc())
-        raise
+        raise exc
     finally:
         progress.close()
         windows.training_finished()  # a console close handler waiting for the save may let the process end
@@ -298,7 +298,7 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
             run.grad_norms.check(before=step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = readout.receive(step_readout, accelerator)
             if not math.isfinite(stats[0]):
-                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}")
+                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}", model=model)
             result.losses.append(stats[0])
             _report_step(run, model, tracker, stats, step=step, epoch=epoch, lrs=lrs, phase=phase, peaks=peaks,
                          images=totals.images * world)
