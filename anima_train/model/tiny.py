@@ -43,7 +43,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
 from anima_train.model import keymaps
-from anima_train.files import atomic_path, write_text
+from anima_train.files import atomic_path, publish_dir, write_text
 from anima_train.data.cache_files import cache_path
 
 # ----------------------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
     index = tmp_repo / "modular_model_index.json"
     text = index.read_text().replace(json.dumps(str(tmp_repo))[1:-1], json.dumps(str(final_repo))[1:-1])
     index.write_text(text)
-    os.replace(tmp_repo, final_repo)
+    publish_dir(tmp_repo, final_repo)
 
     # native single files, ComfyUI names
     tmp_native = out_dir / f".native.tmp-{os.getpid()}"
@@ -259,7 +259,7 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
     _save_safetensors(keymaps.qwen3_diffusers_to_native(models["text_encoder"].state_dict()),
                       tmp_native / "qwen3.safetensors")
     _save_safetensors(keymaps.vae_diffusers_to_native(models["vae"].state_dict()), tmp_native / "vae.safetensors")
-    os.replace(tmp_native, final_native)
+    publish_dir(tmp_native, final_native)
 
     return TinyAnima(root=out_dir, size=size, seed=seed, dtype=str(next(models["transformer"].parameters()).dtype),
                      diffusers_dir=final_repo, native_dir=final_native,

@@ -8,6 +8,7 @@ outputs/layout.py, the `-state` folder beside a checkpoint in outputs/resume_sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import json
@@ -185,10 +186,32 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
 
 
 def config_json(cfg: Config) -> dict:
-    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts)."""
-    data = dataclasses.asdict(cfg)
+    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts), as the file is shared: a
+    path key (`path=True` in the schema) keeps only its last part (`base`, not `/home/alice/datasets/base`), so the
+    file carries no folder or user name of the machine it was trained on."""
+    data = _shareable(cfg)
     for private in ("source_path", "source_text"):
         data.pop(private, None)
+    return data
+
+
+def _last_part(value: str) -> str:
+    return re.split(r"[\\/]", value.rstrip("\\/"))[-1]  # either separator: a Windows path read anywhere
+
+
+def _shareable(table) -> dict:
+    data = {}
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _shareable(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            value = [_shareable(v) for v in value]
+        elif f.metadata.get("path") and isinstance(value, str):
+            value = _last_part(value)
+        else:
+            value = copy.deepcopy(value)
+        data[f.name] = value
     return data
 
 
