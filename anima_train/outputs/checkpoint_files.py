@@ -26,6 +26,7 @@ from anima_train.config import Config
 from anima_train.data.captions import read_caption_file, split_tags
 from anima_train.errors import UserError
 from anima_train.model.components import DTYPES
+from anima_train.outputs import manifest
 from anima_train.outputs.layout import STATE_FILE, STATE_SUFFIX, checkpoint_step, latest_state
 
 
@@ -94,13 +95,15 @@ def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, ste
 
     `protect` (the run's `resume_from`: a checkpoint file or its `-state` folder, any spelling of the path) is
     never deleted, nor anything of its checkpoint: the user named it in the config, so re-running that config
-    must find it. It does not count towards keep_last_n."""
+    must find it. It does not count towards keep_last_n. Nor is a checkpoint the run manifest does not list."""
     if not keep_last_n:
         return []
     found = find_periodic(run_dir, run_name)
     if protect is not None:
         protected = Path(protect).resolve()
         found = [c for c in found if protected not in {p.resolve() for p in c.paths}]
+    ours = manifest.entries(run_dir, run_name)  # only what the run recorded is deleted, whatever its name
+    found = [c for c in found if all(p.name in ours for p in c.paths)]
     found.sort(key=lambda c: (c.recorded_step(steps_per_epoch), c.tag == "step", c.number))
     removed = []
     for ckpt in found[:-keep_last_n] if len(found) > keep_last_n else []:
