@@ -9,6 +9,7 @@ files are what the run recorded, never what their names look like)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import pytest
 
 from anima_train import errors
 from anima_train.model.tiny import make_synthetic_dataset
-from anima_train.outputs import manifest
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 
 pytestmark = pytest.mark.slow
@@ -159,7 +159,8 @@ def test_what_a_run_recorded_is_what_overwrite_replaces(work):
     first = train(work)
     assert first.returncode == 0, first.stderr[-3000:]
     run = work / "out" / "anima"
-    assert {"anima.safetensors", "anima.toml", "loss.png"} <= manifest.entries(run, "anima")
+    recorded = json.loads((run / ".anima-train-run.json").read_text())
+    assert recorded["run"] == "anima" and {"anima.safetensors", "anima.toml", "loss.png"} <= set(recorded["entries"])
     (run / "notes.txt").write_text("mine")
     again = train(work, "--overwrite")
     assert again.returncode == 0, again.stderr[-3000:]
