@@ -122,7 +122,7 @@ def test_overwrite_never_deletes_a_users_own_folders_in_the_run_folder(work):
     (run / "samples").mkdir()
     (run / "samples" / "reference.png").write_bytes(b"my reference image")
     before = folder_digests(work)
-    for args in ((), ("--overwrite",)):
+    for args in (("--overwrite",), ()):  # the flag that deleted them first
         refused(train(work, *args), str(Path("out/anima")), "logs/", "samples/", "no run recorded them",
                 'run_name = "anima-2"', absent=("pass --overwrite", "loading model"))
         assert folder_digests(work) == before
@@ -133,7 +133,7 @@ def test_a_users_loss_png_in_a_fresh_run_folder_is_never_replaced(work):
     run.mkdir(parents=True)
     (run / "loss.png").write_bytes(b"my own chart")
     before = folder_digests(work)
-    for args in ((), ("--overwrite",)):
+    for args in (("--overwrite",), ()):  # the flag that deleted them first
         refused(train(work, *args), "loss.png", "no run recorded them", absent=("pass --overwrite",))
         assert folder_digests(work) == before
 
@@ -147,7 +147,7 @@ def test_a_run_folder_without_a_manifest_is_never_deleted(work):
     (run / "anima.safetensors").write_bytes(b"a checkpoint of an older anima-train")
     (run / "anima.toml").write_text("# its config\n")
     before = folder_digests(work)
-    for args in ((), ("--overwrite",)):
+    for args in (("--overwrite",), ()):  # the flag that deleted them first
         refused(train(work, *args), "anima-state/", "anima.safetensors", "anima.toml", "Move them out of",
                 'run_name = "anima-2"', f'resume_from = "{Path("out/anima/anima-state").as_posix()}"',
                 absent=("pass --overwrite",))
