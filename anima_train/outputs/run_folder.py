@@ -206,7 +206,7 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
             f"{aside.name} until this run saves its first checkpoint, and put back if it ends before)")
         aside.mkdir(exist_ok=True)
         try:
-            for p in [*found, run_dir / MANIFEST_NAME]:
+            for p in found + [m for m in (run_dir / MANIFEST_NAME,) if m.exists()]:  # its manifest goes with them
                 os.replace(p, aside / p.name)
         except BaseException:
             _restore_aside(run_dir, run_stem, aside)
