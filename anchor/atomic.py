@@ -4,8 +4,10 @@
 The one helper of the pack: `anchor` owns it because `anchor` must not depend on the trainer, and the trainer
 (`anima_train.files`) and the nodes import it from here.
 
-The finished file gets the mode a plain `open()` would give it (0666 minus the umask). safetensors' `save_file` and
-`tempfile.mkstemp` create 0600 files, which other accounts sharing a ComfyUI models folder could not read.
+The finished file gets the mode a plain `open()` would give it (0666 minus the umask), and a finished folder
+(`publish_dir`) gives every file and folder in it the modes `open()` / `mkdir()` would: safetensors' `save_file`
+(also inside diffusers' and transformers' `save_pretrained`) and `tempfile.mkstemp` create 0600 files, which other
+accounts sharing a ComfyUI models folder could not read. Every file the trainer writes goes through here.
 
 A write that fails for the machine's sake (a full disk, no permission, ...) leaves no temp file or folder behind and
 raises an OSError that names the file being written, not its temp name: the trainer's error policy
@@ -27,10 +29,28 @@ from pathlib import Path
 from typing import Iterator
 
 
-def _file_mode() -> int:
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _file_mode() -> int:
+    return 0o666 & ~_umask()
+
+
+def _normal_modes(tree: Path) -> None:
+    """Every file and folder under `tree` (itself included) as open() and mkdir() would have made it; symlinks
+    are left alone (their mode is their target's)."""
+    umask = _umask()
+    os.chmod(tree, 0o777 & ~umask)
+    for folder, dirs, names in os.walk(tree):
+        for name in dirs:
+            if not os.path.islink(os.path.join(folder, name)):
+                os.chmod(os.path.join(folder, name), 0o777 & ~umask)
+        for name in names:
+            if not os.path.islink(os.path.join(folder, name)):
+                os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def temp_path(final: str | os.PathLike) -> Path:
@@ -116,8 +136,10 @@ def write_text(final: str | os.PathLike, text: str) -> Path:
 def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     """Move a finished temp folder into place. An earlier folder of that name is set aside first and removed only
     once the new one is in place; if the move fails it is put back (a folder cannot be os.replace'd over another on
-    every platform, so a plain rmtree + rename would lose the earlier one to a crash in between)."""
+    every platform, so a plain rmtree + rename would lose the earlier one to a crash in between). What is inside gets
+    the modes open() and mkdir() give (the umask's), whatever wrote it."""
     final = Path(final)
+    _normal_modes(Path(tmp))
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from anima_train.outputs import checkpoint_files as C
 from anima_train.config import load_config
-from anima_train.outputs import layout, resume_state
+from anima_train.outputs import layout, manifest, resume_state
 
 
 def _ckpt(run_dir: Path, stem: str, *, step_meta=None, te=False, state_step=None):
@@ -49,16 +49,18 @@ def test_prune_orders_by_recorded_step_and_removes_siblings_together(tmp_path):
     _ckpt(tmp_path, "run")  # final: never touched
     (tmp_path / "run.toml").write_text("# config\n")
     _ckpt(tmp_path, "other-step000001")  # another run's: never touched
+    manifest.start(tmp_path, "run", adopted=[p.name for p in tmp_path.iterdir()])  # all of it the run's own ...
+    _ckpt(tmp_path, "run-step000001", step_meta=1)  # ... but this, which a user put there under a run's name
     (tmp_path / "notes.txt").write_text("mine")
 
     removed = C.prune_checkpoints(tmp_path, "run", keep_last_n=2, steps_per_epoch=10)
     names = sorted(p.name for p in removed)
     assert names == sorted(["run-step5.safetensors", "run-step000015.safetensors", "run-step000015_te.safetensors",
                             "run-epoch002.safetensors", "run-epoch002_te.safetensors", "run-epoch002-state"])
-    left = sorted(p.name for p in tmp_path.iterdir())
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != layout.MANIFEST_NAME)
     assert left == sorted(["run-step000025.safetensors", "run-step000025_te.safetensors", "run-step000025-state",
                            "run-step000030", "run.safetensors", "run.toml", "other-step000001.safetensors",
-                           "notes.txt"])
+                           "run-step000001.safetensors", "notes.txt"])
     assert C.prune_checkpoints(tmp_path, "run", keep_last_n=None, steps_per_epoch=10) == []
 
 
@@ -160,6 +162,7 @@ def test_a_full_finetune_folder_survives_a_failed_replace(tmp_path, monkeypatch)
 def test_prune_never_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch):
     for step in (10, 20, 30):
         _ckpt(tmp_path, f"run-step{step:06d}", step_meta=step, te=True, state_step=step)
+    manifest.start(tmp_path, "run", adopted=[p.name for p in tmp_path.iterdir()])  # the run's own files
     # resume_from as a user writes it: relative to the working directory, spelled differently from run_dir
     monkeypatch.chdir(tmp_path.parent)
     resume_from = Path(tmp_path.name) / ".." / tmp_path.name / "run-step000010.safetensors"
@@ -167,12 +170,13 @@ def test_prune_never_deletes_the_checkpoint_resumed_from(tmp_path, monkeypatch):
     assert sorted(p.name for p in removed) == ["run-step000020-state", "run-step000020.safetensors",
                                                "run-step000020_te.safetensors"]
     # the -state folder names the same checkpoint; it never takes one of the keep_last_n places
+    manifest.output(tmp_path, "run-step000040.safetensors", "run-step000040-state")  # recorded, then written
     _ckpt(tmp_path, "run-step000040", step_meta=40, state_step=40)
     removed = C.prune_checkpoints(tmp_path, "run", keep_last_n=1, steps_per_epoch=10,
                                   protect=str(tmp_path / "run-step000010-state"))
     assert sorted(p.name for p in removed) == ["run-step000030-state", "run-step000030.safetensors",
                                                "run-step000030_te.safetensors"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != layout.MANIFEST_NAME) == [
         "run-step000010-state", "run-step000010.safetensors", "run-step000010_te.safetensors",
         "run-step000040-state", "run-step000040.safetensors"]
 

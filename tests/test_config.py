@@ -798,11 +798,13 @@ def test_copy_config_verbatim_from_text_and_from_code(tmp_path):
     assert load_config(out) == cfg
 
 
-def test_copy_config_verbatim_refuses_its_own_source(tmp_path):
+def test_copy_config_verbatim_leaves_its_own_source_as_it_is(tmp_path):
+    """A run started from its own config copy (`train out/r/r.toml`, resuming) writes nothing over it."""
     src = tmp_path / "c.toml"
-    src.write_text(D)
-    with pytest.raises(ValueError, match="own source"):
-        copy_config_verbatim(load_config(src), src)
+    src.write_text(D + "# mine\n")
+    before = src.stat().st_mtime_ns
+    assert copy_config_verbatim(load_config(src), src) == src
+    assert src.read_text() == D + "# mine\n" and src.stat().st_mtime_ns == before
 
 
 def test_source_fields_do_not_affect_equality(tmp_path):

@@ -122,13 +122,21 @@ def test_killing_comfyui_while_the_model_loads_ends_the_worker_within_10_s(job, 
 
 @pytest.mark.parametrize("death_signal", [True, False], ids=["prctl", "ppid-poll"])
 def test_the_watch_notices_its_parent_end_with_and_without_the_death_signal(tmp_path, death_signal):
-    child = (f"import os, time; from anima_train import parent_watch; "
-             f"parent_watch.start(os.getppid(), death_signal={death_signal}); time.sleep(60)")
+    """The child says it is watching before its parent is killed: a child that never got there (an import that
+    fails, a watch that raises) ends at once on its own and would pass the timing below untested."""
+    child = (f"import os, time; from anima_train.system import parent_watch; "
+             f"parent_watch.start(os.getppid(), death_signal={death_signal}); print('watching', flush=True); "
+             f"time.sleep(60)")
     parent_code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
                    f"print(p.pid, flush=True); time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env(), stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
     child_pid = int(parent.stdout.readline())
-    time.sleep(1.0)  # the child is up and watching
+    said = parent.stdout.readline().strip()  # the child shares the parent's stdout
+    if said != "watching":
+        parent.kill()
+        pytest.fail(f"the child never started watching (it said {said!r}): {parent.stderr.read()[-2000:]}")
+    assert _alive(child_pid)
     gone_after = _kill_parent_and_time_the_worker(parent, child_pid, limit=3.0)
     assert gone_after < 3.0
 

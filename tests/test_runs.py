@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from anima_train.outputs import manifest
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
@@ -65,6 +66,9 @@ def test_overwrite_deletes_only_the_earlier_runs_files_and_says_which(tiny_anima
     (run_dir / "samples").mkdir()  # the earlier run's previews and loss plot are its files too
     (run_dir / "samples" / "step000009-prompt00.png").write_bytes(b"an old preview")
     (run_dir / "loss.png").write_bytes(b"the old run's loss plot")
+    # the earlier run recorded what it wrote (notes.txt and the log are not in it)
+    manifest.start(run_dir, "tiny", adopted=["tiny-step000009-state", "tiny-step000009.safetensors", "tiny.toml",
+                                             "samples", "loss.png"])
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=1)
     with pytest.raises(ValueError, match="already holds a run"):
         train(cfg, cpu=True)
@@ -74,7 +78,8 @@ def test_overwrite_deletes_only_the_earlier_runs_files_and_says_which(tiny_anima
     assert "tiny-step000009-state/" in said and "tiny-step000009.safetensors" in said and "tiny.toml" in said
     assert "samples/" in said and "loss.png" in said
     names = sorted(p.name for p in run_dir.iterdir())
-    assert names == ["comfyui-worker.log", "loss.png", "notes.txt", "tiny.safetensors", "tiny.toml"]
+    assert names == [".anima-train-run.json", "comfyui-worker.log", "loss.png", "notes.txt", "tiny.safetensors",
+                     "tiny.toml"]
     assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")  # this run's plot, not the old one
     assert (run_dir / "tiny.toml").read_text() == cfg.source_text and result.final == run_dir / "tiny.safetensors"
 

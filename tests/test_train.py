@@ -15,6 +15,7 @@ from anima_train.config import load_config
 from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
 from anima_train.model.tiny import make_synthetic_latents
+from anima_train.outputs.layout import MANIFEST_NAME
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli
 
@@ -155,7 +156,7 @@ def test_a_full_disk_during_a_save_names_the_file_and_keeps_earlier_checkpoints(
     failed = run / ("tiny-step000004-state/accelerator/optimizer.pt" if target == "optimizer.pt" else target)
     assert f"could not write {failed}" in msg and "No space left on device" in msg and "is full" in msg
     assert f"resume from the newest state, {run / 'tiny-step000002-state'}" in msg
-    assert [p.name for p in run.iterdir() if p.name.startswith(".")] == []  # no temp dir or temp file left
+    assert [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != MANIFEST_NAME] == []  # no temp left
     assert not (run / "tiny-step000004-state").exists()
     for f in run.glob("*.safetensors"):  # every checkpoint under a final name is whole
         assert load_file(str(f))
@@ -182,7 +183,7 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
                    run_name='"my run"')
     result = train(cfg, cpu=True, events=str(events))
     run = tmp_path / "my-run"
-    names = sorted(p.name for p in run.iterdir())
+    names = sorted(p.name for p in run.iterdir() if p.name != MANIFEST_NAME)  # the manifest: test_hostile_outputs
     # steps 2, 4, 6 were saved; keep_last_n = 2 pruned step 2 (file and state together); final + TOML untouched;
     # the loss chart of the run
     assert names == ["loss.png", "my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors", "my-run-step000006-state",
@@ -240,7 +241,7 @@ def test_resumed_run_never_prunes_the_checkpoint_it_resumed_from(tiny_anima, lat
     # the config a user re-runs after a crash: same run folder, resume_from set, keep_last_n = 1
     train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=10, resume_from=f'"{resume}"',
                    **keys), cpu=True)
-    assert sorted(p.name for p in run.iterdir()) == [
+    assert sorted(p.name for p in run.iterdir() if p.name != MANIFEST_NAME) == [
         "loss.png", "tiny-state", "tiny-step000004-state", "tiny-step000004.safetensors", "tiny-step000008-state",
         "tiny-step000008.safetensors", "tiny.safetensors", "tiny.toml"]
 

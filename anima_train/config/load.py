@@ -234,13 +234,14 @@ def _gate(cfg: Config) -> list[str]:
 def copy_config_verbatim(config: Config, dest_path: str | os.PathLike) -> Path:
     """Write the config exactly as it was read (comments kept) to dest_path, atomically.
 
-    A config built in code (no source text) is written as dump_toml. Refuses to write over its own source file.
+    A config built in code (no source text) is written as dump_toml. A config read from dest_path itself (a run
+    started from its own copy) is left as it is: it already holds what it was read from.
     """
     from anima_train.files import write_text  # lazy: ~15 ms (anchor.atomic); only a run's start writes the copy
 
     dest = Path(dest_path)
     if config.source_path is not None and dest.exists() and dest.resolve() == config.source_path.resolve():
-        raise ValueError(f"refusing to copy the config onto its own source file {dest}")
+        return dest
     write_text(dest, config.source_text if config.source_text is not None else dump_toml(config))
     return dest
 

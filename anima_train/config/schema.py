@@ -1,9 +1,11 @@
 """The config's tables: one dataclass per TOML table, one field per key.
 
-Every key is a field whose metadata carries a one-line `help`, its `choices` when it is an enum, and its numeric
-bounds (`ge`/`gt`/`le`/`lt`), so the checks (validate.py), the CLI, the ComfyUI node inputs and docs/config.md are all
-generated from it (`iter_fields`). Each table class is `@section` (the Config `@root`): building one checks it, see
-validate.py. No torch here: this module is imported by the CLI's `--help` and by ComfyUI at start-up.
+Every key is a field whose metadata carries a one-line `help`, its `choices` when it is an enum, its numeric
+bounds (`ge`/`gt`/`le`/`lt`), and `path=True` when its value names a file or folder of this machine (a shared
+checkpoint records only its last part), so the checks (validate.py), the CLI, the ComfyUI node inputs and
+docs/config.md are all generated from it (`iter_fields`). Each table class is `@section` (the Config `@root`):
+building one checks it, see validate.py. No torch here: this module is imported by the CLI's `--help` and by
+ComfyUI at start-up.
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def _default_model_path() -> str:
 @section
 @dataclass
 class TrainConfig:
-    model_path: str = _key(factory=_default_model_path, nonempty=True, env=MODEL_PATH_ENV,
+    model_path: str = _key(factory=_default_model_path, nonempty=True, env=MODEL_PATH_ENV, path=True,
                            help="converted diffusers repo (incl. tokenizer/, t5_tokenizer/); env ANIMA_MODEL "
                                 "overrides the default")
-    output_dir: str = _key("output", nonempty=True, help="runs are written to <output_dir>/<run_name>/")
+    output_dir: str = _key("output", nonempty=True, path=True, help="runs are written to <output_dir>/<run_name>/")
     run_name: str = _key("anima", help="stem of every output file (sanitised)")
     epochs: int = _key(1, ge=1, help="passes over the dataset")
     max_steps: int | None = _key(None, ge=1, help="optimizer steps: schedule horizon and hard stop")
@@ -108,7 +110,8 @@ class TrainConfig:
                                                "writes <stem>-state/ too, so the run resumes; false skips it "
                                                "(a full finetune's state is large)")
     keep_last_n: int | None = _key(None, ge=1, help="prune older periodic checkpoints, keeping the newest N")
-    resume_from: str | None = _key(None, nonempty=True, help="checkpoint file or its -state folder to resume")
+    resume_from: str | None = _key(None, nonempty=True, path=True,
+                                   help="checkpoint file or its -state folder to resume")
     skip_final_save: bool = _key(False, help="do not write the final checkpoint (benchmarking only)")
     allow_multi_gpu_texture: bool = _key(False, help="allow texture phases on more than one process")
     log_every: int = _key(1, ge=1, help="report cadence in optimizer steps")
@@ -125,7 +128,7 @@ class TrainConfig:
 @section
 @dataclass
 class SubsetConfig:
-    path: str = _key(MISSING, nonempty=True, help="source directory")
+    path: str = _key(MISSING, nonempty=True, path=True, help="source directory")
     num_repeats: int = _key(1, ge=1, le=MAX_REPEATS, help="repeat this subset's entries N times per epoch")
     texture: bool = _key(True, help="false = always full-resolution with its captions, even in texture phases")
 
@@ -149,7 +152,7 @@ class CaptionConfig:
     tag_delimiter: str = _key(", ", help="separator between tags")
     protected_tags: list[str] = _key(factory=list, help="tags never dropped (case-insensitive)")
     protected_tags_file: str | None = _key(
-        None, nonempty=True,
+        None, nonempty=True, path=True,
         help="file of protected tags, one per line, # comments; relative to the config's folder")
     nl_shuffle_sentences: bool = _key(False, help="shuffle natural-language sentences")
     nl_keep_first_sentence: bool = _key(True, help="keep the first sentence in place when shuffling")
@@ -190,7 +193,7 @@ class TextureConfig:
 @section
 @dataclass
 class DatasetConfig:
-    path: str | None = _key(None, nonempty=True, help="single source directory (or use [[dataset.subsets]])")
+    path: str | None = _key(None, nonempty=True, path=True, help="single source directory (or use [[dataset.subsets]])")
     subsets: list[SubsetConfig] = _array(SubsetConfig, "several source directories")
     resolution: int = _key(1024, gt=0, help="area budget (about r x r pixels), not a side length")
     resolutions: list[int] | None = _key(None, help="several area budgets (tiers); unset = [resolution]")
@@ -335,7 +338,7 @@ class CurriculumPhase:
 @dataclass
 class SampleConfig:
     prompts: list[str] = _key(factory=list, help="preview prompts, one image each (with prompts_file: both)")
-    prompts_file: str | None = _key(None, nonempty=True,
+    prompts_file: str | None = _key(None, nonempty=True, path=True,
                                     help="file of preview prompts, one per line, # comments; relative to the "
                                          "config's folder")
     negative_prompt: str = _key("", help="negative prompt of every preview (the uncond side of CFG)")
@@ -367,7 +370,7 @@ class LoggingConfig:
 @section
 @dataclass
 class ValidationConfig:
-    folder: str | None = _key(None, nonempty=True,
+    folder: str | None = _key(None, nonempty=True, path=True,
                               help="held-out image folder (captioned and cached like the dataset, never trained "
                                    "on); relative to the config's folder")
     fraction: float = _key(0.0, ge=0.0, lt=1.0,

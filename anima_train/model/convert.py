@@ -486,7 +486,7 @@ def _complete(out: Path, record: dict, token_source: Path | None, log) -> dict:
         tmp = out / f".{folder}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(token_source / folder, tmp)
-        os.replace(tmp, out / folder)
+        publish_dir(tmp, out / folder)
     log(f"{out} was converted from these same files ({len(record['weights'])} weight files checked): added "
         f"{' and '.join(m + '/' for m in missing)} from {token_source}")
     return {"out": out, "counts": counts, "tokenizers": token_source, "completed": missing}

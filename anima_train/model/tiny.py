@@ -45,7 +45,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
 from anima_train.model import keymaps
-from anima_train.files import atomic_path, temp_dir, write_text
+from anima_train.files import atomic_path, publish_dir, temp_dir, write_text
 from anima_train.data.cache_files import cache_path
 
 # ----------------------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
         index = tmp_repo / "modular_model_index.json"
         text = index.read_text().replace(json.dumps(str(tmp_repo))[1:-1], json.dumps(str(final_repo))[1:-1])
         index.write_text(text)
-        os.replace(tmp_repo, final_repo)
+        publish_dir(tmp_repo, final_repo)  # the umask's modes, whatever save_pretrained gave
 
     # native single files, ComfyUI names
     try:
@@ -274,7 +274,7 @@ def build_tiny_anima(out_dir, seed: int = 0, size: str = "tiny", dtype: torch.dt
                               tmp_native / "qwen3.safetensors")
             _save_safetensors(keymaps.vae_diffusers_to_native(models["vae"].state_dict()),
                               tmp_native / "vae.safetensors")
-            os.replace(tmp_native, final_native)
+            publish_dir(tmp_native, final_native)
     except BaseException:
         shutil.rmtree(final_repo, ignore_errors=True)  # published by this call a moment ago: both parts or neither
         raise

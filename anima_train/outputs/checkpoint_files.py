@@ -8,6 +8,7 @@ outputs/layout.py, the `-state` folder beside a checkpoint in outputs/resume_sta
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import json
@@ -26,6 +27,7 @@ from anima_train.data.captions import read_caption_file, split_tags
 from anima_train.errors import UserError
 from anima_train.model.components import DTYPES
 from anima_train.model.shape import base_model
+from anima_train.outputs import manifest
 from anima_train.outputs.layout import STATE_FILE, STATE_SUFFIX, checkpoint_step, latest_state
 
 
@@ -94,13 +96,15 @@ def prune_checkpoints(run_dir: Path, run_name: str, keep_last_n: int | None, ste
 
     `protect` (the run's `resume_from`: a checkpoint file or its `-state` folder, any spelling of the path) is
     never deleted, nor anything of its checkpoint: the user named it in the config, so re-running that config
-    must find it. It does not count towards keep_last_n."""
+    must find it. It does not count towards keep_last_n. Nor is a checkpoint the run manifest does not list."""
     if not keep_last_n:
         return []
     found = find_periodic(run_dir, run_name)
     if protect is not None:
         protected = Path(protect).resolve()
         found = [c for c in found if protected not in {p.resolve() for p in c.paths}]
+    ours = manifest.entries(run_dir, run_name)  # only what the run recorded is deleted, whatever its name
+    found = [c for c in found if all(p.name in ours for p in c.paths)]
     found.sort(key=lambda c: (c.recorded_step(steps_per_epoch), c.tag == "step", c.number))
     removed = []
     for ckpt in found[:-keep_last_n] if len(found) > keep_last_n else []:
@@ -187,10 +191,32 @@ def write_checkpoint(run_dir: Path, stem: str, models: dict, cfg: Config, *, ste
 
 
 def config_json(cfg: Config) -> dict:
-    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts)."""
-    data = dataclasses.asdict(cfg)
+    """The resolved config as plain data (ss_training_config is JSON, as in sd-scripts), as the file is shared: a
+    path key (`path=True` in the schema) keeps only its last part (`base`, not `/home/alice/datasets/base`), so the
+    file carries no folder or user name of the machine it was trained on."""
+    data = _shareable(cfg)
     for private in ("source_path", "source_text"):
         data.pop(private, None)
+    return data
+
+
+def _last_part(value: str) -> str:
+    return re.split(r"[\\/]", value.rstrip("\\/"))[-1]  # either separator: a Windows path read anywhere
+
+
+def _shareable(table) -> dict:
+    data = {}
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        if dataclasses.is_dataclass(value):
+            value = _shareable(value)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            value = [_shareable(v) for v in value]
+        elif f.metadata.get("path") and isinstance(value, str):
+            value = _last_part(value)
+        else:
+            value = copy.deepcopy(value)
+        data[f.name] = value
     return data
 
 

@@ -8,6 +8,7 @@
     <stem>-state/                        what resuming needs (outputs/resume_state.py)
     loss.png, samples/, logs/            the loss chart, [sample] previews, [logging] TensorBoard
     .anima-train.lock                    held while a process trains into the folder (outputs/run_folder.py)
+    .anima-train-run.json                what the run created in the folder (outputs/manifest.py)
 
 docs/training.md#outputs-and-resume has the user's view.
 """
@@ -33,6 +34,7 @@ LOSS_PLOT_NAME = "loss.png"  # the loss chart, at the end of every run that save
 SAMPLES_DIR = "samples"  # [sample] preview images
 LOGS_DIR = "logs"  # [logging] TensorBoard runs
 LOCK_NAME = ".anima-train.lock"  # outputs/run_folder.py: one process trains into a folder at a time
+MANIFEST_NAME = ".anima-train-run.json"  # outputs/manifest.py: the entries the run created, by the run itself
 
 
 def rng_file(rank: int) -> str:

@@ -9,12 +9,16 @@ Checked before any model loads, on the main process (the other ranks wait for it
 * a second process training into the folder is refused, naming the holder (pid, host, start time). The lock is an
   OS lock (flock / msvcrt) on `.anima-train.lock`: the kernel drops it when its process dies, however it dies, so a
   lock left by a crashed or killed run is taken over (and said so) without guessing from pids;
+* the run folder must not land among what the run reads (outputs/guard.py), and a stop file must not be one of
+  those files;
 * a fresh run into a folder that holds files of an earlier run of that name is refused, naming the folder and the
   ways out: resume it (resume_from inside the folder is allowed), another run_name, or `--overwrite`, which lists the
   earlier run's checkpoints, states and config copy and sets them aside (Claim): deleted once the new run has saved
-  its first checkpoint, put back if it ends before. Nothing else in the folder (the ComfyUI node's job files, a
-  user's notes) counts as a run file or is ever deleted. A folder holding only the config copy of a run that saved
-  nothing is no earlier run.
+  its first checkpoint, put back if it ends before. What is the earlier run's is what its manifest lists
+  (outputs/manifest.py), never what its names look like: an entry under a run's names that no run recorded (a
+  user's own `logs/`, a run of before manifests) is refused with or without --overwrite, and never deleted. Nothing
+  else in the folder (the ComfyUI node's job files, a user's notes) counts as a run file. A folder holding only the
+  config copy of a run that saved nothing is no earlier run.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from anima_train.errors import UserError
-from anima_train.outputs.layout import LOCK_NAME, LOGS_DIR, LOSS_PLOT_NAME, SAMPLES_DIR, STATE_SUFFIX, latest_state
+from anima_train.outputs import guard, manifest
+from anima_train.outputs.layout import (LOCK_NAME, LOGS_DIR, LOSS_PLOT_NAME, MANIFEST_NAME, SAMPLES_DIR, STATE_SUFFIX,
+                                        latest_state)
 IS_WINDOWS = os.name == "nt"
 _WIN_LOCK_OFFSET = 1 << 30  # msvcrt locks are mandatory: lock a byte far past the holder info, so it stays readable
 _O_BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation in the holder info os.write puts there
@@ -46,9 +52,9 @@ class RunRefused(UserError, ValueError):
 
 
 def run_files(run_dir: str | os.PathLike, run_stem: str) -> list[Path]:
-    """What a run named `run_stem` writes into run_dir: its config copy `<stem>.toml`, its checkpoints (final and
-    periodic, `_te` siblings, diffusers folders) and their `-state` folders, its loss plot, preview images and
-    TensorBoard logs. Sorted; empty for a new folder."""
+    """The entries of run_dir under the names a run named `run_stem` writes: its config copy `<stem>.toml`, its
+    checkpoints (final and periodic, `_te` siblings, diffusers folders) and their `-state` folders, its loss plot,
+    preview images and TensorBoard logs. Sorted; empty for a new folder. Whose they are, the manifest says."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
@@ -169,10 +175,29 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
     that ended before its first checkpoint leaves just that, and the next run writes its own copy over it."""
     _recover_aside(run_dir, run_stem, say)
     found = run_files(run_dir, run_stem)
-    if not found or (resume_state is not None and _inside(resume_state, run_dir)):
-        return None  # a new folder, or continuing the run that lives in it
-    if [p.name for p in found] == [f"{run_stem}.toml"]:
-        say(f"note: {found[0]} is the config copy of an earlier run that saved no checkpoint; this run replaces it")
+    if resume_state is not None and _inside(resume_state, run_dir):
+        # continuing the run that lives in the folder: its state proves the run's files are ours (a run of before
+        # manifests has none; it gets one now)
+        manifest.start(run_dir, run_stem, adopted=[p.name for p in found])
+        return None
+    state = latest_state(run_dir, run_stem)
+    resume = (f'resume it: [train] resume_from = "{state.as_posix()}"' if state is not None else
+              "resume it: set [train] resume_from to one of its -state folders (it has none: it was saved without "
+              "save_optimizer_state, so it cannot be resumed)")
+    recorded = manifest.entries(run_dir, run_stem)
+    strangers = [p.name + ("/" if p.is_dir() else "") for p in found if p.name not in recorded]
+    if strangers:
+        raise RunRefused(
+            f"{run_dir} holds {', '.join(strangers)} under the names a run {run_stem!r} writes, but no run recorded "
+            f"them as its own ({MANIFEST_NAME} does not list them), so anima-train will neither write over nor "
+            f"delete them (--overwrite included). Move them out of {run_dir}, or give this run another name: "
+            f"[train] run_name = \"{free_run_name(run_dir.parent, run_stem)}\""
+            + (f", or {resume}" if state is not None else ""))
+    if not found or [p.name for p in found] == [f"{run_stem}.toml"]:
+        if found:
+            say(f"note: {found[0]} is the config copy of an earlier run that saved no checkpoint; this run replaces "
+                f"it")
+        manifest.start(run_dir, run_stem)
         return None
     names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
     if overwrite:
@@ -181,16 +206,13 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
             f"{aside.name} until this run saves its first checkpoint, and put back if it ends before)")
         aside.mkdir(exist_ok=True)
         try:
-            for p in found:
+            for p in found + [m for m in (run_dir / MANIFEST_NAME,) if m.exists()]:  # its manifest goes with them
                 os.replace(p, aside / p.name)
         except BaseException:
             _restore_aside(run_dir, run_stem, aside)
             raise
+        manifest.start(run_dir, run_stem)
         return aside
-    state = latest_state(run_dir, run_stem)
-    resume = (f'resume it: [train] resume_from = "{state.as_posix()}"' if state is not None else
-              "resume it: set [train] resume_from to one of its -state folders (it has none: it was saved without "
-              "save_optimizer_state, so it cannot be resumed)")
     raise RunRefused(
         f"{run_dir} already holds a run named {run_stem!r} ({names}); a new run would replace its files. Either\n"
         f"  - {resume},\n"
@@ -200,12 +222,18 @@ def check_fresh(run_dir: Path, run_stem: str, *, resume_state: Path | None, over
         f"saves its first checkpoint).")
 
 
-def check_stop_file(stop_file: str | os.PathLike | None) -> None:
+def check_stop_file(stop_file: str | os.PathLike | None, reads: list[guard.Read] = ()) -> None:
+    read = guard.stop_file_read(stop_file, list(reads))
+    if read is not None:
+        raise RunRefused(
+            f"--stop-file {os.fspath(stop_file)}: that is {read.label}, which this run reads, not a stop file (the "
+            f"run stops when the stop file appears). Name a path that does not exist yet, e.g. "
+            f"{Path(stop_file).with_suffix('.stop').name}")
     if stop_file and os.path.exists(stop_file):
         raise RunRefused(
             f"--stop-file {os.fspath(stop_file)}: the file already exists, so this run would stop after its first "
-            f"step. It is left over from an earlier run, or another running job's stop request; delete it (or name "
-            f"another path) and start again.")
+            f"step. If it is a stop request left over from an earlier run or another running job's, delete it; "
+            f"otherwise name another path (one that does not exist yet) and start again.")
 
 
 # -- the lock ------------------------------------------------------------------------------------------------------
@@ -361,19 +389,21 @@ def _same_file(fd: int, path: Path) -> bool:
 
 @contextlib.contextmanager
 def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path | None, overwrite: bool,
-              stop_file: str | None, saving: bool, say: Callable[[str], None]) -> Iterator[Claim]:
+              stop_file: str | None, saving: bool, say: Callable[[str], None],
+              reads: list[guard.Read] = ()) -> Iterator[Claim]:
     """The start-up checks of a run, and its folder lock for the run's duration. Yields the Claim: call
     `published()` once the run's first checkpoint is saved.
 
     Only the main process checks and locks; every rank waits for its verdict and raises the same message (the main
     process its own exception), so a refused DDP run ends on all ranks at once instead of hanging in the first
-    collective."""
+    collective. `reads`: what the run reads (guard.run_reads), which its folder and stop file must not be."""
     lock = RunLock(run_dir) if saving else None
     failed: Exception | None = None
     claim = Claim(run_dir, run_stem, say)
     if accelerator.is_main_process:
         try:
-            check_stop_file(stop_file)
+            check_stop_file(stop_file, reads)
+            guard.check_run_folder(run_dir, list(reads))
             if lock is not None:
                 lock.acquire(say)
                 claim.aside = check_fresh(run_dir, run_stem, resume_state=resume_state, overwrite=overwrite,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from anima_train.outputs import manifest
 from anima_train.outputs.run_folder import LOGS_DIR
 
 TRACKER = "tensorboard"
@@ -54,7 +55,7 @@ class Tracker:
         name = run_folder_name(logs, resumed_step) if accelerator.is_main_process else "rank"
         self.folder = logs / name
         if accelerator.is_main_process:
-            logs.mkdir(parents=True, exist_ok=True)
+            manifest.output(run_dir, LOGS_DIR).mkdir(parents=True, exist_ok=True)  # this run's (or refused)
         # flush every few seconds: a run that dies keeps its curve (SummaryWriter's default is 120 s)
         accelerator.init_trackers(name, init_kwargs={TRACKER: {"flush_secs": 5}})
 

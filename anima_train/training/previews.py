@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from anima_train.outputs import manifest
 from anima_train.outputs.run_folder import SAMPLES_DIR
 from anima_train.model.prompts import encode_prompts
 from anima_train.files import atomic_path
@@ -221,6 +222,7 @@ class Previewer:
                             vae=self._vae_model(), device=self.device, dtype=self.dtype, parked=self.parked)
 
             pil, paths = [to_pil(im) for im in images], []
+            manifest.output(self.samples_dir.parent, SAMPLES_DIR)  # the folder is this run's (or refused)
             for i, image in enumerate(pil):
                 path = sample_path(self.samples_dir, step, i)
                 with atomic_path(path) as tmp:

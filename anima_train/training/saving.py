@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anima_train.config import Config
-from anima_train.outputs import checkpoint_files, resume_state
+from anima_train.outputs import checkpoint_files, manifest, resume_state
 from anima_train.outputs.layout import STATE_SUFFIX, checkpoint_stem
 from anima_train.outputs.progress import Progress
 from anima_train.outputs.run_folder import Claim
@@ -57,7 +57,8 @@ def save(run: Run, *, epoch: int, batch_index: int, step: int | None = None, epo
     accelerator.wait_for_everyone()
     path = None
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        # the names this checkpoint may take (file or diffusers folder, `_te`, `-state`) are recorded as this run's
+        manifest.output(run_dir, f"{stem}.safetensors", stem, f"{stem}_te.safetensors", f"{stem}{STATE_SUFFIX}")
         models = {"transformer": accelerator.unwrap_model(run.trainable[0]),
                   "text_conditioner": run.parts.text_conditioner, "text_encoder": run.parts.text_encoder}
         path = checkpoint_files.write_checkpoint(

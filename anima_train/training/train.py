@@ -39,7 +39,7 @@ from anima_train.model import fp8_base
 from anima_train.model.components import DTYPES, load_components
 from anima_train.model.prompts import encode_prompts
 from anima_train.model.quant import dit_tokens, quantize_models
-from anima_train.outputs import resume_state, run_folder, tracking
+from anima_train.outputs import guard, manifest, resume_state, run_folder, tracking
 from anima_train.outputs.checkpoint_files import tag_frequency
 from anima_train.outputs.layout import LOSS_PLOT_NAME
 from anima_train.outputs.plot import plot_losses
@@ -124,7 +124,7 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
     accelerator = Accelerator(mixed_precision="no", cpu=cpu, dataloader_config=DataLoaderConfiguration(non_blocking=True),
                               gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
                               **tracking.accelerator_kwargs(cfg, Path(cfg.train.output_dir) / cfg.run_stem))
-    progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=events)
+    progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=guard.checked_events(events, cfg))
     windows.install_console_handler()  # Windows: closing the console saves like a stop file (no-op elsewhere)
     try:
         with contextlib.ExitStack() as cleanup:
@@ -198,7 +198,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                    first_loss_step=first_loss_step, losses=earlier_losses)  # a resumed chart: the whole run
     if accelerator.is_main_process and not no_save:
         run_dir.mkdir(parents=True, exist_ok=True)
-        copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")
+        copy_config_verbatim(cfg, manifest.output(run_dir, f"{cfg.run_stem}.toml"))
 
     result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
@@ -234,7 +234,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
                                    batch_index=0 if epoch_finished else batch_index, final=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and not no_save and result.losses:
-        plot_losses(run.earlier_losses + result.losses, run_dir / LOSS_PLOT_NAME,
+        plot_losses(run.earlier_losses + result.losses, manifest.output(run_dir, LOSS_PLOT_NAME),
                     title=f"training loss: {cfg.run_stem}", first_step=run.first_loss_step,
                     validation=[(p.step, p.loss) for p in result.validation])
     if model.parked is not None:
@@ -406,7 +406,7 @@ def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool
     # ... and so must a run that would replace another run's files, share its folder, or stop at once
     claim = cleanup.enter_context(run_folder.claim_run(run_dir, cfg.run_stem, accelerator, resume_state=state_dir,
                                                  overwrite=overwrite, stop_file=stop_file, saving=not no_save,
-                                                 say=say))
+                                                 say=say, reads=guard.run_reads(cfg)))
     return state_dir, claim
 
 
