@@ -14,12 +14,14 @@ import re
 import tempfile
 from pathlib import Path
 
+from anchor.atomic import write_json
 from anima_train.errors import DATA_VERDICT_EXIT
 from anima_train.model.components import DEFAULT_TOKENIZER_REPO, ModelRepoError, check_repo
 
 from . import comfy
 from . import fixes
 from . import paths
+from . import run_records
 from . import worker
 from .comfy import CATEGORY, io
 from .nodes_train import ConfigType
@@ -103,7 +105,7 @@ def run_cli(args: list[str], what: str, *, ok_codes=(0,), on_line=None) -> worke
 
 def _dataset_fingerprint(dataset_dir, config, *widgets) -> str:
     dirs = [d.strip() for d in (dataset_dir or "").split(";") if d.strip()]
-    return worker.result_key(data=worker.dataset_digest(dirs), config=config and str(config), widgets=widgets)
+    return run_records.result_key(data=run_records.dataset_digest(dirs), config=config and str(config), widgets=widgets)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -153,15 +155,15 @@ class AnimaTrainConvert(io.ComfyNode):
     def fingerprint_inputs(cls, anima=None, qwen=None, vae=None, out_dir="", tokenizers="", **_):
         try:
             files, out = cls._resolve(anima, qwen, vae, out_dir)
-            return worker.result_key(inputs=worker.files_digest(files.values()), out=str(out), tok=tokenizers)
+            return run_records.result_key(inputs=run_records.files_digest(files.values()), out=str(out), tok=tokenizers)
         except Exception:  # noqa: BLE001
-            return worker.result_key(values=[anima, qwen, vae, out_dir, tokenizers])
+            return run_records.result_key(values=[anima, qwen, vae, out_dir, tokenizers])
 
     @classmethod
     @fixes.shown_on(fixes.CONVERT)
     def execute(cls, anima, qwen, vae, out_dir="", tokenizers=""):
         files, out = cls._resolve(anima, qwen, vae, out_dir)
-        key = worker.result_key(inputs=worker.files_digest(files.values()), tok=tokenizers)
+        key = run_records.result_key(inputs=run_records.files_digest(files.values()), tok=tokenizers)
         marker = out / CONVERT_MARKER
         try:
             if json.loads(marker.read_text(encoding="utf-8")).get("key") == key:
@@ -175,7 +177,7 @@ class AnimaTrainConvert(io.ComfyNode):
         args = ["convert", "--anima", files["anima"], "--qwen", files["qwen"], "--vae", files["vae"],
                 "--out", str(out)] + (["--tokenizers", tokenizers] if tokenizers else [])
         result = run_cli(args, "conversion")
-        worker.write_json(marker, {"key": key, "inputs": files})
+        write_json(marker, {"key": key, "inputs": files})
         text = _text(result) or f"wrote {out}"
         return io.NodeOutput(str(out), ui={"text": [text]})
 

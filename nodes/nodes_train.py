@@ -55,6 +55,7 @@ from . import comfy
 from . import fixes
 from . import paths
 from . import previews
+from . import run_records
 from . import worker
 from .comfy import CATEGORY, io
 
@@ -130,7 +131,7 @@ KNOBS = [
 # Keys that became widgets after workflows had been saved with this node. A saved workflow holds widget values by
 # position, so these come after extra_toml: an older workflow gives every earlier widget its own value, and these
 # their defaults. A default is not written into the config, so an older workflow's config text, and with it the
-# node's key for re-using a finished run or resuming a cancelled one (worker.result_key), is what it was.
+# node's key for re-using a finished run or resuming a cancelled one (run_records.result_key), is what it was.
 LATE_KNOBS = [
     Knob("train.swap_blocks", "swap_blocks", advanced=True, unset_default=True),
     Knob("train.base_matmul", "base_matmul", advanced=True, unset_default=True),
@@ -327,8 +328,8 @@ def _model_and_data_digest(cfg) -> dict:
     folders = [s.path for s in cfg.dataset.resolved_subsets()]
 
     def digest() -> dict:
-        return {"dataset": worker.dataset_digest(folders),
-                "model": worker.files_digest([model]) if model and not model.startswith("<linked") else ""}
+        return {"dataset": run_records.dataset_digest(folders),
+                "model": run_records.files_digest([model]) if model and not model.startswith("<linked") else ""}
 
     return _once_per_queue("digest", json.dumps([folders, model]), digest)
 
@@ -374,9 +375,9 @@ class AnimaTrainConfig(io.ComfyNode):
         # The widgets decide the output, but so do the files: a changed dataset or model must reach Train.
         try:
             cfg, text = build_config(values)
-            return worker.result_key(toml=text, **_model_and_data_digest(cfg))
+            return run_records.result_key(toml=text, **_model_and_data_digest(cfg))
         except Exception:  # noqa: BLE001 (execute reports the problem)
-            return worker.result_key(values=values)
+            return run_records.result_key(values=values)
 
     @classmethod
     @fixes.shown_on(fixes.TRAINING_CONFIG)
@@ -468,10 +469,10 @@ def publish(final: Path, kind: str, run_stem: str) -> Path | None:
     if not final.is_file():
         return None  # a full finetune saved as diffusers folders: nothing a stock loader reads
     folder = adapters.method(kind).comfy_folder
-    dest = worker.publish_copy(final, Path(comfy.model_folder(folder)) / PUBLISH_SUBDIR, f"{run_stem}.safetensors")
+    dest = run_records.publish_copy(final, Path(comfy.model_folder(folder)) / PUBLISH_SUBDIR, f"{run_stem}.safetensors")
     te = text_encoder_lora_path(final)
     if te.is_file():  # the Qwen3 LoRA sibling, named after the copy
-        worker.publish_copy(te, dest.parent, text_encoder_lora_path(dest).name)
+        run_records.publish_copy(te, dest.parent, text_encoder_lora_path(dest).name)
     return dest
 
 
@@ -496,10 +497,10 @@ def pick_run(cfg, toml: str, key: str):
     job_lock, cancelled = None, None
     for stem in run_folder.run_names(cfg.run_stem):
         run_dir = output_dir / stem
-        manifest = worker.reusable_result(run_dir, key)
+        manifest = run_records.reusable_result(run_dir, key)
         if manifest is not None:
             break
-        cancelled = None if resumed is not None else worker.resumable_cancel(run_dir, key)
+        cancelled = None if resumed is not None else run_records.resumable_cancel(run_dir, key)
         resuming = cancelled is not None or (resumed is not None and resumed == run_dir.resolve())
         if resuming or run_folder.holds_no_run(run_dir, stem):
             job_lock = run_folder.RunLock(run_dir, JOB_LOCK_NAME)
@@ -588,7 +589,7 @@ class AnimaTrainTrain(io.ComfyNode):
             toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
             cfg = anima_config.load_config(toml)
         refuse_multi_process(cfg, gpus)  # the trainer refuses it too, but only after accelerate launched the workers
-        key = worker.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
+        key = run_records.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
         cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)
         try:
             return cls._run(cfg, toml, run_dir, manifest, note, key, gpus, copy_to_loras,
@@ -630,7 +631,7 @@ class AnimaTrainTrain(io.ComfyNode):
         except BaseException:  # Cancel (ComfyUI's interrupt) or a failed callback: the worker has been stopped
             cls._cancelled(cfg, run_dir, key, relay)
             raise
-        (run_dir / worker.CANCELLED_NAME).unlink(missing_ok=True)  # this run is past its Cancel now
+        (run_dir / run_records.CANCELLED_NAME).unlink(missing_ok=True)  # this run is past its Cancel now
         worker.raise_for_failure(result, f"training {cfg.run_stem}")
         done = result.last("done") or {}
         if not done.get("final"):
@@ -638,7 +639,7 @@ class AnimaTrainTrain(io.ComfyNode):
                                      f"= true, or the worker stopped early); log: {result.log_path}")
         final = Path(done["final"])
         published = publish(final, cfg.adapter.kind, cfg.run_stem) if copy_to_loras else None
-        worker.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
+        run_records.write_manifest(run_dir, key, final, steps=done.get("step"), losses=relay.losses,
                               published=str(published) if published else None, warnings=relay.warnings,
                               memory_plan=relay.memory_plan, validation=relay.validation,
                               validation_points=relay.validation_points)
@@ -657,13 +658,13 @@ class AnimaTrainTrain(io.ComfyNode):
             saved = [Path(p) for p in done.get("saved") or []]
             state = state_dir_for(saved[-1]) if saved else None
             if not relay.steps_seen:  # nothing trained: a folder only this job wrote to goes (no "-3" left over)
-                worker.discard_unstarted_run(run_dir, {JOB_CONFIG_NAME, JOB_LOCK_NAME})
+                run_records.discard_unstarted_run(run_dir, {JOB_CONFIG_NAME, JOB_LOCK_NAME})
             if not done or not saved:
                 text = (f"cancelled at step {step} of {total}: the worker was ended before it saved (nothing new "
                         f"was written); queue again to start over" if step else
                         "cancelled before the first step: nothing was trained or saved")
             elif state is not None and state.is_dir():
-                worker.write_cancelled(run_dir, key, state, step, total)
+                run_records.write_cancelled(run_dir, key, state, step, total)
                 text = (f"cancelled at step {step} of {total}: saved {saved[-1]} and its resume state; queue "
                         f"again (same inputs) to resume from step {step}")
             else:
@@ -742,7 +743,7 @@ _TEXT_CACHE: dict = {}  # (repo, stat digest) -> (tokenizer, t5_tokenizer, text_
 
 def _text_parts(model_path: str):
     root = check_repo(model_path)
-    key = (str(root), worker.files_digest([root / "text_encoder", root / "tokenizer", root / "t5_tokenizer"]))
+    key = (str(root), run_records.files_digest([root / "text_encoder", root / "tokenizer", root / "t5_tokenizer"]))
     if key not in _TEXT_CACHE:
         _TEXT_CACHE.clear()
         _TEXT_CACHE[key] = (AutoTokenizer.from_pretrained(root, subfolder="tokenizer"),

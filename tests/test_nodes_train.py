@@ -442,7 +442,7 @@ def test_one_queue_parses_its_config_once_and_walks_the_dataset_once(comfy_env, 
 
     monkeypatch.setattr(anima_config, "load_config", counted("load_config", anima_config.load_config))
     monkeypatch.setattr(nt.paths, "confine_toml", counted("confine_toml", nt.paths.confine_toml))
-    monkeypatch.setattr(nt.worker, "dataset_digest", counted("dataset_digest", nt.worker.dataset_digest))
+    monkeypatch.setattr(nt.run_records, "dataset_digest", counted("dataset_digest", nt.run_records.dataset_digest))
 
     def queue(prompt, **over):
         monkeypatch.setattr(env.comfy, "queued_prompt_id", lambda: prompt)
@@ -540,7 +540,7 @@ def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_i
     else:
         assert "no resume state: save_state_on_stop = false" in said and after[-1]["resumable"] is False
         assert job.train.resume_from is None and job.run_stem == "stopme-2"  # a new run, beside the stopped one
-    assert not (run_dir / env.nt.worker.CANCELLED_NAME).exists()
+    assert not (run_dir / env.nt.run_records.CANCELLED_NAME).exists()
 
 
 def test_the_cancel_grace_follows_the_step_time_and_is_bounded(comfy_env):

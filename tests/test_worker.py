@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from nodes import worker
+from nodes import run_records, worker
+from anima_train.outputs.layout import MANIFEST_NAME
 
 FAKE = textwrap.dedent(r'''
     import json, os, signal, subprocess, sys, time
@@ -201,28 +202,28 @@ def test_dataset_digest_sees_changes_but_not_unrelated_files(tmp_path):
     data.mkdir()
     (data / "a.png").write_bytes(b"x")
     (data / "a.txt").write_text("red circle")
-    d0 = worker.dataset_digest([data])
+    d0 = run_records.dataset_digest([data])
     (data / "notes.md").write_text("unrelated")
-    assert worker.dataset_digest([data]) == d0
+    assert run_records.dataset_digest([data]) == d0
     (data / "a.txt").write_text("blue circle, longer")
-    d1 = worker.dataset_digest([data])
+    d1 = run_records.dataset_digest([data])
     assert d1 != d0
     (data / "b.jpg").write_bytes(b"y")
-    assert worker.dataset_digest([data]) != d1
-    assert worker.dataset_digest([tmp_path / "missing"]) != worker.dataset_digest([data])
+    assert run_records.dataset_digest([data]) != d1
+    assert run_records.dataset_digest([tmp_path / "missing"]) != run_records.dataset_digest([data])
 
 
 def test_manifest_reuse_needs_the_same_key_and_an_unchanged_file(tmp_path):
     final = tmp_path / "run.safetensors"
     final.write_bytes(b"weights")
-    key = worker.result_key(toml="a", dataset="d")
-    assert worker.reusable_result(tmp_path, key) is None  # nothing recorded yet
-    worker.write_manifest(tmp_path, key, final, steps=7, losses=[0.5])
-    got = worker.reusable_result(tmp_path, key)
+    key = run_records.result_key(toml="a", dataset="d")
+    assert run_records.reusable_result(tmp_path, key) is None  # nothing recorded yet
+    run_records.write_manifest(tmp_path, key, final, steps=7, losses=[0.5])
+    got = run_records.reusable_result(tmp_path, key)
     assert got["steps"] == 7 and got["final"]["path"] == str(final)
-    assert worker.reusable_result(tmp_path, worker.result_key(toml="b", dataset="d")) is None
+    assert run_records.reusable_result(tmp_path, run_records.result_key(toml="b", dataset="d")) is None
     final.write_bytes(b"weights, edited")
-    assert worker.reusable_result(tmp_path, key) is None
+    assert run_records.reusable_result(tmp_path, key) is None
 
 
 def test_publish_copy_never_replaces_another_file(tmp_path):
@@ -232,18 +233,18 @@ def test_publish_copy_never_replaces_another_file(tmp_path):
     loras = tmp_path / "loras"
     loras.mkdir()
     (loras / "x.safetensors").write_bytes(b"the user's own file")
-    first = worker.publish_copy(src, loras)
+    first = run_records.publish_copy(src, loras)
     assert first.name == "x-2.safetensors" and first.read_bytes() == b"trained"
     assert (loras / "x.safetensors").read_bytes() == b"the user's own file"
-    assert worker.publish_copy(src, loras) == first  # same bytes: re-used, not copied again
+    assert run_records.publish_copy(src, loras) == first  # same bytes: re-used, not copied again
     src.write_bytes(b"trained again")
-    third = worker.publish_copy(src, loras)
+    third = run_records.publish_copy(src, loras)
     assert third.name == "x-3.safetensors" and first.read_bytes() == b"trained"
     assert not [p for p in loras.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
 def test_write_json_roundtrip(tmp_path):
-    path = worker.write_json(tmp_path / "m.json", {"a": 1})
+    path = run_records.write_json(tmp_path / "m.json", {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
 
 
@@ -252,13 +253,13 @@ def test_an_unstarted_run_folder_goes_but_one_holding_anything_else_stays(tmp_pa
     fresh = tmp_path / "run-3"  # what a Cancel during model load left: the job's TOML, the log, a stop file, locks
     fresh.mkdir()
     for name in ("comfyui-job.toml", ".comfyui-job.lock", worker.LOG_NAME, ".anima-train.lock",
-                 worker.job_stop_file(fresh).name):
+                 worker.job_stop_file(fresh).name, MANIFEST_NAME):  # the trainer claimed the folder before loading
         (fresh / name).write_text("x")
-    assert worker.discard_unstarted_run(fresh, job) and not fresh.exists()
+    assert run_records.discard_unstarted_run(fresh, job) and not fresh.exists()
     for extra in ("cat.safetensors", "notes.txt"):  # an earlier run's file, a user's file
         kept = tmp_path / f"kept-{extra}"
         kept.mkdir()
         (kept / "comfyui-job.toml").write_text("x")
         (kept / extra).write_text("mine")
-        assert not worker.discard_unstarted_run(kept, job)
+        assert not run_records.discard_unstarted_run(kept, job)
         assert (kept / extra).read_text() == "mine" and (kept / "comfyui-job.toml").is_file()
