@@ -42,7 +42,7 @@ function showText(node, text) {
     const el = document.createElement("pre");
     el.className = "anima-train-text";
     el.style.cssText =
-      "margin:0;padding:4px 6px;font:11px/1.35 monospace;white-space:pre-wrap;overflow:auto;" +
+      "margin:0;padding:4px 6px;font:11px/1.35 monospace;white-space:pre-wrap;overflow-wrap:anywhere;overflow:auto;" +
       "background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border-radius:4px;";
     widget = node.addDOMWidget("anima_text", "anima_text", el, { serialize: false });
     widget.serialize = false; // options.serialize keeps it out of the prompt, this out of the saved workflow

@@ -135,7 +135,7 @@ def test_stale_settings_then_recache_and_other_vae(images, vae_repo, tmp_path, c
     assert cache_cli(images, "--resolution", 128, "--bucket-reso-steps", 32, "--model", vae_repo) == 0
     n_before = len(cache_files(images))
     build_training_data(train_config(images, tiers=(128,), steps=32), vae_repo)
-    cfg64 = train_config(images, tiers=(128,), steps=64)
+    cfg64 = train_config(images, tiers=(128,), steps=64, source="images")  # "auto" would encode instead
     with pytest.raises(DatasetError, match="bucket_reso_steps=32, the config says 64") as exc:
         build_training_data(cfg64, vae_repo)
     assert "--bucket-reso-steps 64" in str(exc.value)
@@ -191,7 +191,7 @@ def test_damaged_caches_are_re_encoded_and_overwrite_repairs_a_truncated_one(ima
     assert cache_cli(images, *flags) == 0
     files = cache_files(images)
     good = {p: load_file(str(p))["latents"] for p in files}
-    cfg = train_config(images, tiers=(128,))
+    cfg = train_config(images, tiers=(128,), source="images")  # "auto" would encode instead
     # an 8x8 latent in a bigger bucket's cache, metadata kept: re-encoded without --overwrite, and named
     wrong = next(p for p in files if p.name.startswith("img_0000_"))  # 64x64 source: latents [16, 1, 8, 8]
     big = next(p for p in files if p.name.startswith("img_0003_"))  # 128x96 source: latents [16, 1, 12, 16]

@@ -95,10 +95,11 @@ def test_the_training_config_gate_says_widgets(node_env, tiny_anima):
         return _shown(lambda: nt.AnimaTrainConfig.validate_inputs(**dict(good, **over)))
 
     lr = refused(learning_rate=0.0)
-    assert lr.splitlines()[0] == "learning_rate = 0.0: must be > 0.0", lr  # the widget, not "[optimizer] lr"
+    lr_hint = " (LoRAs train at about 1e-4, Prodigy-style optimizers at 1.0)"  # the key's own bound hint
+    assert lr.splitlines()[0] == "learning_rate = 0.0: must be > 0.0" + lr_hint, lr  # the widget, not "[optimizer] lr"
     _check("lr", lr, ("learning_rate",))
     typed = refused(extra_toml="[optimizer]\nlr = 0\n")  # typed into extra_toml, which wins: fixed there
-    assert typed.splitlines()[0] == "extra_toml [optimizer] lr = 0.0: must be > 0.0", typed
+    assert typed.splitlines()[0] == "extra_toml [optimizer] lr = 0.0: must be > 0.0" + lr_hint, typed
     _check("extra_toml", typed, ("extra_toml",))
     no_repo = refused(model_path=str(data))  # a folder of images, not a converted model
     _check("model", no_repo, ("model_path",))

@@ -166,3 +166,24 @@ def test_what_a_run_recorded_is_what_overwrite_replaces(work):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "deleting the earlier run's 3 file(s)" in again.stdout
     assert (run / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("flags", [(), ("--overwrite",)])
+def test_cache_never_writes_over_a_file_it_did_not_write(work, flags):
+    """A file of the user's under a cache's name (`<stem>_WWWWxHHHH_anima.safetensors`) was taken for a damaged
+    cache and re-encoded over; `--overwrite` wrote over it too. What `cache` wrote is told by the file's own header
+    (its format record), not by its name."""
+    args = ("cache", "base", "--resolution", "64", "--model", "tm/diffusers", "--device", "cpu")
+    first = anima_train_cli(*args, cwd=work)
+    assert first.returncode == 0, first.stderr[-3000:]
+    caches = sorted((work / "base").glob("*_anima.safetensors"))
+    assert caches, first.stdout
+    caches[0].write_bytes(b"my own file, named like a cache\n")
+    before = folder_digests(work / "base")
+    out = anima_train_cli(*args, *flags, cwd=work)
+    err = out.stderr
+    assert out.returncode == errors.USER_ERROR_EXIT, f"exit {out.returncode}\n{err[-3000:]}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("anima-train cache: error: "), err[-3000:]
+    assert str(caches[0].relative_to(work)) in err and "move or rename" in err and "delete" not in err, err
+    assert folder_digests(work / "base") == before

@@ -19,12 +19,29 @@ CACHE_NAME = re.compile(r"^(?P<stem>.+)_(?P<w>\d{4})x(?P<h>\d{4})_anima\.safeten
 CACHE_FORMAT = "anima-latent-cache/1"
 
 
+def written_as_cache(path: Path) -> bool:
+    """Whether the file at a cache's name is one `cache` wrote: its safetensors header (read as JSON, so a file cut
+    short after it still counts) records CACHE_FORMAT. Caches are written whole (atomic_path), so any other file
+    there is not ours, whatever its name says: `cache` never writes over it (docs/architecture.md#nothing-lost)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= 100_000_000:
+                return False
+            header = json.loads(f.read(size))
+        return isinstance(header, dict) and (header.get("__metadata__") or {}).get("format") == CACHE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class CacheUnreadable(DatasetError):
     """A latent cache whose safetensors header cannot be read (truncated, not safetensors)."""
 
     def __init__(self, path: Path, reason: str):
         super().__init__(f"latent cache {path} cannot be read ({reason}): delete it and "
-                         + ref("run cache", "re-run anima-train cache"))
+                         + ref("run cache", "re-run anima-train cache") if written_as_cache(path) else
+                         f"{path} has a latent cache's name but is not a cache anima-train wrote ({reason}): move "
+                         f"or rename it")
         self.path, self.reason = path, reason
 
 

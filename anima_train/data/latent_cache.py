@@ -27,7 +27,8 @@ from anima_train.files import atomic_path
 from anima_train.data.buckets import BUCKET_KEYS, DATASET_DEFAULTS, tier_counts, tier_report
 from anima_train.config import ConfigError, DTYPE_NAMES, DatasetConfig, TrainConfig, load_config
 from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
-from anima_train.data.cache_files import cache_path, vae_identity
+from anima_train.fixes import ref
+from anima_train.data.cache_files import cache_path, vae_identity, written_as_cache
 from anima_train.data.dataset import encode_latents, load_pixels
 from anima_train.data.errors import DatasetError
 from anima_train.data.planning import (IMAGE_CHANGED, IMAGE_UNRECORDED, BucketSettings, check_caches, plan_metadata,
@@ -207,6 +208,16 @@ def run(args) -> int:
         return USER_ERROR_EXIT
 
 
+def refuse_foreign_files(paths: list[Path]) -> None:
+    """A file that has a cache's name but that `cache` did not write is the user's: never written over."""
+    foreign = sorted({p for p in paths if os.path.lexists(p) and not (p.is_file() and written_as_cache(p))})
+    if foreign:
+        shown = ", ".join(str(p) for p in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise DatasetError(f"{len(foreign)} file(s) have a latent cache's name but were not written by "
+                           f"{ref('name cache', 'anima-train cache')}, which will not write over them: {shown}; "
+                           f"move or rename them")
+
+
 def _device(name: str | None) -> str:
     """The --device to encode on, checked: a name torch knows, and a device this machine has."""
     # lazy: torch (~4.6 s): see load_vae
@@ -291,6 +302,7 @@ def _run(args) -> int:
         jobs = [e for e in jobs if plan.sources[e.source].image not in gone]
         print(f"skipped  {len(gone)} undecodable image(s) (--skip-unreadable): "
               + ", ".join(str(p) for p in sorted(gone)[:5]) + (" ..." if len(gone) > 5 else ""))
+    refuse_foreign_files([cache_path(plan.sources[e.source].stem, e.plan.bucket) for e in jobs])
     stale = sum(1 for e in jobs if cache_path(plan.sources[e.source].stem, e.plan.bucket).exists())
     n_files = len({(e.source, e.plan.bucket) for e in plan.entries})
     print(f"todo     {len(jobs)} of {n_files} cache file(s) to write" +
