@@ -43,6 +43,7 @@ CLAUSES = {
                                 f"a Hugging Face repo id) and run it again",
     "run cache": f'run "{CACHE}" with dry_run off on this dataset, or set source = "encode" on "{TRAINING_CONFIG}"',
     "name cache": f'"{CACHE}"',
+    "set dataset": f'set the dataset_path widget on "{TRAINING_CONFIG}" to the folder of your images',
     "run plan": "",
     "run evaluate": f'; compare the checkpoints by loading each with "{LOAD}"',
     "flag audit --resolution": f'set resolutions on "{AUDIT}" or connect a training config',

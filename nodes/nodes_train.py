@@ -263,8 +263,6 @@ def config_toml(values: dict) -> str:
     if not _has(tree, "train.output_dir") and not _has(extra, "train.output_dir"):
         _set(tree, "train.output_dir", default_output_dir())
     tree = _merge(tree, extra)
-    if not (_has(tree, "dataset.path") or _has(tree, "dataset.subsets")):  # the LoRA template ships it empty
-        raise ConfigError("set the dataset_path widget on Anima: Training config to the folder of your images")
     if problems := paths.confine_tree(tree, paths.current_policy(), skip=_is_linked):
         raise paths.refused(problems)
     return tomlkit.dumps(tree)

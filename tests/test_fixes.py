@@ -122,6 +122,13 @@ def test_several_config_problems_are_shown_together_each_once(node_env, tiny_ani
     assert text.count("learning_rate = 0.0") == 1 and text.count("my_datset") == 2, text  # its value and its path
     assert text.count("dataset folder not found") == 1 and "dataset_path" in text, text
 
+    # the template's empty dataset_path beside another problem: both said, the empty folder as the widget to set
+    # (it was refused alone before the values were checked: the user met lr = 0 only after setting the folder)
+    empty = _shown(lambda: nt.AnimaTrainConfig.validate_inputs(**dict(values, dataset_path="")))
+    assert empty.count("learning_rate = 0.0") == 1, empty
+    assert empty.count('set the dataset_path widget on "Anima: Training config"') == 1, empty
+    assert "[dataset]" not in empty and "subsets" not in empty, empty
+
     # the shell: the same two problems in one message, named the TOML way, exit 2
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[train]\nmodel_path = "{tiny_anima.diffusers_dir}"\n[dataset]\npath = "{tmp_path / "nope"}"\n'

@@ -25,6 +25,7 @@ from anima_train import adapters
 from anima_train.data.captions import CAPTION_VARIANTS, parse_protected_tags
 from anima_train.config.constants import CAME_BETAS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT
 from anima_train.config.keys import Problems, as_toml, table_label
+from anima_train.fixes import ref
 
 # ------------------------------------------------------------------------------------------------ [train], tiers
 
@@ -142,8 +143,8 @@ def _sources(d, p: Problems, ctx, w) -> None:
             p.error("[dataset] sets both path and [[dataset.subsets]]; use one: move path into a "
                     "[[dataset.subsets]] entry to train on several folders")
         elif d.path is None and not d.subsets and ctx.require_data:
-            p.error('[dataset] no training data: set [dataset] path = "/your/images", or add '
-                    "[[dataset.subsets]] tables with a path each")
+            p.error(ref("set dataset", '[dataset] no training data: set [dataset] path = "/your/images", or add '
+                            "[[dataset.subsets]] tables with a path each"))
     if d.subsets and "num_repeats" in ctx.given("dataset", d):
         p.warnings.append("[dataset] num_repeats only applies to the single-path form and is ignored with "
                           "[[dataset.subsets]]; set num_repeats in each subset instead")
