@@ -51,6 +51,14 @@ def start(run_dir: str | os.PathLike, run_stem: str, adopted=()) -> None:
     write_json(Path(run_dir) / MANIFEST_NAME, {"run": run_stem, "entries": sorted(names)})
 
 
+def drop_if_unused(run_dir: str | os.PathLike) -> None:
+    """Remove the manifest of a run that wrote none of what it recorded (refused after its claim, or stopped before
+    its first file): a run that made nothing leaves nothing behind."""
+    data = read(run_dir)
+    if data is not None and not any((Path(run_dir) / e).exists() for e in data["entries"] if isinstance(e, str)):
+        (Path(run_dir) / MANIFEST_NAME).unlink(missing_ok=True)
+
+
 def output(run_dir: str | os.PathLike, *names: str) -> Path:
     """`run_dir / names[0]`, once every name is recorded as this run's. A name that exists but is not recorded is
     the user's (or a run's of before manifests): refused, naming it and the way out."""

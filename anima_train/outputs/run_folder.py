@@ -428,4 +428,5 @@ def claim_run(run_dir: Path, run_stem: str, accelerator, *, resume_state: Path |
         # nothing: the earlier run comes back, before the lock goes (no other run may see it half restored)
         claim.put_back()
         if lock is not None:
+            manifest.drop_if_unused(run_dir)
             lock.release()
