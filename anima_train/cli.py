@@ -215,7 +215,10 @@ def _report(name: str, exc: Exception) -> int:
             # the launcher ends every process as soon as one exits: a rank that got here first must not take the main
             # process down before it has printed the message. The main process exits at once and the launcher ends
             # this one; if it is still alive after the grace period, the error was its own, so it says it.
-            time.sleep(errors.QUIET_RANK_GRACE_S)
+            try:
+                time.sleep(errors.QUIET_RANK_GRACE_S)
+            except KeyboardInterrupt:  # the launcher's SIGTERM, as the interrupt policy turns it: the main one spoke
+                return errors.exit_code(exc)
             print(f"[rank {os.environ.get('RANK')}] anima-train {name}: error: {message}", file=sys.stderr)
         return errors.exit_code(exc)
     rank = "" if errors.is_main_process() else f"[rank {os.environ.get('RANK')}] "

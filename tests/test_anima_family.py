@@ -89,7 +89,8 @@ def test_a_file_whose_blocks_do_not_match_is_refused_naming_the_block(deep, tmp_
         t["net.blocks.33.self_attn.q_proj.weight"] = t["net.blocks.33.self_attn.q_proj.weight"][:32]
 
     line = _damaged(tmp_path / "a", built, narrow)
-    assert "block 33 does not match" in line and "self_attn.q_proj.weight is [32, 64], block 0's is [64, 64]" in line
+    assert "block 33 does not match" in line
+    assert "net.blocks.33.self_attn.q_proj.weight has shape [32, 64], block 0's is [64, 64]" in line
 
     def gap(t):  # block 28 dropped: blocks 0-27 and 29-39 (a loader that merged two files wrongly)
         for key in [k for k in t if k.startswith("net.blocks.28.")]:

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from anima_train.outputs.layout import MANIFEST_NAME
 from anima_train import errors
 from anima_train.training.divergence import Diverged
 from anima_train.training.train import train
@@ -171,7 +172,7 @@ def test_a_diverging_run_stops_at_the_first_nan_loss_and_saves_nothing_of_it(tin
     msg = _error_line(out)
     assert "training diverged at step 2: the loss is nan" in msg and "lower [optimizer] lr" in msg.lower()
     assert f"the last good checkpoint and state are kept (newest: {run_dir / 'tiny-step000001-state'})" in msg
-    names = sorted(p.name for p in run_dir.iterdir())
+    names = sorted(p.name for p in run_dir.iterdir() if p.name != MANIFEST_NAME)  # the run's record of its files
     assert names == ["tiny-step000001-state", "tiny-step000001.safetensors", "tiny.toml"]  # no final, no step 2
     for p in run_dir.rglob("*.safetensors"):
         assert _all_finite(p), p
@@ -272,7 +273,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_the_fixed_
     failed = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert failed.returncode == errors.DIVERGED_EXIT, failed.stderr[-3000:]
     run_dir = tmp_path / "out" / "tiny"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["tiny.toml"]  # all it left
+    assert sorted(p.name for p in run_dir.iterdir() if p.name != MANIFEST_NAME) == ["tiny.toml"]  # all it left
     fixed = _config(tmp_path, tiny_anima.diffusers_dir, latents_dir, max_steps=2, name="fixed.toml")
     out = anima_train_cli("train", fixed, "--cpu", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -324,8 +325,8 @@ def test_overwrite_killed_before_its_first_checkpoint_leaves_the_earlier_run_to_
     finally:
         victim.send_signal(signal.SIGKILL)  # no Python left to put the earlier run back
         victim.wait()
-    assert sorted(p.name for p in run_dir.iterdir()) == [".anima-train-overwritten-tiny", ".anima-train.lock",
-                                                          "tiny.toml"]
+    assert sorted(p.name for p in run_dir.iterdir() if p.name != MANIFEST_NAME) == [
+        ".anima-train-overwritten-tiny", ".anima-train.lock", "tiny.toml"]
     # the next start (here: the same config without --overwrite) finds the earlier run back in its place
     out = anima_train_cli("train", config, "--cpu", cwd=tmp_path)
     assert out.returncode == errors.USER_ERROR_EXIT, out.stderr[-3000:]

@@ -116,15 +116,19 @@ def test_cli_missing_command_module_says_not_yet(monkeypatch, capsys):
     assert "`anima-train future` is not implemented yet" in err
 
 
-def test_cli_missing_dependency_is_not_disguised_as_not_yet(monkeypatch, tmp_path):
-    # A command module that exists but needs an absent package must fail loudly, not say "not yet".
+def test_cli_missing_dependency_is_not_disguised_as_not_yet(monkeypatch, tmp_path, capsys):
+    # A command module that exists but needs an absent package must fail loudly (an internal error naming the
+    # module, exit 1; --debug raises it), not say "not yet".
     (tmp_path / "fake_cmd_mod.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     from anima_train import cli
 
     monkeypatch.setitem(cli.COMMANDS, "fake", cli.Command("fake_cmd_mod", "x"))
+    assert cli.main(["fake"]) == 1
+    err = capsys.readouterr().err
+    assert "no_such_dependency_xyz" in err and "internal error" in err and "not yet" not in err, err
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_xyz"):
-        cli.main(["fake"])
+        cli.main(["--debug", "fake"])
 
 
 def test_check_passes_here_and_fails_on_a_broken_required_module(monkeypatch, capsys):

@@ -172,7 +172,7 @@ def test_a_caption_that_is_not_utf8_stops_the_run_before_training(tiny_anima, tm
     with pytest.raises(ValueError) as exc:  # DatasetError
         train(make_cfg(tiny_anima.diffusers_dir, data, tmp_path / "out", max_steps=4), cpu=True, events=str(events))
     msg = str(exc.value)
-    assert str(bad) in msg and "not UTF-8" in msg and "re-save each as UTF-8" in msg
+    assert str(bad) in msg and "not UTF-8" in msg and "re-save it as UTF-8" in msg
     assert '"event": "step"' not in events.read_text()  # refused at the scan, before any step
 
 

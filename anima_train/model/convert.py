@@ -142,6 +142,8 @@ def check_blocks(native: dict, path: Path) -> int:
         raise ConvertError(f"--anima {path}: block {gaps[0]} is missing (the file numbers its blocks up to {n - 1} "
                            f"but has no net.blocks.{gaps[0]}.* tensors); the file is damaged or was merged wrongly, "
                            f"download it again")
+    stripped = keymaps.strip_native_prefix({k: None for k in native})
+    prefix = next(iter(native))[:-len(next(iter(stripped)))] if stripped and native else ""  # the file's own spelling
     first = found[0]
     for index in range(1, n):
         block = found[index]
@@ -149,11 +151,13 @@ def check_blocks(native: dict, path: Path) -> int:
             continue
         lacks = sorted(set(first) - set(block))
         extra = sorted(set(block) - set(first))
+        own = f"{prefix}blocks.{index}."  # a tensor named by the file's own key: what the user can look up
         if lacks or extra:
-            what = (f"it has no {lacks[0]} (block 0 has)" if lacks else f"it has {extra[0]}, which block 0 has not")
+            what = (f"{own}{lacks[0]} is missing (block 0 has it)" if lacks else
+                    f"it has {own}{extra[0]}, which block 0 has not")
         else:
             name = next(k for k in sorted(first) if first[k] != block[k])
-            what = f"its {name} is {list(block[name])}, block 0's is {list(first[name])}"
+            what = f"{own}{name} has shape {list(block[name])}, block 0's is {list(first[name])}"
         raise ConvertError(f"--anima {path}: block {index} does not match the model built from the file (block "
                            f"0's shapes, {n} blocks): {what}; the file is damaged or mixes two models, download it "
                            f"again")

@@ -30,8 +30,10 @@ Sizes
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -225,7 +227,9 @@ def _save_safetensors(sd: dict, path: Path) -> None:
 def _claim(final: Path, overwrite: bool) -> None:
     if final.exists():
         if not overwrite:
-            raise FileExistsError(f"{final} already exists; pass overwrite=True or choose an empty out_dir")
+            # with its errno: the CLI says a file in the way as the machine's error it is (errors.user_message);
+            # two tiny-models into one folder meet here
+            raise FileExistsError(errno.EEXIST, f"{os.strerror(errno.EEXIST)} (in code: overwrite=True)", str(final))
         shutil.rmtree(final) if final.is_dir() else final.unlink()
 
 

@@ -143,7 +143,7 @@ def _restore_aside(run_dir: Path, run_stem: str, aside: Path) -> int:
         if target.exists() or target.is_symlink():
             _remove(target)
         os.replace(p, target)
-        moved += 1
+        moved += p.name != MANIFEST_NAME  # the earlier run's files, as --overwrite counted them when it set them aside
     with contextlib.suppress(OSError):
         aside.rmdir()
     return moved
