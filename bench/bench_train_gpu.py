@@ -203,7 +203,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     cfg = load_config(text)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     result = train(cfg, events=str(events), no_save=True)
     wall = time.perf_counter() - t0
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -215,12 +215,15 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                     for p in m.parameters() if p.requires_grad)
     recomputed = result.components.transformer._gradient_checkpointing_func.recomputed \
         if getattr(result.components.transformer, "gradient_checkpointing", False) else 0
-    rec = dict(who="ours", name=label, run=name, cap_gib=cap_gib, rank=rank, processes=world, batch=batch,
+    rec = dict(call=CALL, who="ours", name=label, run=name, cap_gib=cap_gib, base_matmul=base_matmul or "bf16",
+               rank=rank, processes=world, batch=batch,
                steps=len(result.losses), trainable=trainable, recomputed_blocks=recomputed,
                s_per_step=round(med, 4), s_per_image=round(med / (batch * world), 4),
                images_per_s=round(batch * world / med, 2) if deltas else None,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
-               first_step_s=round(times[0] - stamps[0]["time"], 1) if times else None, wall_s=round(wall, 1),
+               # from train() being called, as the seed's from its Trainer being built: model loading included
+               first_step_s=round(times[0] - t0_wall, 1) if times else None,
+               steady_s=steady_seconds(times, t0_wall), wall_s=round(wall, 1),
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4),
                losses=[round(loss, 4) for loss in result.losses],
                **allocator_stats())
@@ -237,6 +240,20 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     del result
     torch.cuda.empty_cache()
     return rec
+
+
+CALL = os.environ.get("BENCH_CALL", "")  # one id per GPU call: rows of different calls are never compared
+
+
+def steady_seconds(times: list[float], start: float) -> float | None:
+    """Seconds from the start to the first step after which 5 steps in a row run within 10 % of the median step
+    (after the first 3): a second compile at step 2, or a plan that settles late, shows here."""
+    deltas = [b - a for a, b in zip(times, times[1:])]
+    if len(deltas) < 8:
+        return None
+    med = statistics.median(deltas[3:])
+    first = next((i for i in range(len(deltas) - 4) if all(abs(d - med) <= 0.1 * med for d in deltas[i:i + 5])), None)
+    return round(times[first] - start, 1) if first is not None else None
 
 
 def allocator_stats() -> dict:
@@ -326,7 +343,8 @@ def baseline_rows(script: str, names: list[str], steps: int, cap_gib: float | No
         return {}
     rows = run_peer(capped_python(cap_gib) + [script, "--steps", str(steps), "--only", ",".join(wanted)],
                     work / "baseline.log")
-    return {wanted[r["name"]]: dict(r, who="naive") for r in rows if r.get("name") in wanted}
+    return {wanted[r["name"]]: dict(r, call=CALL, who="naive", run=wanted[r["name"]], cap_gib=cap_gib)
+            for r in rows if r.get("name") in wanted}
 
 
 def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[str], steps: int,
@@ -356,7 +374,8 @@ def seed_rows(bench_script: str, tar: str, repo: Path, data: Path, names: list[s
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         rows = run_peer(cmd, work / f"seed_{n.replace(':', '_')}.log", env)
         if rows:
-            out[n] = dict(rows[-1], who="seed")
+            out[n] = dict(rows[-1], call=CALL, who="seed", run=n, cap_gib=cap_gib, base_matmul="bf16")
+            print(json.dumps(out[n]), flush=True)  # the row as compared, with the call's fields
     return out
 
 

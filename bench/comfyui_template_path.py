@@ -10,10 +10,19 @@ The template samples through ComfyUI's CLIPLoader, which loads a full-size Qwen3
 Records, under --out: server.log, timeline.json (every /system_stats + nvidia-smi sample with the progress phase),
 summary.json (times, VRAM before/during/after, worker s/step), and the two sampled images.
 Uses the websocket/graph helpers of tests/test_comfyui_pack.py. Nothing is written into the ComfyUI checkout.
+
+The Train node against `anima-train train` (issue #45, point 1): --variants queues the template once per variant
+(plain; previews = an extra_toml [sample] table), and after each prompt --cli runs the trainer from the shell on the
+very TOML the node wrote (comfyui-job.toml, only run_name changed), in the same call on the same GPU, once per
+environment: `comfy-env` = the environment the node's worker got (ComfyUI's allocator setting included), `plain` =
+a shell's. ComfyUI's models are freed (/free) before each CLI run, as Train frees them for its worker. Every run is
+one JSON line in rows.jsonl: call, who (comfyui/ours), run, cap_gib, base_matmul, s_per_step/s_per_image (median
+step-to-step delta after the first 3 steps, from the trainer's own event times), first_step_s (queue or command to
+the first step), steady_s (to the first step after which 5 steps in a row run within 10 % of that median).
 """
 from __future__ import annotations
 
-import argparse, json, os, shutil, signal, subprocess, sys, threading, time, uuid
+import argparse, json, os, shutil, signal, statistics, subprocess, sys, threading, time, uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +49,52 @@ def nvsmi() -> dict:
         return {}
 
 
+def step_stats(events: list[dict], started: float) -> dict:
+    """The bench's statistics from one run's events (their `time` is the trainer's wall clock)."""
+    times = [e["time"] for e in events if e.get("event") == "step" and isinstance(e.get("time"), (int, float))]
+    deltas = [b - a for a, b in zip(times, times[1:])]
+    if len(deltas) < 4:
+        return {"steps": len(times), "s_per_step": None}
+    med = statistics.median(deltas[3:])
+    steady = next((i for i in range(len(deltas) - 4) if all(abs(d - med) <= 0.1 * med for d in deltas[i:i + 5])),
+                  None)
+    return {"steps": len(times), "s_per_step": round(med, 4), "first_step_s": round(times[0] - started, 1),
+            "steady_s": round(times[steady] - started, 1) if steady is not None else None,
+            "wall_to_last_step_s": round(times[-1] - started, 1)}
+
+
+def read_worker_env(into: dict, summary: dict) -> None:
+    """The environment of the node's running worker (`... anima_train train .../comfyui-job.toml`), from /proc."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if not (b"anima_train" in cmd and any(x.endswith(b"comfyui-job.toml") for x in cmd)):
+                continue
+            raw = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        into.update(dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x))
+        summary["worker_env"] = {k: v for k, v in into.items()
+                                 if k.startswith(("PYTORCH", "CUDA", "TORCH", "OMP", "ANIMA", "MIMALLOC"))}
+        return
+
+
+def cli_run(python: str, job_toml: Path, name: str, env: dict, log: Path) -> tuple[list[dict], float, int]:
+    """`anima-train train` on a copy of the node's job TOML (run_name changed): (events, start time, exit code)."""
+    text = job_toml.read_text(encoding="utf-8")
+    lines = [f'run_name = "{name}"' if line.startswith("run_name = ") else line for line in text.splitlines()]
+    assert any(line == f'run_name = "{name}"' for line in lines), "the job TOML has no top-level-table run_name line"
+    copy = job_toml.parent.parent / f"{name}.toml"
+    copy.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    events = copy.with_suffix(".events.jsonl")
+    started = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run([python, "-m", "anima_train", "train", str(copy), "--events", str(events)], cwd=str(ROOT),
+                            env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    rows = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    return rows, started, rc
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--comfy-root", required=True)
@@ -51,6 +106,12 @@ def main():
     ap.add_argument("--preload", action="store_true",
                     help="first queue the base-image branch alone (ComfyUI loads its models), then the whole graph")
     ap.add_argument("--front-end-root", default=None, help="a folder with an index.html (API-only server)")
+    ap.add_argument("--images", type=int, default=None, help="dataset size (default 8 full, 4 comfy)")
+    ap.add_argument("--steps", type=int, default=None, help="max_steps (default 50 full, 6 comfy)")
+    ap.add_argument("--variants", default="plain", help="comma list of plain, previews: one prompt each")
+    ap.add_argument("--cli", default="", help="after each prompt, anima-train train on the node's TOML: comma list "
+                                              "of comfy-env, plain")
+    ap.add_argument("--call", default=os.environ.get("BENCH_CALL", ""), help="this GPU call's id (rows' `call`)")
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or out / "work"); work.mkdir(parents=True, exist_ok=True)
@@ -73,7 +134,7 @@ def main():
     (base / "custom_nodes" / PACK_NAME).symlink_to(ROOT, target_is_directory=True)
     res = 1024 if a.size == "full" else 64
     dataset = base / "input" / "dataset"
-    make_synthetic_dataset(dataset, n=8 if a.size == "full" else 4, sizes=[(res, res)])
+    make_synthetic_dataset(dataset, n=a.images or (8 if a.size == "full" else 4), sizes=[(res, res)])
     env = {**os.environ, "ANIMA_TRAIN_ALLOWED_DIRS": str(m.diffusers_dir), "PYTHONUNBUFFERED": "1"}
     port = _free_port()
     cmd = [a.python, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
@@ -83,7 +144,7 @@ def main():
     t = time.perf_counter()
     server = subprocess.Popen(cmd, cwd=a.comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                               env=env)
-    stop = threading.Event(); timeline = []; phase = {"p": "start"}
+    stop = threading.Event(); timeline = []; phase = {"p": "start"}; worker_env_seen: dict = {}
     def poll():
         while not stop.is_set():
             row = {"t": round(time.perf_counter() - S, 2), "phase": phase["p"]}
@@ -93,6 +154,8 @@ def main():
             except Exception:
                 pass
             apps = nvsmi()
+            if not worker_env_seen:
+                read_worker_env(worker_env_seen, summary)
             row["comfy_mib"] = apps.get(server.pid)
             row["other_mib"] = {p: v for p, v in apps.items() if p != server.pid}
             timeline.append(row)
@@ -117,9 +180,9 @@ def main():
         knobs = dict(dataset_path=str(dataset), run_name="gpu_path", epochs=100, resolution=res, rank=32, alpha=32.0,
                      source="encode", save_every_epochs=0)
         if a.size == "full":
-            knobs.update(max_steps=50, dtype="bfloat16", num_workers=2)
+            knobs.update(max_steps=a.steps or 50, dtype="bfloat16", num_workers=2)
         else:
-            knobs.update(max_steps=6, dtype="float32", num_workers=0, gradient_checkpointing=False, learning_rate=0.02)
+            knobs.update(max_steps=a.steps or 6, dtype="float32", num_workers=0, gradient_checkpointing=False, learning_rate=0.02)
         set_widgets(wf, info, 4, **knobs)
         set_widgets(wf, info, 8, text="red circle, white background"); set_widgets(wf, info, 9, text="")
         set_widgets(wf, info, 10, width=res, height=res)
@@ -146,42 +209,87 @@ def main():
             e = msgs.wait(finished(body["prompt_id"]), 300, "the preload prompt")
             summary["preload"] = {"nodes": sorted(need, key=int), "end": e["type"], "s": round(time.perf_counter() - tp, 1)}
             say("preload", summary["preload"]); phase["p"] = "preloaded"; time.sleep(3)
-        phase["p"] = "queued"
-        tq = time.perf_counter(); summary["queued_at_s"] = round(tq - S, 2)
-        st, body = _post(port, "/prompt", {"prompt": prompt, "client_id": client})
-        assert st == 200, body
-        pid = body["prompt_id"]
-        def watch():
-            while not stop.is_set():
-                ev = progress_events(msgs)
-                steps = [e for e in ev if e.get("event") == "step"]
-                if any(e.get("event") == "done" for e in ev):
-                    phase["p"] = "after_worker"
-                elif steps:
-                    phase["p"] = "training"
-                    summary.setdefault("queue_to_first_step_s", round(time.perf_counter() - tq, 1))
-                elif ev:
-                    phase["p"] = "worker_starting"
-                time.sleep(0.2)
-        threading.Thread(target=watch, daemon=True).start()
-        end = msgs.wait(finished(pid), 560 if a.size == "full" else 900, "the prompt")
-        summary["prompt_s"] = round(time.perf_counter() - tq, 1); summary["end"] = end["type"]
-        time.sleep(2)
-        ev = progress_events(msgs)
-        steps = [e for e in ev if e.get("event") == "step"]
-        summary["steps"] = len(steps)
-        summary["s_per_step_events"] = [e.get("s_per_step") for e in steps]
-        summary["losses"] = [round(e["loss"], 4) for e in steps if isinstance(e.get("loss"), float)]
-        summary["done_event"] = next((e for e in ev if e.get("event") == "done"), None)
-        summary["other_events"] = [e for e in ev if e.get("event") not in ("step",)][:20]
-        if end["type"] != "execution_success":
-            summary["error"] = end
-        else:
-            hist = json.loads(_get(port, f"/history/{pid}")[1])[pid]
-            for node, name in (("13", "lora.png"), ("16", "base.png")):
-                img = hist["outputs"][node]["images"][0]
-                shutil.copy(base / "output" / img["subfolder"] / img["filename"], out / name)
-        say("prompt finished", end["type"], summary["prompt_s"])
+        variants = [v for v in a.variants.split(",") if v]
+        rows_file = out / "rows.jsonl"
+
+        def row(**r) -> None:  # one run's line, written as it comes (a cut call keeps what it measured)
+            r = {"call": a.call, "cap_gib": None, "base_matmul": "bf16", **r}
+            if r.get("s_per_step"):
+                r["s_per_image"] = round(r["s_per_step"] / int(r.get("batch", 1)), 4)
+            with open(rows_file, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            say("row", json.dumps(r)[:600])
+
+        for variant in variants:
+            run_name = f"node_{variant}"
+            extra = ""
+            if variant == "previews":  # 2 previews every 25 steps and at the end, as the bench's --previews
+                extra = ('[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
+                         f'every_n_steps = 25\nsteps = 20\nwidth = {res}\nheight = {res}\n')
+            elif variant != "plain":
+                raise SystemExit(f"--variants: unknown {variant!r}")
+            set_widgets(wf, info, 4, run_name=run_name, extra_toml=extra)
+            prompt = to_api(wf, info)
+            (out / f"prompt_{variant}.json").write_text(json.dumps(prompt, indent=1))
+            since = len(msgs.items)
+            phase["p"] = f"queued_{variant}"
+            tq, tq_wall = time.perf_counter(), time.time()
+            st, body = _post(port, "/prompt", {"prompt": prompt, "client_id": client})
+            assert st == 200, body
+            pid = body["prompt_id"]
+
+            def watch(since=since, variant=variant, tq=tq):
+                while not stop.is_set() and phase["p"].endswith(variant):
+                    ev = progress_events(msgs, since)
+                    if any(e.get("event") == "done" for e in ev):
+                        phase["p"] = f"after_worker_{variant}"
+                    elif any(e.get("event") == "step" for e in ev):
+                        phase["p"] = f"training_{variant}"
+                    time.sleep(0.2)
+            threading.Thread(target=watch, daemon=True).start()
+            end = msgs.wait(finished(pid), 560 if a.size == "full" else 900, "the prompt")
+            rec = summary.setdefault("prompts", {}).setdefault(variant, {})
+            rec["prompt_s"] = round(time.perf_counter() - tq, 1); rec["end"] = end["type"]
+            time.sleep(2)
+            ev = [e for e in progress_events(msgs, since) if e.get("prompt_id") in (pid, None)]
+            steps = [e for e in ev if e.get("event") == "step"]
+            rec["losses"] = [round(e["loss"], 4) for e in steps if isinstance(e.get("loss"), float)]
+            rec["messages"] = [e.get("text") for e in ev if e.get("event") in ("message", "warning")][:20]
+            if end["type"] != "execution_success":
+                rec["error"] = end
+            elif variant == variants[0]:
+                hist = json.loads(_get(port, f"/history/{pid}")[1])[pid]
+                for node, name in (("13", "lora.png"), ("16", "base.png")):
+                    img = hist["outputs"][node]["images"][0]
+                    shutil.copy(base / "output" / img["subfolder"] / img["filename"], out / name)
+            say("prompt finished", variant, end["type"], rec["prompt_s"])
+            save()
+            row(who="comfyui", run=run_name, variant=variant, batch=1, env="the node's worker",
+                **step_stats(ev, tq_wall), loss_first=rec["losses"][0] if rec["losses"] else None,
+                loss_last=rec["losses"][-1] if rec["losses"] else None)
+            job = next((base / "output").rglob(f"{run_name}/comfyui-job.toml"), None)
+            if job is None or not a.cli:
+                continue
+            if not worker_env_seen:
+                raise SystemExit("--cli comfy-env: the worker's environment was not read (/proc/PID/environ)")
+            for how in [c for c in a.cli.split(",") if c]:
+                if how == "comfy-env":  # what the worker had, less the parent watch (its parent is not ComfyUI)
+                    cli_env = {k: v for k, v in worker_env_seen.items() if k != "ANIMA_TRAIN_PARENT_PID"}
+                elif how == "plain":
+                    cli_env = {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+                    cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+                else:
+                    raise SystemExit(f"--cli: unknown {how!r}")
+                _post(port, "/free", {"unload_models": True, "free_memory": True})
+                time.sleep(2)
+                phase["p"] = f"cli_{variant}_{how}"
+                name = f"cli_{variant}_{how.replace('-', '_')}"
+                events, started, rc = cli_run(a.python, job, name, cli_env, out / f"{name}.log")
+                losses = [round(e["loss"], 4) for e in events if e.get("event") == "step" and isinstance(e.get("loss"), float)]
+                row(who="ours", run=name, variant=variant, batch=1, env=how, rc=rc,
+                    alloc=cli_env.get("PYTORCH_ALLOC_CONF") or cli_env.get("PYTORCH_CUDA_ALLOC_CONF"),
+                    **step_stats(events, started), loss_first=losses[0] if losses else None,
+                    loss_last=losses[-1] if losses else None)
     finally:
         stop.set(); time.sleep(1.2)
         (out / "timeline.json").write_text(json.dumps(timeline))

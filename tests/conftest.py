@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 
 import pytest
+
+# A compiled run keeps its kernels in a per-user cache folder unless TORCHINDUCTOR_CACHE_DIR is set
+# (training/compiling.compile_cache_dir); the tests and their child processes keep torch's own default instead, so a
+# test machine's home folder collects nothing and the tests' warm cache stays where it was.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 
 COMFYUI_SKIP = ("needs ComfyUI: set COMFYUI_PATH to a ComfyUI checkout with Anima support "
                 "(and COMFYUI_PYTHON to its venv's python) to run it")

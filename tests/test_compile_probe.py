@@ -158,3 +158,38 @@ def test_compile_and_sdnq_triton_that_work_change_nothing(monkeypatch):
     off = compiling.decide_compile(load_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
                                torch.device("cuda"), 10**6, probe=pytest.fail, probe_sdnq=pytest.fail)
     assert off.mode is None and off.probes == []
+
+
+def test_compiled_kernels_are_kept_in_a_per_user_cache_folder_unless_the_user_chose_one(monkeypatch):
+    """torch's default is the temp folder, which a reboot empties (every run after it compiles cold again)."""
+    home = {"HOME": "/home/u"}
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p.replace("~", home["HOME"]))
+    env = {}
+    assert compiling.compile_cache_dir(env) == "/home/u/.cache/anima-train/torch-compile"
+    assert env == {compiling.CACHE_DIR_ENV: "/home/u/.cache/anima-train/torch-compile"}  # what torch reads
+    env = {"XDG_CACHE_HOME": "/x"}
+    assert compiling.compile_cache_dir(env) == "/x/anima-train/torch-compile"
+    env = {compiling.CACHE_DIR_ENV: "/mine"}  # the user's choice stands
+    assert compiling.compile_cache_dir(env) == "/mine" and env == {compiling.CACHE_DIR_ENV: "/mine"}
+    monkeypatch.setattr(sys, "platform", "win32")
+    env = {"LOCALAPPDATA": r"C:\Users\u\AppData\Local"}
+    assert compiling.compile_cache_dir(env).startswith(r"C:\Users\u\AppData\Local")
+    assert compiling.compile_cache_dir(env).replace("\\", "/").endswith("anima-train/torch-compile")
+
+
+def test_a_compiling_run_sets_the_cache_folder_before_its_probe_and_says_where(monkeypatch, tmp_path):
+    monkeypatch.delenv(compiling.CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    seen = {}
+
+    def probe(device):  # a probe that works, noting the folder its compile would use
+        seen["at_probe"] = os.environ.get(compiling.CACHE_DIR_ENV)
+
+    decision = compiling.decide_compile(_quantized_cfg("default"), torch.device("cuda"), 10, probe=probe,
+                                        probe_sdnq=lambda d: None)
+    assert decision.mode == "default"
+    assert seen["at_probe"] == decision.cache_dir == str(tmp_path / "anima-train" / "torch-compile")
+    monkeypatch.delenv(compiling.CACHE_DIR_ENV)
+    eager = compiling.decide_compile(_quantized_cfg("off"), torch.device("cuda"), 10, probe=pytest.fail,
+                                     probe_sdnq=lambda d: None)
+    assert eager.cache_dir is None and compiling.CACHE_DIR_ENV not in os.environ  # an eager run sets nothing

@@ -29,6 +29,28 @@ if TYPE_CHECKING:
 
 
 COMPILE_MIN_STEPS = 200  # compile = "auto": a shorter run would spend longer compiling (~1.5 min cold) than it saves
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compile_cache_dir(environ: dict | None = None) -> str:
+    """Where compiled kernels are kept between runs, set for this process unless the user chose a folder.
+
+    torch's default is the temp folder (/tmp/torchinductor_<user>; %TEMP% on Windows), which a reboot (tmpfs, Storage
+    Sense) empties: every run after it pays the cold compile (a minute or two at 1024²) again. A per-user cache folder
+    survives restarts of ComfyUI and of the machine: %LOCALAPPDATA%\\anima-train\\torch-compile on Windows,
+    $XDG_CACHE_HOME (or ~/.cache)/anima-train/torch-compile elsewhere. Triton's kernels go under it too (torch puts
+    them in <this>/triton unless TRITON_CACHE_DIR is set). Read lazily by torch, so setting it before the first compile
+    is enough."""
+    environ = os.environ if environ is None else environ
+    if environ.get(CACHE_DIR_ENV):
+        return environ[CACHE_DIR_ENV]
+    if sys.platform == "win32" and environ.get("LOCALAPPDATA"):
+        root = os.path.join(environ["LOCALAPPDATA"], "anima-train")
+    else:
+        root = os.path.join(environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "anima-train")
+    environ[CACHE_DIR_ENV] = os.path.join(root, "torch-compile")
+    return environ[CACHE_DIR_ENV]
 
 
 def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str | None:
@@ -86,6 +108,7 @@ class CompileDecision:
     warning: str | None = None  # one line: what was wanted, why it does not work here, what would enable it
     sdnq_triton_off: bool = False  # SDNQ's Triton kernels failed the probe: its torch kernels are used instead
     probes: list[str] = field(default_factory=list)  # what ran (for the log)
+    cache_dir: str | None = None  # where compiled kernels are kept between runs (compile_cache_dir), when compiling
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -191,6 +214,7 @@ def decide_compile(cfg: Config, device: torch.device, total_steps: int, *, probe
     decision = CompileDecision(mode)
     compile_cause = None
     if mode is not None:
+        decision.cache_dir = compile_cache_dir()  # before the probe: it compiles too, and is cached like the run
         decision.probes.append("torch.compile")
         compile_cause = probe(device)
     sdnq_cause = None

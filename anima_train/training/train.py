@@ -534,7 +534,8 @@ def _decide_compile(cfg: Config, device: torch.device, total: int, progress: Pro
     if decision.warning:
         progress.warning(decision.warning)
     elif decision.probes:
-        progress.message(f"probed {' and '.join(decision.probes)} on {device.type}: works")
+        progress.message(f"probed {' and '.join(decision.probes)} on {device.type}: works"
+                         + (f"; compiled kernels kept in {decision.cache_dir}" if decision.cache_dir else ""))
     return decision
 
 
