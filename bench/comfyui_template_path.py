@@ -14,8 +14,9 @@ Uses the websocket/graph helpers of tests/test_comfyui_pack.py. Nothing is writt
 The Train node against `anima-train train` (issue #45, point 1): --variants queues the template once per variant
 (plain; previews = an extra_toml [sample] table), and after each prompt --cli runs the trainer from the shell on the
 very TOML the node wrote (comfyui-job.toml, only run_name changed), in the same call on the same GPU, once per
-environment: `comfy-env` = the environment the node's worker got (ComfyUI's allocator setting included), `plain` =
-a shell's. ComfyUI's models are freed (/free) before each CLI run, as Train frees them for its worker. Every run is
+environment: `plain` = a shell's, `comfy-env` = the environment the node's worker got (read from /proc), `comfy-alloc`
+= a shell's plus the allocator ComfyUI sets for itself (backend:cudaMallocAsync), which the worker inherited before
+nodes/worker.without_comfy_allocator. Later variants run the first environment only. ComfyUI's models are freed (/free) before each CLI run, as Train frees them for its worker. Every run is
 one JSON line in rows.jsonl: call, who (comfyui/ours), run, cap_gib, base_matmul, s_per_step/s_per_image (median
 step-to-step delta after the first 3 steps, from the trainer's own event times), first_step_s (queue or command to
 the first step), steady_s (to the first step after which 5 steps in a row run within 10 % of that median).
@@ -109,8 +110,8 @@ def main():
     ap.add_argument("--images", type=int, default=None, help="dataset size (default 8 full, 4 comfy)")
     ap.add_argument("--steps", type=int, default=None, help="max_steps (default 50 full, 6 comfy)")
     ap.add_argument("--variants", default="plain", help="comma list of plain, previews: one prompt each")
-    ap.add_argument("--cli", default="", help="after each prompt, anima-train train on the node's TOML: comma list "
-                                              "of comfy-env, plain")
+    ap.add_argument("--cli", default="", help="after the first prompt, anima-train train on the node's TOML: comma "
+                                              "list of plain, comfy-env, comfy-alloc (later prompts: the first only)")
     ap.add_argument("--call", default=os.environ.get("BENCH_CALL", ""), help="this GPU call's id (rows' `call`)")
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
@@ -272,9 +273,15 @@ def main():
                 continue
             if not worker_env_seen:
                 raise SystemExit("--cli comfy-env: the worker's environment was not read (/proc/PID/environ)")
-            for how in [c for c in a.cli.split(",") if c]:
+            hows = [c for c in a.cli.split(",") if c]
+            for how in hows if variant == variants[0] else hows[:1]:  # later variants: the first environment only
                 if how == "comfy-env":  # what the worker had, less the parent watch (its parent is not ComfyUI)
                     cli_env = {k: v for k, v in worker_env_seen.items() if k != "ANIMA_TRAIN_PARENT_PID"}
+                elif how == "comfy-alloc":  # a shell's, plus the allocator ComfyUI sets for itself (and gave
+                    # the worker until nodes/worker.without_comfy_allocator)
+                    cli_env = {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+                    cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+                    cli_env["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"
                 elif how == "plain":
                     cli_env = {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
                     cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])

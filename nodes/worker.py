@@ -91,7 +91,27 @@ def worker_env(extra_path: str | os.PathLike | None = None, base: dict | None = 
     # ComfyUI sets the allocator under its old name: renamed here too, since accelerate's launcher (2+ GPUs)
     # imports torch before our CLI's own filter runs
     third_party_noise.rename_variables(env)
+    without_comfy_allocator(env)
     return env
+
+
+COMFY_ALLOCATOR = "backend:cudaMallocAsync"  # what ComfyUI adds to its own allocator setting (cuda_malloc.py)
+ALLOC_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def without_comfy_allocator(env: dict) -> None:
+    """The worker trains on torch's own caching allocator, as `anima-train train` from a shell does. ComfyUI adds
+    cudaMallocAsync to its allocator setting at start-up (unless --disable-cuda-malloc) and every child inherits it:
+    the trainer then keeps a user's setting as given, so the worker trained without expandable segments on an
+    allocator whose counters its memory plan does not read the same way, and ran slower than the same TOML from a
+    shell (bench/results/node_vs_cli_2026-12-05). Only that item goes; the rest of a setting stays."""
+    for name in ALLOC_VARIABLES:
+        if name in env:
+            kept = [item for item in env[name].split(",") if item.strip() and item.replace(" ", "") != COMFY_ALLOCATOR]
+            if kept:
+                env[name] = ",".join(kept)
+            else:
+                del env[name]
 
 
 def job_stop_file(run_dir: str | os.PathLike) -> Path:

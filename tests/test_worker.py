@@ -180,9 +180,12 @@ def test_commands_and_environment(tmp_path):
     assert env["PYTHONPATH"].split(os.pathsep) == [str(worker.pack_dir()), "/a"]
     assert env["PYTHONUNBUFFERED"] == "1"
     assert env["ANIMA_TRAIN_PARENT_PID"] == str(os.getpid())  # the worker ends (saving first) if ComfyUI ends
-    # ComfyUI's allocator setting reaches the worker under the name this torch reads, without its deprecation line
+    # The allocator ComfyUI adds for itself (cudaMallocAsync) does not reach the worker, which trains on torch's own
+    # as a shell's run does; the rest of a setting reaches it under the name this torch reads (no deprecation line)
     env = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
-    assert env["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    env = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,backend:cudaMallocAsync"})
+    assert env["PYTORCH_ALLOC_CONF"] == "garbage_collection_threshold:0.6" and "PYTORCH_CUDA_ALLOC_CONF" not in env
     kept = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "a", "PYTORCH_ALLOC_CONF": "b"})
     assert (kept["PYTORCH_CUDA_ALLOC_CONF"], kept["PYTORCH_ALLOC_CONF"]) == ("a", "b")  # the user's own: as set
 

@@ -3,9 +3,10 @@
 # the Train node against `anima-train train` on the same TOML, same GPU, same call (issue #45, point 1).
 # bench/comfyui_template_path.py: full-size random weights as ComfyUI single files, the LoRA template queued over the
 # API with 20 synthetic 1024² images and 50 steps (LoRA r32, batch 1, the template's defaults otherwise), once plain
-# and once with previews (extra_toml [sample]: 2 images every 25 steps); after each prompt the CLI trains the node's
-# comfyui-job.toml (run_name changed) twice: in the worker's exact environment (read from /proc while it ran) and in
-# a plain shell's. rows.jsonl: one line per run.
+# and once with previews (extra_toml [sample]: 2 images every 25 steps). After the plain prompt the CLI trains the
+# node's comfyui-job.toml (run_name changed) in a plain shell's environment, then with the allocator ComfyUI sets for
+# itself (backend:cudaMallocAsync: what the worker inherited before nodes/worker.without_comfy_allocator); after the
+# previews prompt, the plain shell's only. The node's worker here runs with that change. rows.jsonl: one line per run.
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/tri BENCH_CALL=${BENCH_CALL:-node-vs-cli-1}
 S=$(date +%s); el() { echo "=== $(( $(date +%s) - S )) s: $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .comfygpu/whl/*.whl \
@@ -16,7 +17,7 @@ mkdir -p /tmp/comfy /tmp/fe $OUT/n && tar xzf .comfygpu/ComfyUI-*.tar.gz -C /tmp
 el driver
 timeout -k 5 ${T1:-545} python3 bench/comfyui_template_path.py --size full --comfy-root /tmp/comfy/ComfyUI \
   --python python3 --out /tmp/n --work /tmp/w --front-end-root /tmp/fe --images 20 --steps 50 \
-  --variants plain,previews --cli comfy-env,plain > $OUT/driver.log 2>&1; echo rc=$?
+  --variants plain,previews --cli plain,comfy-alloc > $OUT/driver.log 2>&1; echo rc=$?
 el done
 cp /tmp/n/rows.jsonl $OUT/ 2>/dev/null; cat $OUT/rows.jsonl 2>/dev/null | cut -c1-700
 tail -4 $OUT/driver.log | cut -c1-1500
