@@ -103,8 +103,8 @@ def without_comfy_allocator(env: dict) -> None:
     """The worker trains on torch's own caching allocator, as `anima-train train` from a shell does. ComfyUI adds
     cudaMallocAsync to its allocator setting at start-up (unless --disable-cuda-malloc) and every child inherits it:
     the trainer then keeps a user's setting as given, so the worker trained without expandable segments on an
-    allocator whose counters its memory plan does not read the same way, and ran slower than the same TOML from a
-    shell (bench/results/node_vs_cli_2026-12-05). Only that item goes; the rest of a setting stays."""
+    allocator whose counters its memory plan does not read the same way, and the same TOML ran 5 % slower with it
+    (bench/results/node_vs_cli_2026-12-05). Only that item goes; the rest of a setting stays."""
     for name in ALLOC_VARIABLES:
         if name in env:
             kept = [item for item in env[name].split(",") if item.strip() and item.replace(" ", "") != COMFY_ALLOCATOR]
