@@ -78,7 +78,7 @@ def fp8_runs() -> list[dict]:
 
 def config_for(batch: int, recompute: str = "block", base_matmul: str = "bf16"):
     # the bench configuration: LoRA r32 (the default), AdamW, bf16, 1024x1024 (the defaults), the run's batch, and
-    # the swap count the bench writes (bench_train_gpu.py: 0 but for its @K runs)
+    # the swap count the committed runs were made with (bench_train_gpu.py wrote 0 but for its @K runs)
     return load_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
                        f'base_matmul = "{base_matmul}"\nswap_blocks = 0\n')
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from anima_train import fixes
 from anima_train.config.schema import Config
 from anima_train.model.shape import declared_shape
 from anima_train.outputs.progress import SWAP_PREFIX
@@ -58,5 +59,6 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
     if not chosen.fits:
         warn(f"the step is predicted not to fit this card ({peak}); "
              + (f"a smaller batch would: {plan.batch_fix_text(chosen)}" if chosen.batch_fix is not None
-                else "lower [train] batch_size or [dataset] resolution"))
+                else "lower [train] batch_size or [dataset] resolution")
+             + fixes.ref("run plan", "; `anima-train plan CONFIG --vram GiB` shows the whole plan"))
     return count
