@@ -403,7 +403,8 @@ def render(plan: Plan, cfg_name: str) -> str:
             lines.append(f"  a smaller batch would fit: {batch_fix_text(plan)}")
         if plan.swap_fix is not None:
             lines.append(f"  or keep frozen weights in host memory: [train] swap_blocks = {plan.swap_fix} would fit "
-                         "(predicted; each swapped block is copied in twice per step)")
+                         "(predicted; each swapped block is copied in twice per step; swap_blocks = \"auto\", the "
+                         "default, chooses the count itself)")
         if i.fp32_full_state:
             # measured under a 24 GiB cap on an H200, batch 4, 1024²: bench/results/fullkahan24_2026-12-03 (L2),
             # bench/results/fullft24_2026-12-03
