@@ -113,9 +113,7 @@ def test_swap_auto_swaps_nothing_off_cuda_or_where_blocks_cannot_swap(tiny_anima
     train(cfg, cpu=True, no_save=True, events=str(tmp_path / "eager.jsonl"))
     assert made == []
     said = _said(tmp_path / "eager.jsonl")
-    assert said[0].startswith("swap auto: none (no block can swap: gradient_checkpointing = false (a swapped block "
-                              "recomputes); predicted peak ")
-    assert said[1].startswith("the step is predicted not to fit this card")
+    assert said == ["swap auto: none (no block can swap: gradient_checkpointing = false (a swapped block recomputes))"]
 
 
 def test_an_explicit_count_is_kept(tiny_anima, latents_dir, tmp_path, monkeypatch, fixed_segments):

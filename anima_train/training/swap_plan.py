@@ -42,15 +42,17 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
     budget = card_budget(device)
     if budget is None:  # off CUDA there is no card to fit
         return 0
+    # where no block can swap, no prediction is said either (it counts a quantized base unquantized)
+    if why := plan.swap_unavailable(cfg, whole_trunk_compiled):
+        say(f"{SWAP_PREFIX} none (no block can swap: {why})")
+        return 0
     batch_sizes = cfg.train.batch_size
     batch = batch_sizes if isinstance(batch_sizes, int) else max(batch_sizes.values())
     chosen = plan.make_plan(cfg, budget, memory.expandable_segments_on(), shape=declared_shape(cfg.train.model_path),
                             largest=(largest_tokens, batch), whole_trunk_compiled=whole_trunk_compiled)
     count, gib = chosen.inputs.swapped, recompute.GIB
     peak = f"predicted peak {plan.peak_text(chosen)}"
-    if chosen.swap_unavailable:
-        say(f"{SWAP_PREFIX} none (no block can swap: {chosen.swap_unavailable}; {peak})")
-    elif count == 0:
+    if count == 0:
         say(f"{SWAP_PREFIX} none: the model fits on the GPU ({peak})")
     else:
         say(f"{SWAP_PREFIX} {count} of {chosen.n_blocks} blocks swapped, the fewest with which the step fits "
