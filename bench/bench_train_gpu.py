@@ -17,7 +17,8 @@ training step on a full-size random Anima (prints one JSON line per run), SEED_B
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
 smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, one compiled kernel per tensor); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
 `NAME:off` with its own `gradient_checkpointing = false`; `NAME@K` (ours) runs it with `swap_blocks = K`
-(`lora_b4:auto@11`). Compare with the seed's best at the same memory
+(`lora_b4:auto@11`; `@0`: every block on the GPU; without `@`: the default, `swap_blocks = "auto"`, and the JSON's
+`swapped_blocks` says what it chose). Compare with the seed's best at the same memory
 (`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
 memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
 configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
 from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
+from anima_train.outputs.progress import SWAP_PREFIX  # noqa: E402
 from anima_train.training.compiling import resolve_compile  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
 
@@ -85,13 +87,13 @@ def parse_run(name: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-def split_name(name: str) -> tuple[str, str, int]:
-    """(run, its own checkpoint_blocks or "", its swap_blocks) of `RUN[:BLOCKS][@SWAP]` (lora_b4:auto@11), the run
-    checked."""
+def split_name(name: str) -> tuple[str, str, int | None]:
+    """(run, its own checkpoint_blocks or "", its swap_blocks or None for the default "auto") of
+    `RUN[:BLOCKS][@SWAP]` (lora_b4:auto@11), the run checked."""
     name, _, swap = name.partition("@")
     run, _, own_blocks = name.partition(":")
     parse_run(run)
-    return run, own_blocks, int(swap or 0)
+    return run, own_blocks, int(swap) if swap else None
 
 
 
@@ -143,7 +145,7 @@ def prepare_images(work: Path) -> Path:
 def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
                     checkpoint_blocks: str | None = None, previews: int = 0,
-                    preview_steps: int = 20, swap_blocks: int = 0, recompute: str | None = None,
+                    preview_steps: int = 20, swap_blocks: int | None = None, recompute: str | None = None,
                     base_matmul: str | None = None) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
@@ -153,7 +155,8 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
             or "off"
     label = name + ("" if compile_mode == "off" else "_compiled") + (f"_ckpt{checkpoint_blocks}"
                                                                        if checkpoint_blocks else "") \
-        + (f"_previews{previews}" if previews else "") + (f"_swap{swap_blocks}" if swap_blocks else "") \
+        + (f"_previews{previews}" if previews else "") \
+        + (f"_swap{swap_blocks}" if swap_blocks is not None else "") \
         + (f"_recompute-{recompute}" if recompute else "") + (f"_base-{base_matmul}" if base_matmul else "")
     extra = KINDS[kind]
     if previews:
@@ -176,7 +179,7 @@ gradient_checkpointing = true
 save_every_epochs = 0
 skip_final_save = true
 compile = "{compile_mode}"
-swap_blocks = {swap_blocks}
+{f'swap_blocks = {swap_blocks}' if swap_blocks is not None else ''}
 {f'recompute = "{recompute}"' if recompute else ''}
 {f'base_matmul = "{base_matmul}"' if base_matmul else ''}
 [dataset]
@@ -215,9 +218,10 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                     for p in m.parameters() if p.requires_grad)
     recomputed = result.components.transformer._gradient_checkpointing_func.recomputed \
         if getattr(result.components.transformer, "gradient_checkpointing", False) else 0
+    swapped = swap if swap is not None else swapped_by_auto(stamps)
     rec = dict(call=CALL, who="ours", name=label, run=name, cap_gib=cap_gib, base_matmul=base_matmul or "bf16",
                rank=rank, processes=world, batch=batch,
-               steps=len(result.losses), trainable=trainable, recomputed_blocks=recomputed,
+               steps=len(result.losses), trainable=trainable, recomputed_blocks=recomputed, swapped_blocks=swapped,
                s_per_step=round(med, 4), s_per_image=round(med / (batch * world), 4),
                images_per_s=round(batch * world / med, 2) if deltas else None,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), digest=result.trainable_digest[:16],
@@ -254,6 +258,16 @@ def steady_seconds(times: list[float], start: float) -> float | None:
     med = statistics.median(deltas[3:])
     first = next((i for i in range(len(deltas) - 4) if all(abs(d - med) <= 0.1 * med for d in deltas[i:i + 5])), None)
     return round(times[first] - start, 1) if first is not None else None
+
+
+def swapped_by_auto(stamps: list[dict]) -> int | None:
+    """The blocks swap_blocks = "auto" swapped, from the run's "swap auto:" line (None: it said none, off CUDA)."""
+    for record in stamps:
+        text = str(record.get("text", "")) if record.get("event") == "message" else ""
+        if text.startswith(SWAP_PREFIX):
+            found = re.match(rf"{SWAP_PREFIX} (?:(\d+) of|every block swapped \((\d+)\))", text)
+            return int(found.group(1) or found.group(2)) if found else 0
+    return None
 
 
 def allocator_stats() -> dict:

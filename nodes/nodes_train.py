@@ -47,7 +47,7 @@ from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
 from anima_train.outputs import run_folder
 from anima_train.outputs.layout import LOSS_PLOT_NAME, state_dir_for
 from anima_train.outputs.plot import plot_losses
-from anima_train.outputs.progress import PLAN_PREFIX, VALIDATION_PREFIX
+from anima_train.outputs.progress import PLAN_PREFIX, SWAP_PREFIX, VALIDATION_PREFIX
 from anima_train.system.windows import refuse_multi_gpu
 from anima_train.training.preflight import path_check
 
@@ -133,7 +133,7 @@ KNOBS = [
 # their defaults. A default is not written into the config, so an older workflow's config text, and with it the
 # node's key for re-using a finished run or resuming a cancelled one (run_records.result_key), is what it was.
 LATE_KNOBS = [
-    Knob("train.swap_blocks", "swap_blocks", advanced=True, unset_default=True),
+    Knob("train.swap_blocks", "swap_blocks", advanced=True, unset_zero=True),  # 0: the key's default, "auto"
     Knob("train.base_matmul", "base_matmul", advanced=True, unset_default=True),
 ]
 ALL_KNOBS = KNOBS + LATE_KNOBS
@@ -184,7 +184,8 @@ def knob_input(knob: Knob):
     info = _field(knob.key)
     default = WIDGET_DEFAULTS.get(knob.key, info.default)
     kind = _base_type(info.type)
-    tip = _tooltip(info) + (" [0 or empty = unset]" if knob.unset_zero else "")
+    named = kind is int and isinstance(default, str)  # "auto" or a number: 0 in the widget stands for the name
+    tip = _tooltip(info) + (f" [0 here = {default}]" if named else " [0 or empty = unset]" if knob.unset_zero else "")
     common = dict(tooltip=tip, advanced=knob.advanced or None)
     if info.choices:
         return io.Combo.Input(knob.widget, options=list(info.choices), default=default, **common)
@@ -194,8 +195,8 @@ def knob_input(knob: Knob):
         common["tooltip"] += _range_text(info)
     if kind is int:
         # control_after_generate=False: re-rolling a knob after each queue would retrain on every queue
-        return io.Int.Input(knob.widget, default=int(default or 0), min=INT_LIMITS[0], max=INT_LIMITS[1],
-                            control_after_generate=False, **common)
+        return io.Int.Input(knob.widget, default=0 if named else int(default or 0), min=INT_LIMITS[0],
+                            max=INT_LIMITS[1], control_after_generate=False, **common)
     if kind is float:
         step = knob.step or 0.01
         return io.Float.Input(knob.widget, default=float(default or 0.0), min=FLOAT_LIMITS[0], max=FLOAT_LIMITS[1],
@@ -432,8 +433,8 @@ class Relay:
             self.validation_points.append([event["step"], float(event["loss"]), float(event["margin"])])
         elif kind == "message" and str(event.get("text", "")).startswith(VALIDATION_PREFIX):
             self.validation.append(str(event["text"]))
-        elif kind == "message" and str(event.get("text", "")).startswith(PLAN_PREFIX):
-            self.memory_plan.append(str(event["text"]))  # the plan, then any relief after an allocator retry
+        elif kind == "message" and str(event.get("text", "")).startswith((SWAP_PREFIX, PLAN_PREFIX)):
+            self.memory_plan.append(str(event["text"]))  # the swap, the plan, then any relief after a retry
         elif kind == "samples":  # preview images: sent inline, as small thumbnails
             event = previews.with_thumbnails(event)
         self.send(event)

@@ -26,7 +26,8 @@ SPEC_DEFAULTS = {
         "max_steps": None, "batch_size": 1, "gradient_accumulation_steps": 1, "gradient_checkpointing": True,
         "checkpoint_blocks": "auto",  # ours (the speed issue): the original has only the all-or-nothing switch
         "recompute": "graph",  # ours (the speed issue): inside the compiled backward; "block" = the original's way
-        "swap_blocks": 0,  # ours (the memory issue): frozen block weights in host memory; 0 = the original's
+        "swap_blocks": "auto",  # ours (issues 26, 45): frozen block weights in host memory where the card needs it;
+        # 0 = the original's
         "base_matmul": "bf16",  # ours (the speed issue): "fp8" = FP8 GEMMs over a frozen base; bf16 = the original's
         "dtype": "bfloat16", "seed": 42, "num_workers": 2, "vae_encode_chunk": 1, "save_every_steps": None,
         "save_every_epochs": 1, "save_native": True, "save_optimizer_state": False,

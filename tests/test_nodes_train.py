@@ -32,7 +32,9 @@ FAKE_TRAINER = textwrap.dedent(r'''
         ev("warning", text="tier 1024: 3/3 sources (100.0%) are smaller than this tier")
     ev("start", total=3, steps_per_epoch=3, epochs=1, processes=1, run_dir=run_dir, resumed_step=0)
     for step in (1, 2, 3):
-        if mode == "plan" and step == 2:  # the auto memory plan, said after the first optimizer step
+        if mode == "swap" and step == 1:  # swap_blocks = "auto": said before the model loads, with the plan later
+            ev("message", text="swap auto: 3 of 28 blocks swapped, the fewest with which the step fits")
+        if mode in ("plan", "swap") and step == 2:  # the auto memory plan, said after the first optimizer step
             ev("message", text="checkpointing auto: 26 of 28 blocks recompute (a block keeps 0.71 GiB at the largest "
                                "batch; predicted peak 7.4 of 8.0 GiB)")
         if os.path.exists(stop_file):  # as the trainer stops: a step checkpoint, its resume state, `done`
@@ -370,6 +372,29 @@ def test_train_shows_the_memory_plan_it_chose(comfy_env, tiny_anima, dataset):
     env.log.clear()
     again = _train(env, config)  # a re-used run still says the plan it ran with
     assert again.ui["text"][0].startswith("re-used") and f"memory   {said}" in again.ui["text"][0].splitlines()
+
+
+def test_train_shows_the_swap_it_chose_with_the_memory_plan(comfy_env, tiny_anima, dataset):
+    """issue 45: swap_blocks = "auto" decides before the model loads; the node's result text keeps that line with
+    the checkpoint plan's, in the order the run said them."""
+    env = comfy_env
+    env.mode["value"] = "swap"
+    out = _train(env, _config(env, tiny_anima, dataset, run_name="swapped"))
+    memory = [line for line in out.ui["text"][0].splitlines() if line.startswith("memory   ")]
+    assert memory == ["memory   swap auto: 3 of 28 blocks swapped, the fewest with which the step fits",
+                      "memory   checkpointing auto: 26 of 28 blocks recompute (a block keeps 0.71 GiB at the largest "
+                      "batch; predicted peak 7.4 of 8.0 GiB)"]
+
+
+def test_the_swap_blocks_widget_stands_for_auto_at_zero(comfy_env, dataset):
+    """swap_blocks' default became "auto" (issue 45): the INT widget keeps 0 as its default, which writes no key, so
+    the run plans the swap; a number is written as the count."""
+    nt = comfy_env.nt
+    port = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}["swap_blocks"]
+    assert port.kind == "INT" and port.options["default"] == 0 and "[0 here = auto]" in port.options["tooltip"]
+    values = widgets(nt, "x", dataset)
+    assert load_config(nt.config_toml(dict(values, swap_blocks=0))).train.swap_blocks == "auto"
+    assert load_config(nt.config_toml(dict(values, swap_blocks=3))).train.swap_blocks == 3
 
 
 def test_train_shows_the_validation_summary_and_its_verdict(comfy_env, tiny_anima, dataset):

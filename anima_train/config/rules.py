@@ -78,6 +78,11 @@ def _checkpoint_blocks(t, p: Problems, ctx, w) -> None:
 
 def _swap_blocks(cfg, p: Problems, ctx, w) -> None:
     t = cfg.train
+    if isinstance(t.swap_blocks, str):  # "auto" swaps only where blocks can swap (training/plan.swap_unavailable)
+        if t.swap_blocks != "auto" and p.ok("train.swap_blocks"):
+            p.error(f"[train] swap_blocks = {as_toml(t.swap_blocks)}: choose \"auto\" or a number of blocks",
+                    "train.swap_blocks")
+        return
     if t.swap_blocks == 0 or not p.ok("train.swap_blocks", "adapter.kind", "quant.mode"):
         return
     head = f"[train] swap_blocks = {t.swap_blocks}"

@@ -89,9 +89,12 @@ class TrainConfig:
         help="how a recomputed block recomputes: graph = inside its compiled backward (regionally compiled runs; "
         "faster; the same numbers as block, since compiled runs round bf16 results where eager does); block = its "
         "whole forward again (what eager or whole-trunk compiled runs do either way)")
-    swap_blocks: int = _key(
-        0, ge=0, help="an adapter on a small card: the frozen weights of the first N DiT blocks stay in host memory "
-        "and are copied to the GPU one block at a time (these blocks always recompute); 0 = all weights on the GPU")
+    swap_blocks: int | str = _key(
+        "auto", ge=0, help="an adapter on a small card: the frozen weights of the first N DiT blocks stay in host "
+        "memory and are copied to the GPU one block at a time (these blocks always recompute): auto = the fewest "
+        "with which the step fits the card (predicted before the model loads; none off CUDA, or where blocks "
+        "cannot swap), a number, or 0 = all weights on the GPU",
+        type_desc='"auto" or an integer >= 0')
     dtype: str = _key("bfloat16", choices=DTYPE_NAMES,
                       help="the only precision control: modules load in this dtype")
     base_matmul: str = _key(

@@ -40,6 +40,7 @@ from anima_train.errors import UserError
 # The memory plan's `message` events start with this (training/memory.py says them): the Train node keeps the
 # latest one and shows it in its result text, not only as the chart's passing note.
 PLAN_PREFIX = "checkpointing auto:"
+SWAP_PREFIX = "swap auto:"  # the same for swap_blocks = "auto" (training/swap_plan.py), said before the model loads
 # the start of the run's one-line [validation] summary (training/validation.summary); the node keeps that line
 VALIDATION_PREFIX = "validation loss "
 

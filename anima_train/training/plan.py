@@ -118,6 +118,9 @@ class Plan:
     auto: bool  # checkpoint_blocks = "auto" (else the config fixed the count)
     expandable: bool
     swap_fix: int | None = None  # does not fit: the fewest swap_blocks with which it would (an adapter), if any
+    swap_auto: bool = False  # swap_blocks = "auto": the count was chosen here (the fewest that fit, else all)
+    swap_unavailable: str | None = None  # swap_blocks = "auto" where no block can swap: why
+    batch_fix: int | None = None  # does not fit: the largest smaller batch that would (the plan never changes it)
     in_graph: bool = False  # recompute = "graph" (and compiled): the recomputed blocks recompute inside the graph
     base_matmul: str = "bf16"  # [train] base_matmul: how the frozen Linears of the blocks multiply
 
@@ -152,7 +155,10 @@ def largest_batch(cfg: Config) -> tuple[int, int]:
     return best
 
 
-def predict_inputs(cfg: Config, shape: ModelShape) -> Inputs:
+def predict_inputs(cfg: Config, shape: ModelShape, swapped: int | None = None,
+                   largest: tuple[int, int] | None = None) -> Inputs:
+    """`swapped`: the blocks whose weights swap (default: the config's count; "auto" is decided by make_plan);
+    `largest`: (tokens x batch, batch) of the largest batch (default: what the config's tiers allow)."""
     estimate = []
     dtype = DTYPE_BYTES[cfg.train.dtype]
     weight_scale = dtype / 2
@@ -182,9 +188,11 @@ def predict_inputs(cfg: Config, shape: ModelShape) -> Inputs:
     if cfg.train.base_matmul == "fp8":
         estimate.append("base_matmul = \"fp8\": memory counted as the bf16 base's (H200: the same plans under 8 and 24 "
                         "GiB, peaks 0.13 GiB higher and 0.24 lower)")
-    tokens, batch = largest_batch(cfg)
+    tokens, batch = largest_batch(cfg) if largest is None else largest
     start = frozen + trainable * trainable_bytes
-    swapped = 0 if full else min(cfg.train.swap_blocks, shape.blocks)
+    if swapped is None:
+        swapped = 0 if isinstance(cfg.train.swap_blocks, str) else cfg.train.swap_blocks
+    swapped = 0 if full else min(swapped, shape.blocks)
     host_bytes = swapped * shape.block_parameters * dtype
     if swapped:  # on the GPU: the placeholders, and the blocks running (training/weight_swap.py)
         start -= host_bytes - min(swapped, weight_swap.RESIDENT_SLOTS) * shape.block_parameters * dtype
@@ -221,15 +229,65 @@ def expandable_segments_default() -> bool:
     return sys.platform.startswith("linux")
 
 
+def swap_unavailable(cfg: Config, whole_trunk_compiled: bool | None = None) -> str | None:
+    """Why no block's frozen weights can swap under `cfg` (None: they can), the conditions config/rules.py refuses
+    an explicit swap_blocks count for: where they hold, swap_blocks = "auto" swaps none. `whole_trunk_compiled`:
+    the run's compile decision (None: the config's, where compile = "auto" may compile)."""
+    t = cfg.train
+    whole_trunk = (not t.compile_regional and t.compile != "off") if whole_trunk_compiled is None \
+        else whole_trunk_compiled
+    if cfg.adapter.kind == "none":
+        return "a full finetune trains the frozen weights"
+    if cfg.quant.mode != "none":
+        return "the base is quantized ([quant] mode)"
+    if not t.gradient_checkpointing:
+        return "gradient_checkpointing = false (a swapped block recomputes)"
+    if whole_trunk:
+        return "compile_regional = false compiles the whole trunk"
+    return None
+
+
 def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_for_swap: bool = True,
-              shape: ModelShape | None = None) -> Plan:
+              shape: ModelShape | None = None, largest: tuple[int, int] | None = None,
+              whole_trunk_compiled: bool | None = None, look_for_batch: bool = True) -> Plan:
     """The plan the runtime would choose under `budget` bytes for the model at `[train] model_path` (or `shape`),
-    from the predicted first-step measurements. When it does not fit and an adapter trains, also the fewest
-    `swap_blocks` with which it would."""
+    from the predicted first-step measurements. `[train] swap_blocks = "auto"` swaps the fewest blocks with which
+    the step fits (every block where none does; none where no block can swap: swap_unavailable), as the run does
+    before its model loads (training/swap_plan.py). When it does not fit, also the fewest `swap_blocks` with which
+    it would (a count the config fixed, an adapter), and the largest smaller batch with which it would.
+    `largest`: (tokens x batch, batch) of the largest batch, when known better than the config's tiers say."""
     shape = declared_shape(cfg.train.model_path) if shape is None else shape
-    n_blocks = shape.blocks
-    inputs = predict_inputs(cfg, shape)
     expandable = expandable_segments_default() if expandable is None else expandable
+    setting = cfg.train.swap_blocks
+    if setting == "auto":
+        unavailable = swap_unavailable(cfg, whole_trunk_compiled)
+        for count in [0] if unavailable else range(shape.blocks + 1):
+            plan = _plan_with(cfg, budget, expandable, shape, count, largest)
+            if plan.fits:
+                break
+        plan.swap_auto, plan.swap_unavailable = True, unavailable
+    else:
+        plan = _plan_with(cfg, budget, expandable, shape, setting, largest)
+        if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
+            plan.swap_fix = next((count for count in range(plan.inputs.swapped + 1, shape.blocks + 1)
+                                  if _plan_with(cfg, budget, expandable, shape, count, largest).fits), None)
+    if not plan.fits and look_for_batch:
+        for batch in range(plan.inputs.batch - 1, 0, -1):
+            trial = copy.deepcopy(cfg)
+            trial.train.batch_size = batch
+            smaller = None if largest is None else (largest[0] * batch // largest[1], batch)
+            if make_plan(trial, budget, expandable, look_for_swap=False, shape=shape, largest=smaller,
+                         whole_trunk_compiled=whole_trunk_compiled, look_for_batch=False).fits:
+                plan.batch_fix = batch
+                break
+    return plan
+
+
+def _plan_with(cfg: Config, budget: int, expandable: bool, shape: ModelShape, swapped: int,
+               largest: tuple[int, int] | None) -> Plan:
+    """The plan with `swapped` blocks' weights in host memory."""
+    n_blocks = shape.blocks
+    inputs = predict_inputs(cfg, shape, swapped, largest)
     setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, n_blocks,
                                       torch.device("cuda"))
     usable = budget - recompute.margin(budget, expandable)
@@ -246,18 +304,10 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
         in_graph = in_graph and keep < n_blocks - inputs.swapped
         base += recompute.in_graph_extra(inputs.act) if in_graph else 0
         predicted = recompute.predicted_peak(base, inputs.act, keep)
-    plan = Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - keep,
+    return Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - keep,
                 resident=resident, predicted=predicted, fits=predicted <= usable, auto=setting is None,
                 expandable=expandable, in_graph=in_graph and keep < n_blocks - inputs.swapped,
                 base_matmul=cfg.train.base_matmul)
-    if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
-        for count in range(inputs.swapped + 1, n_blocks + 1):
-            trial = copy.deepcopy(cfg)
-            trial.train.swap_blocks = count
-            if make_plan(trial, budget, expandable, look_for_swap=False, shape=shape).fits:
-                plan.swap_fix = count
-                break
-    return plan
 
 
 def step_time_class(plan: Plan) -> str:
@@ -273,6 +323,38 @@ def step_time_class(plan: Plan) -> str:
     return (f"{kind}; nearest H200 measurement: batch {batch}, {recomputed} of {measured_shape().blocks} recomputed"
             f"{' in the compiled graph' if in_graph else ''}{', FP8 base' if base == 'fp8' else ''}, "
             f"{s_per_image:.4f} s/image ({where}; the 2B on an H200, not your model on your card)")
+
+
+def weights_text(plan: Plan) -> str:
+    """Where the frozen blocks' weights are, and who chose it."""
+    i = plan.inputs
+    how = ""
+    if plan.swap_auto:
+        why = (f"no block can swap: {plan.swap_unavailable}" if plan.swap_unavailable
+               else "the resident model fits" if plan.fits and not i.swapped
+               else "the fewest with which the step fits, decided before the model loads" if plan.fits
+               else "none fits, so every block")
+        how = f'[train] swap_blocks = "auto": {why}'
+    if i.swapped:
+        return (f"{i.swapped} blocks swapped ({i.host_bytes / GIB:.2f} GiB in host memory, copied to the GPU one "
+                f"block at a time)" + (f"; {how}" if how else ""))
+    return "all on the GPU (" + (how or "[train] swap_blocks = 0") + ")"
+
+
+def peak_text(plan: Plan) -> str:
+    """The predicted peak against the budget, with the margin the plan keeps free: '7.1 of 8.0 GiB, with 0.5 GiB
+    kept free ...: 0.4 GiB to spare'."""
+    kept = recompute.margin(plan.budget, plan.expandable)
+    room = plan.budget - kept - plan.predicted
+    return (f"{plan.predicted / GIB:.1f} of {plan.budget / GIB:.1f} GiB, with {kept / GIB:.1f} GiB kept free "
+            f"(allocator{' fragmentation' if not plan.expandable else ''}, GPU libraries' workspaces): "
+            f"{(plan.budget - kept) / GIB:.1f} GiB usable, {abs(room) / GIB:.1f} GiB "
+            + ("to spare" if room >= 0 else "too much"))
+
+
+def batch_fix_text(plan: Plan) -> str:
+    return (f"[train] batch_size = {plan.batch_fix} (predicted; a smaller batch changes the training, so the run "
+            f"keeps the batch the config asks)")
 
 
 def render(plan: Plan, cfg_name: str) -> str:
@@ -304,23 +386,25 @@ def render(plan: Plan, cfg_name: str) -> str:
         "  frozen base: " + (f"FP8, {FP8_LINEARS_PER_BLOCK * plan.n_blocks} Linears of the blocks (e4m3 copies, the "
                              "bf16 weight's bytes; a GPU of compute capability 8.9 or newer)"
                              if plan.base_matmul == "fp8" else "bf16 ([train] base_matmul = \"bf16\")"),
-        "  weights: " + (f"{i.swapped} blocks swapped ({i.host_bytes / gib:.2f} GiB in host memory, copied to the GPU "
-                         "one block at a time)" if i.swapped else "all on the GPU ([train] swap_blocks = 0)"),
+        "  weights: " + weights_text(plan),
         "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
                                     "in host memory, copied to the GPU for each step's encode (parked)"
                                     if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"),
-        f"  predicted peak: {plan.predicted / gib:.1f} of {plan.budget / gib:.1f} GiB "
-        f"(margin {recompute.margin(plan.budget, plan.expandable) / gib:.1f} GiB left free)",
+        f"  predicted peak: {peak_text(plan)}",
         f"  step time: {step_time_class(plan) if plan.fits else 'none: the step does not fit'}",
     ]
     lines += [f"  estimate: {e}" for e in i.estimate]
     if not plan.fits:
-        lines.append(f"  DOES NOT FIT: even with every block recomputing and Qwen3 parked the step needs about "
+        every = ", every block's weights in host memory" if plan.swap_auto and i.swapped == plan.n_blocks else ""
+        lines.append(f"  DOES NOT FIT: even with every block recomputing{every} and Qwen3 parked the step needs about "
                      f"{plan.predicted / gib:.1f} GiB; lower [train] batch_size or [dataset] resolution "
                      f"(activations grow with images x pixels), or use a card with more memory")
+        if plan.batch_fix is not None:
+            lines.append(f"  a smaller batch would fit: {batch_fix_text(plan)}")
         if plan.swap_fix is not None:
             lines.append(f"  or keep frozen weights in host memory: [train] swap_blocks = {plan.swap_fix} would fit "
-                         "(predicted; each swapped block is copied in twice per step)")
+                         "(predicted; each swapped block is copied in twice per step; swap_blocks = \"auto\", the "
+                         "default, chooses the count itself)")
         if i.fp32_full_state:
             # measured under a 24 GiB cap on an H200, batch 4, 1024²: bench/results/fullkahan24_2026-12-03 (L2),
             # bench/results/fullft24_2026-12-03

@@ -73,7 +73,7 @@ def block_count_problems(cfg: Config, blocks: int | None) -> list[str]:
         return []
     head = f"[train] model_path: the model has {blocks} DiT blocks (transformer/config.json num_layers)"
     problems = []
-    if cfg.train.swap_blocks > blocks:
+    if isinstance(cfg.train.swap_blocks, int) and cfg.train.swap_blocks > blocks:
         problems.append(f"{head}, fewer than [train] swap_blocks = {cfg.train.swap_blocks}; set swap_blocks to at "
                         f"most {blocks} (0 keeps every block on the GPU)")
     setting = cfg.train.checkpoint_blocks

@@ -45,7 +45,7 @@ from anima_train.outputs.layout import LOSS_PLOT_NAME
 from anima_train.outputs.plot import plot_losses
 from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
-from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving
+from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving, swap_plan
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
@@ -169,7 +169,10 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # parameters when it wraps the model, but the fp32 masters are made from each rank's own before that, and a
     # bf16 run on two GPUs trained a different adapter on each rank (tests/test_ddp.py). Then each rank its own seed.
     torch.manual_seed(cfg.train.seed)
-    model = _build_model(cfg, data, device, dtype, say)
+    swap_blocks = swap_plan.blocks_to_swap(  # before the weights load: on a small card they would not all fit
+        cfg, device, largest_tokens=data.sampler.largest_batch_tokens(), say=say, warn=progress.warning,
+        whole_trunk_compiled=compiling.mode is not None and not cfg.train.compile_regional)
+    model = _build_model(cfg, data, device, dtype, say, swap_blocks)
     gens = _seed(cfg.train.seed + rank, device)
 
     optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer,
@@ -457,11 +460,11 @@ class Model:
                                 (self.text_encoder, self.train_text_encoder)) if on]
 
 
-def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say) -> Model:
+def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say, swap_blocks: int) -> Model:
     """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing,
-    the swapped blocks (swap_blocks) and the parked Qwen3 set up."""
+    the `swap_blocks` swapped blocks (swap_plan.blocks_to_swap) and the parked Qwen3 set up."""
     # swapped blocks: the model loads into host memory, so that its weights never all sit on a small card at once
-    swapping = cfg.train.swap_blocks > 0
+    swapping = swap_blocks > 0
     parts = load_components(cfg.train.model_path, dtype=dtype, device="cpu" if swapping else device)
     transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
 
@@ -480,7 +483,7 @@ def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, sa
             f"[train] base_matmul = \"fp8\")")
     swap = None
     if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
-        swap = WeightSwap(blocks[:cfg.train.swap_blocks], device)
+        swap = WeightSwap(blocks[:swap_blocks], device)
         say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / recompute.GIB:.2f} "
             f"GiB of frozen weights in host memory, copied in one block at a time (they always recompute)")
         for module in (transformer, conditioner, text_encoder):
