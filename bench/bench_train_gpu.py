@@ -55,7 +55,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
-from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
+from anima_train.data.synthetic import make_synthetic_latents  # noqa: E402
+from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer  # noqa: E402
 from anima_train.training.compiling import resolve_compile  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
 

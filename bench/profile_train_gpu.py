@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from anima_train.config import load_config  # noqa: E402
 from anima_train.outputs.progress import Progress  # noqa: E402
-from anima_train.model.tiny import build_tiny_anima, make_synthetic_latents  # noqa: E402
+from anima_train.data.synthetic import make_synthetic_latents  # noqa: E402
+from anima_train.model.tiny import build_tiny_anima  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
 from bench.bench_train_gpu import parse_run, prepare, run_config_text, split_name  # noqa: E402
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.model.tiny import make_synthetic_dataset, make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
+from anima_train.model.tiny import make_synthetic_dataset
 from tests.fixtures_tiny import anima_train_cli, small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from anima_train import errors
 from anima_train.system import check
 from anima_train.training import compiling
 from anima_train.config import load_config
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.training.train import train
 from tests.fixtures_tiny import forget_inductor_cpu_checks, small_run_toml
 

@@ -88,13 +88,6 @@ def _no_model_env(monkeypatch):
     monkeypatch.delenv("ANIMA_MODEL", raising=False)
 
 
-@pytest.fixture
-def no_gate(monkeypatch):
-    """Tests that need not-yet-implemented keys set empty the gate (there is no bypass parameter)."""
-    for key in list(C.NOT_IMPLEMENTED):  # emptied in place: load.py reads this dict, not the package's attribute
-        monkeypatch.delitem(C.NOT_IMPLEMENTED, key)
-
-
 def _errors(text: str) -> str:
     with pytest.raises(ConfigError) as exc:
         load_config(text)
@@ -478,7 +471,7 @@ def test_texture_phase_without_encode_is_told_to_set_source_encode():
     assert 'mode = "texture" needs [dataset] source = "encode"' in msg and "not implemented" not in msg
 
 
-def test_texture_phase_needs_encode_once_implemented(no_gate):
+def test_texture_phase_needs_encode_once_implemented():
     msg = _errors(D + '[[curriculum]]\nat = 0.0\nmode = "texture"\n')
     assert 'mode = "texture" needs [dataset] source = "encode"' in msg
 
@@ -489,7 +482,7 @@ def test_use_ot_needs_scipy(monkeypatch):
     assert "use_ot = true needs scipy" in _errors(D + "[flow]\nuse_ot = true\n")
 
 
-def test_valid_variants_load(no_gate):
+def test_valid_variants_load():
     load_config(D + "resolutions = [768, 1024]\n[train]\nbatch_size = { 1024 = 4, 768 = 8 }\n")
     load_config(D + "[flow]\nsigmoid_scale = 2.0\n")  # logit_normal, no shift
     load_config(D + "[flow]\nsigmoid_scale = 2.0\nshift = 1.0\n")
@@ -515,7 +508,7 @@ def test_tiers_are_deduplicated_and_sorted():
     assert cfg.dataset.resolutions == [768, 1024] and cfg.dataset.tiers == [768, 1024]
 
 
-def test_curriculum_is_sorted_by_at(no_gate):
+def test_curriculum_is_sorted_by_at():
     cfg = load_config(D + "[[curriculum]]\nat = 0.5\nlr_mul = 0.5\n[[curriculum]]\nat = 0.0\n"
                           "t_range = [0.0, 0.6]\n")
     assert [ph.at for ph in cfg.curriculum] == [0.0, 0.5]
@@ -543,12 +536,12 @@ def test_mixed_weights_omitted_variants_weigh_zero():
 # --------------------------------------------------------------------------------------------- warnings
 
 
-def test_canvas_over_1920_warns(no_gate):
+def test_canvas_over_1920_warns():
     with pytest.warns(ConfigWarning, match="side 2048 > 1920"):
         load_config(D + "[dataset.texture]\ncanvases = [[2048, 512]]\n")
 
 
-def test_text_encoder_lr_unset_warns(no_gate):
+def test_text_encoder_lr_unset_warns():
     with pytest.warns(ConfigWarning, match="inherits optimizer.lr"):
         load_config(D + "[adapter]\ntrain_text_encoder = true\n")
     with warnings.catch_warnings():
@@ -570,35 +563,6 @@ def test_default_config_is_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(D)
-
-
-# --------------------------------------------------------------------------------------------- gate
-
-def test_gate_message_quotes_the_default(monkeypatch):
-    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
-    msg = _errors(D + "[train]\nallow_multi_gpu_texture = true\n")
-    assert ("`[train] allow_multi_gpu_texture` is not implemented yet (texture-mode curriculum); remove it or set "
-            "it back to its default false") in msg
-    monkeypatch.setitem(C.NOT_IMPLEMENTED, "adapter.text_encoder_rank", "a feature under construction")
-    assert "(it is unset by default)" in _errors(D + "[adapter]\ntext_encoder_rank = 8\n")
-
-
-def test_gate_applies_only_after_validation(monkeypatch):
-    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
-    msg = _errors(D + "[train]\nallow_multi_gpu_texture = true\n[flow]\nhf_exponent = 0\n")
-    assert "hf_exponent = 0.0: must be > 0.0" in msg and "not implemented" not in msg
-
-
-def test_gate_lists_every_gated_key(monkeypatch):
-    monkeypatch.setitem(C.NOT_IMPLEMENTED, "train.allow_multi_gpu_texture", "texture-mode curriculum")
-    monkeypatch.setitem(C.NOT_IMPLEMENTED, "dataset.texture", "texture-mode curriculum")
-    with pytest.raises(ConfigError) as exc:
-        load_config(D + "[train]\nallow_multi_gpu_texture = true\n[dataset.texture]\ntrigger = \"t\"\n")
-    assert len(exc.value.errors) == 2
-
-
-def test_default_valued_gated_key_passes():
-    load_config(D + "[flow]\nuse_ot = false\nhf_scale = 0.0\n[train]\ncompile_dynamic = true\n")
 
 
 # --------------------------------------------------------------------------------------------- dump / copy
@@ -747,7 +711,7 @@ at = 0.0
 """
 
 
-def test_dump_round_trip_of_a_busy_config(no_gate, monkeypatch):
+def test_dump_round_trip_of_a_busy_config(monkeypatch):
     monkeypatch.setenv("ANIMA_MODEL", "/models/anima")
     cfg = load_config(BUSY)
     text = dump_toml(cfg)

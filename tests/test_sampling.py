@@ -16,7 +16,7 @@ from PIL import Image
 from anima_train.training import previews
 from anima_train.config import ConfigError, load_config
 from anima_train.model.components import load_components
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.training.train import train
 
 

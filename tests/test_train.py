@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from anima_train.config import load_config
 from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.outputs.layout import MANIFEST_NAME
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli
@@ -424,7 +424,7 @@ def test_encode_mode_runs_the_vae_in_the_loop(tiny_anima, tmp_path):
     cfg = make_cfg(tiny_anima.diffusers_dir, data, tmp_path, max_steps=2, vae_encode_chunk=1)
     cfg.dataset.source = "encode"
     result = train(cfg, cpu=True, no_save=True)
-    assert result.global_step == 2 and all(l == l for l in result.losses)  # finite, no caches needed
+    assert result.global_step == 2 and all(loss == loss for loss in result.losses)  # finite, no caches needed
     assert not list(data.glob("*_anima.safetensors"))
 
 

@@ -596,7 +596,7 @@ def test_windows_train_node_refuses_several_gpus_before_a_worker_or_a_run_folder
 def test_windows_cli_under_a_launcher_refuses_several_processes_before_accelerate(monkeypatch, tmp_path, tiny_anima,
                                                                                 capsys):
     from anima_train import cli
-    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.data.synthetic import make_synthetic_latents
     from tests.fixtures_tiny import small_run_toml
 
     data = tmp_path / "data"
@@ -628,7 +628,7 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     from anima_train.outputs import resume_state
     from anima_train.system import windows
     from anima_train.config import load_config
-    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.data.synthetic import make_synthetic_latents
     from anima_train.training.train import train
     from tests.fixtures_tiny import small_run_toml
 

@@ -7,8 +7,7 @@
 load_config reads the file's structure here (which tables, which keys: an unknown one is answered with the key
 meant), builds the Config from the values as written, and hands it to the one gate, validate.validate, which checks
 every value and rule and collects every problem; they are raised together in one ConfigError, so a config is fixed
-in one pass. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys to a
-non-default value is refused after all other validation passed.
+in one pass.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any, Callable
 
 from anima_train.config import aliases
 from anima_train.config.keys import ConfigError, ConfigWarning, Problems, Where, as_toml, is_key, toml_type
-from anima_train.config.schema import ARRAY_TABLES, NOT_IMPLEMENTED, TABLES, Config
+from anima_train.config.schema import ARRAY_TABLES, TABLES, Config
 from anima_train.config.validate import Context, header, keys_by_table, unchecked, unknown_key, validate
 
 TEXT_SOURCE = "<config text>"  # how messages name a config given as text rather than a file
@@ -84,11 +83,6 @@ def load_config(source: str | os.PathLike,
                           p.errors)
     for w in p.warnings:
         warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=2)
-    gated = _gate(cfg)
-    if gated:
-        n = len(gated)
-        raise ConfigError(f"{name}: {n} setting{'s' if n > 1 else ''} not implemented yet:\n"
-                          + "\n".join(f"  - {g}" for g in gated), gated)
     cfg.source_path, cfg.source_text = path, text
     return cfg
 
@@ -189,43 +183,6 @@ def _build_config(raw: dict, p: Problems) -> Config:
     tables["curriculum"] = [_read_table(TABLES["curriculum"], ph, at("curriculum", i), p)
                             for i, ph in enumerate(phases)]
     return unchecked(Config, **tables)
-
-
-# --------------------------------------------------------------------------------------------------- not yet
-
-
-def _get_dotted(cfg: Config, dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _gate(cfg: Config) -> list[str]:
-    if not NOT_IMPLEMENTED:
-        return []
-    defaults = Config()
-    out = []
-    for dotted, feature in NOT_IMPLEMENTED.items():
-        if dotted == "curriculum.texture":
-            if any(phase.mode == "texture" for phase in cfg.curriculum):
-                out.append(f"`[[curriculum]] mode = \"texture\"` is not implemented yet ({feature}); use "
-                           f"mode = \"fullres\" or remove the phase")
-            continue
-        if _get_dotted(cfg, dotted) == _get_dotted(defaults, dotted):
-            continue
-        if dotted in ARRAY_TABLES:
-            out.append(f"`[[{dotted}]]` is not implemented yet ({feature}); remove the [[{dotted}]] tables")
-        elif dotted in TABLES:
-            out.append(f"`[{dotted}]` is not implemented yet ({feature}); remove the table or set its keys back "
-                       "to their defaults")
-        else:
-            table, key = dotted.rsplit(".", 1)
-            default = _get_dotted(defaults, dotted)
-            back = "remove it (it is unset by default)" if default is None else \
-                f"remove it or set it back to its default {as_toml(default)}"
-            out.append(f"`[{table}] {key}` is not implemented yet ({feature}); {back}")
-    return out
 
 
 # --------------------------------------------------------------------------------------------------- writing

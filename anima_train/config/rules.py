@@ -20,10 +20,11 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+from typing import Iterable
 
 from anima_train import adapters
-from anima_train.data.captions import CAPTION_VARIANTS, parse_protected_tags
-from anima_train.config.constants import CAME_BETAS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT
+from anima_train.config.constants import (CAME_BETAS, CAPTION_VARIANTS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED,
+                                          ROPE_SIDE_LIMIT)
 from anima_train.config.keys import Problems, as_toml, table_label
 from anima_train.fixes import ref
 
@@ -188,6 +189,13 @@ def _caption(c, p: Problems, ctx, w) -> None:
         _, lines = _read_text_lines(p, "dataset.caption", "protected_tags_file", c.protected_tags_file, ctx.base_dir)
         if lines is not None:
             c.file_protected_tags = parse_protected_tags(lines)
+
+
+def parse_protected_tags(lines: Iterable[str]) -> list[str]:
+    """The tags of a protected_tags_file, in file order: one per line, lower-cased; blank lines and # comments
+    skipped. (load_config reads the file, relative to the config's folder, and keeps these in
+    CaptionConfig.file_protected_tags; the captions read them there.)"""
+    return [s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#")]
 
 
 def _texture(t, p: Problems, ctx, w) -> None:
