@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.model import tiny
 from anima_train.training import plan, weight_swap
 
@@ -78,7 +78,7 @@ def fp8_runs() -> list[dict]:
 
 def config_for(batch: int, recompute: str = "block", base_matmul: str = "bf16"):
     # the bench configuration: LoRA r32 (the default), AdamW, bf16, 1024x1024 (the defaults), the run's batch
-    return load_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
+    return parse_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
                        f'base_matmul = "{base_matmul}"\n')
 
 
@@ -179,7 +179,7 @@ def test_lora_parameters_match_the_bench_count():
 
 
 def test_fixed_count_is_kept_and_qwen3_stays_parked():
-    cfg = load_config(train_table() + 'batch_size = 2\ncheckpoint_blocks = "all"\n')
+    cfg = parse_config(train_table() + 'batch_size = 2\ncheckpoint_blocks = "all"\n')
     p = plan.make_plan(cfg, 80 * GIB, expandable=True)
     assert (p.recomputed, p.resident, p.auto, p.fits) == (28, False, False, True)
 
@@ -203,9 +203,9 @@ def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would()
     resident = plan.make_plan(config_for(1), small, expandable=True)
     assert not resident.fits and resident.swap_fix is not None
     count = resident.swap_fix
-    swapped = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
+    swapped = plan.make_plan(parse_config(train_table() + f'batch_size = 1\n'
                                          f'swap_blocks = {count}\n'), small, expandable=True)
-    fewer = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
+    fewer = plan.make_plan(parse_config(train_table() + f'batch_size = 1\n'
                                        f'swap_blocks = {count - 1}\n'), small, expandable=True)
     assert swapped.fits and not fewer.fits
     assert swapped.recomputed >= count
@@ -324,7 +324,7 @@ def test_the_plan_is_for_the_model_at_model_path(tmp_path, tiny_anima):
     assert "measured on the 2B (28 blocks of width 2048) and scaled" in out
     # deeper is larger: at the same card and batch the 2.9B needs more than the 2B, and swaps more to fit 8 GiB
     two = plan.make_plan(config_for(2), 8 * GIB, expandable=True)
-    deeper = plan.make_plan(load_config(deep.read_text()), 8 * GIB, expandable=True)
+    deeper = plan.make_plan(parse_config(deep.read_text()), 8 * GIB, expandable=True)
     assert deeper.inputs.steady > two.inputs.steady and deeper.predicted > two.predicted
     assert deeper.inputs.steady - two.inputs.steady > 12 * 69_206_528 * 2  # 12 more blocks of bf16 weights
     assert two.fits and not deeper.fits and deeper.swap_fix is not None

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
 from anima_train.data.synthetic import make_synthetic_latents
@@ -40,7 +40,7 @@ resolution = 128
 rank = 8
 alpha = 8.0
 {extra}"""
-    return load_config(text)
+    return parse_config(text)
 
 
 def test_a_loha_run_through_the_cli_writes_the_hada_file_comfyui_loads(tiny_anima, latents_dir, tmp_path):

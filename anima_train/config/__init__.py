@@ -1,6 +1,6 @@
 """The trainer's configuration: one TOML file, typed dataclasses, every value checked when a config is built.
 
-    cfg = load_config("configs/lora.toml")      # or load_config(toml_text)
+    cfg = load_config("configs/lora.toml")      # a file; parse_config(toml_text) for text
     cfg.train.epochs, cfg.dataset.tiers, cfg.component_learning_rates()
     ScheduleConfig(kind="rex", d=0.5)           # built in code: checked by the same gate
     dump_toml(cfg)                              # only non-default values (+ adapter.kind)
@@ -43,7 +43,7 @@ from anima_train.config.constants import (CAME_BETAS, COMPONENT_LR_KEYS, DEFAULT
                                           ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, SAMPLE_SHIFT, SDNQ_OPTIMIZERS,
                                           TIER_COLLAPSE_MODES)
 from anima_train.config.keys import REQUIRED, ConfigError, ConfigWarning, as_toml
-from anima_train.config.load import TEXT_SOURCE, copy_config_verbatim, dump_toml, load_config
+from anima_train.config.load import TEXT_SOURCE, copy_config_verbatim, dump_toml, load_config, parse_config
 from anima_train.config.schema import (ARRAY_TABLES, TABLES, AdapterConfig, CaptionConfig,
                                        ComponentLRConfig, Config, CurriculumPhase, DatasetConfig, FieldInfo,
                                        FlowConfig, LoggingConfig, OptimizerConfig, QuantConfig, SampleConfig,
@@ -58,5 +58,6 @@ __all__ = [
     "AdapterConfig", "CaptionConfig", "ComponentLRConfig", "Config", "ConfigError", "ConfigWarning",
     "CurriculumPhase", "DatasetConfig", "FieldInfo", "FlowConfig", "LoggingConfig", "OptimizerConfig", "QuantConfig",
     "SampleConfig", "ScheduleConfig", "SubsetConfig", "TextureConfig", "TrainConfig", "as_toml",
-    "copy_config_verbatim", "dump_toml", "iter_fields", "load_config", "sanitize_run_name", "validate",
+    "copy_config_verbatim", "dump_toml", "iter_fields", "load_config", "parse_config", "sanitize_run_name",
+    "validate",
 ]

@@ -20,8 +20,8 @@ from typing import Any, Iterator, Literal, NamedTuple, Sequence
 
 from anima_train import adapters
 from anima_train.config.constants import (CAPTION_MODES, CAPTION_VARIANTS, DEFAULT_MODEL_PATH, DIT_COMPONENTS,
-                                          DTYPE_NAMES, LORA_FORMATS, MAX_LEARNING_RATE, MAX_RANK, MAX_REPEATS, MODEL_PATH_ENV, SAMPLE_SHIFT,
-                                          SDNQ_OPTIMIZERS, TIER_COLLAPSE_MODES)
+                                          DTYPE_NAMES, LORA_FORMATS, MAX_LEARNING_RATE, MAX_RANK, MAX_REPEATS,
+                                          MODEL_PATH_ENV, SAMPLE_SHIFT, SDNQ_OPTIMIZERS, TIER_COLLAPSE_MODES)
 from anima_train.config.keys import field_default, hints, is_key
 from anima_train.config.validate import array_tables, root, section, tables
 
