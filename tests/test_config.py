@@ -525,6 +525,38 @@ def test_tiers_are_deduplicated_and_sorted():
     assert cfg.dataset.resolutions == [768, 1024] and cfg.dataset.tiers == [768, 1024]
 
 
+def test_the_rules_read_and_report_and_change_nothing(tmp_path):
+    """The rules across keys only read a config and report (rules.NORMALISE puts values in final form, before them):
+    run over a valid config whose values are not yet normalised, they leave every value as it was."""
+    import copy
+
+    from anima_train.config import rules
+    from anima_train.config.keys import Problems, Where
+    from anima_train.config.validate import Context, _scoped
+
+    (tmp_path / "held_out").mkdir()
+    (tmp_path / "tags.txt").write_text("Sky\n", encoding="utf-8")
+    (tmp_path / "prompts.txt").write_text("a cat\n", encoding="utf-8")
+    f = tmp_path / "c.toml"
+    f.write_text(D + 'resolutions = [1024, 768]\n[dataset.caption]\nprotected_tags_file = "tags.txt"\n'
+                 '[sample]\nprompts_file = "prompts.txt"\n[validation]\nfolder = "held_out"\n'
+                 "[[curriculum]]\nat = 0.0\n[[curriculum]]\nat = 0.5\n", encoding="utf-8")
+    cfg = load_config(f)
+    as_written = [(cfg.dataset, "resolutions", [1024, 768, 768]), (cfg.dataset.caption, "mixed_weights", {"nl": 1.0}),
+                  (cfg.dataset.caption, "file_protected_tags", []), (cfg.sample, "file_prompts", []),
+                  (cfg.validation, "folder", "held_out"), (cfg, "curriculum", cfg.curriculum[::-1])]
+    for table, key, value in as_written:
+        object.__setattr__(table, key, value)  # as a file writes them, past the assignment check
+    before = copy.deepcopy(cfg)
+    p = Problems()
+    for scope, rule in rules.RULES:
+        for table, at in _scoped(cfg, Where("", toml=True), scope):
+            rule(table, p, Context(toml=True, base_dir=tmp_path, require_data=True), at)
+    assert not p.errors, p.errors
+    assert cfg == before and [ph.at for ph in cfg.curriculum] == [0.5, 0.0]
+    assert (cfg.dataset.caption.file_protected_tags, cfg.sample.file_prompts) == ([], [])
+
+
 def test_curriculum_is_sorted_by_at():
     cfg = parse_config(D + "[[curriculum]]\nat = 0.5\nlr_mul = 0.5\n[[curriculum]]\nat = 0.0\n"
                           "t_range = [0.0, 0.6]\n")
