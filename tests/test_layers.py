@@ -85,7 +85,7 @@ def import_edges() -> list[tuple[str, int, str]]:
     for module, path in found.items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                edges += [(module, node.lineno, target) for target in imported(module, path, node, known)
+                edges += [(module, node.lineno, target) for target in dict.fromkeys(imported(module, path, node, known))
                           if target != module]
     return edges
 
