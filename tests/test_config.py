@@ -476,11 +476,9 @@ RULES = [
 
 @pytest.mark.parametrize("text, expected", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
 def test_rule(text, expected):
-    # These run with the gate in place: a rule must be reported before any "not implemented yet".
     msg = _errors(text)
     for part in expected:
         assert part in msg, f"{part!r} not in:\n{msg}"
-    assert "not implemented yet" not in msg
 
 
 def test_texture_phase_without_encode_is_told_to_set_source_encode():
