@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from anima_train.data.captions import build_caption, caption_rng, parse_protected_tags, read_caption_files, split_tags
+from anima_train.config.rules import parse_protected_tags
+from anima_train.data.captions import build_caption, caption_rng, read_caption_files, split_tags
 from anima_train.config import CaptionConfig, ConfigError, load_config, parse_config
 
 TAGS = "trigger, 1girl, solo, long hair, smile, red eyes, outdoors, sky, cloud, tree, dress, hat"

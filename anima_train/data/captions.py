@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Mapping
 
 from anima_train.config.constants import CAPTION_VARIANTS
-from anima_train.config.rules import parse_protected_tags as parse_protected_tags  # the config reads the file
 from anima_train.errors import UserError
 from anima_train.files import why_unreadable
 
