@@ -17,8 +17,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -49,7 +47,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("anima_train.training.plan",
                     "print the memory plan a config would run with (blocks recomputed, Qwen3 placement, peak) "
                     "under --vram GiB, without training"),
-    "config": Command("anima_train.config.reference",
+    "config": Command("anima_train.training.config_check",
                       "check a config and the paths it names, or print every key (--reference)"),
     "demo": Command("anima_train.demo", "train a LoRA on a tiny model and a generated dataset (no downloads)"),
     "tiny-model": Command("anima_train.demo", "write a tiny random Anima model to try the trainer on your images",
@@ -60,21 +58,6 @@ COMMANDS: dict[str, Command] = {
     "anchor-convert": Command("anchor.cli", "convert a .pt anchor file to .safetensors",
                               "convert_add_arguments", "convert_run"),
 }
-
-
-def program() -> str:
-    """How this process's user runs anima-train, as a shell prefix, so a command printed in a message (a fix to
-    copy) works as printed: `anima-train` when that is on PATH, else the script or `python -m anima_train`."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    name = os.path.basename(argv0)
-    if name in ("anima-train", "anima-train.exe"):
-        on_path = shutil.which("anima-train")
-        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
-            return "anima-train"
-        return shlex.quote(argv0)
-    if name == "__main__.py" and os.path.basename(os.path.dirname(argv0)) == "anima_train":
-        return f"{shlex.quote(sys.executable)} -m anima_train"
-    return "anima-train"  # in-process callers (ComfyUI node code, tests): the documented command
 
 
 class NotYetImplemented(RuntimeError):

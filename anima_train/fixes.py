@@ -24,6 +24,9 @@ import contextlib
 import contextvars
 import os
 import re
+import shlex
+import shutil
+import sys
 from typing import Iterator
 
 REFS_ENV = "ANIMA_TRAIN_FIXES"  # "refs": this process's messages are shown by another front (nodes/worker.py sets it)
@@ -61,3 +64,18 @@ def ref(what: str, cli_text: str) -> str:
 def plain(text: str) -> str:
     """`text` with every token replaced by the name it carries (a front that has no clause of its own for one)."""
     return TOKEN.sub(lambda m: m.group(1), text)
+
+
+def program() -> str:
+    """How this process's user runs anima-train, as a shell prefix, so a command printed in a message (a fix to
+    copy) works as printed: `anima-train` when that is on PATH, else the script or `python -m anima_train`."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(argv0)
+    if name in ("anima-train", "anima-train.exe"):
+        on_path = shutil.which("anima-train")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+            return "anima-train"
+        return shlex.quote(argv0)
+    if name == "__main__.py" and os.path.basename(os.path.dirname(argv0)) == "anima_train":
+        return f"{shlex.quote(sys.executable)} -m anima_train"
+    return "anima-train"  # in-process callers (ComfyUI node code, tests): the documented command

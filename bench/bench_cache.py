@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_buckets import png_header, synthetic_sizes  # noqa: E402
 
-from anima_train.config import load_config  # noqa: E402
+from anima_train.config import parse_config  # noqa: E402
 from anima_train.data.dataset import build_training_data
 from anima_train.data.planning import BucketSettings, plan_sources
 from anima_train.data.scan import resolve_modes, scan_folders
@@ -80,7 +80,7 @@ def bench_scan(n: int, tiers: list[int]) -> None:
         plan = plan_sources(sources, settings)
         t_plan = time.perf_counter() - t0
         assert [s.size for s in sources] == sizes
-        cfg = load_config(f'[dataset]\npath = "{folder}"\nresolutions = {tiers}\nsource = "encode"\n'
+        cfg = parse_config(f'[dataset]\npath = "{folder}"\nresolutions = {tiers}\nsource = "encode"\n'
                           f"[train]\nbatch_size = 4\n")
         t0 = time.perf_counter()
         data = build_training_data(cfg)

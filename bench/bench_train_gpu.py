@@ -55,8 +55,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from anima_train.config import load_config  # noqa: E402
-from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer, make_synthetic_latents  # noqa: E402
+from anima_train.config import parse_config  # noqa: E402
+from anima_train.data.synthetic import make_synthetic_latents  # noqa: E402
+from anima_train.model.tiny import CONFIGS, build_qwen_tokenizer, build_t5_tokenizer  # noqa: E402
 from anima_train.outputs.progress import SWAP_PREFIX  # noqa: E402
 from anima_train.training.compiling import resolve_compile  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
@@ -203,7 +204,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                                   recompute=recompute, base_matmul=base_matmul)
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
-    cfg = load_config(text)
+    cfg = parse_config(text)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0, t0_wall = time.perf_counter(), time.time()

@@ -31,9 +31,10 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from anima_train.config import load_config  # noqa: E402
+from anima_train.config import parse_config  # noqa: E402
 from anima_train.outputs.progress import Progress  # noqa: E402
-from anima_train.model.tiny import build_tiny_anima, make_synthetic_latents  # noqa: E402
+from anima_train.data.synthetic import make_synthetic_latents  # noqa: E402
+from anima_train.model.tiny import build_tiny_anima  # noqa: E402
 from anima_train.training.train import train  # noqa: E402
 from bench.bench_train_gpu import parse_run, prepare, run_config_text, split_name  # noqa: E402
 
@@ -203,7 +204,7 @@ def profile_run(args: argparse.Namespace, turns: Turns | None) -> int:
         if args.cap_gib:
             torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     setup_s = round(time.perf_counter() - t0, 1)
-    cfg = load_config(text)
+    cfg = parse_config(text)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort_key = "self_cuda_time_total" if cuda else "self_cpu_time_total"

@@ -2,7 +2,7 @@
 
 * Anima: Training config — the common knobs of `anima_train.config` as widgets (type, default, help, choices and
   bounds read from the dataclass field metadata: the config module stays the single source of truth) plus a TOML
-  text box for every other key. The result is validated by the same `load_config` as the CLI in `validate_inputs`,
+  text box for every other key. The result is validated by `parse_config` (the CLI's gate) in `validate_inputs`,
   so a bad value is shown on the node before anything runs. Output: ANIMA_TRAIN_CONFIG {toml, digest}.
 * Anima: Train — runs `python -m anima_train train` (or accelerate's launcher for 2+ GPUs) in a worker process
   (nodes/worker.py), relays its events to the progress bar and to the `anima_train.progress` websocket event,
@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, Qwen3Model
 from anchor.atomic import write_text
 from anima_train import adapters
 from anima_train.adapters.export import text_encoder_lora_path
-import anima_train.config as anima_config  # called through the module: tests count load_config's calls
+import anima_train.config as anima_config  # called through the module: tests count parse_config's calls
 from anima_train.config import ConfigError, iter_fields
 from anima_train.data.texture import refuse_multi_process
 from anima_train.model.components import check_repo
@@ -319,7 +319,7 @@ def _build_config(values: dict):
         warnings.simplefilter("ignore")  # warnings are shown by the Train node's log, not as node errors
         # the model repo, dataset folders, output folder and resume_from in the same message as the values (the
         # trainer's own preflight; a value linked from another node is not known yet and is skipped)
-        return anima_config.load_config(text, also=path_check(skip=_is_linked)), text
+        return anima_config.parse_config(text, also=path_check(skip=_is_linked)), text
 
 
 def _model_and_data_digest(cfg) -> dict:
@@ -586,7 +586,7 @@ class AnimaTrainTrain(io.ComfyNode):
         cfg = _queued("toml", toml)  # this queue's Training config node built it: confined and checked
         if cfg is None:
             toml = paths.confine_toml(toml, paths.current_policy())  # a posted graph may give any value here
-            cfg = anima_config.load_config(toml)
+            cfg = anima_config.parse_config(toml)
         refuse_multi_process(cfg, gpus)  # the trainer refuses it too, but only after accelerate launched the workers
         key = run_records.result_key(toml=toml, gpus=gpus, **_model_and_data_digest(cfg))
         cfg, toml, run_dir, manifest, note, job_lock = pick_run(cfg, toml, key)

@@ -76,7 +76,7 @@ def synthetic_dataset(tmp_path_factory):
 @pytest.fixture(scope="module")
 def latents_dir(tmp_path_factory):
     """12 synthetic latent caches (the tiny model's), made once per test module: a module may add files to it."""
-    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.data.synthetic import make_synthetic_latents
 
     out = tmp_path_factory.mktemp("latents")
     make_synthetic_latents(out, n=12, seed=0)

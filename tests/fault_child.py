@@ -20,9 +20,9 @@ from transformers import AutoTokenizer, Qwen3Model  # noqa: F401
 
 import anima_train.cli  # noqa: F401
 import anima_train.training.train  # noqa: F401
-from anima_train import adapters
-from anima_train.data import dataset
-from anima_train.model import components, prompts
+from anima_train import adapters  # noqa: F401
+from anima_train.data import dataset  # noqa: F401
+from anima_train.model import components, prompts  # noqa: F401
 from anima_train.training import flow, optimizers, schedules  # noqa: F401
 
 # One intra-op thread, set before any computation: no thread pool exists when the runs are forked, and every run (the

@@ -364,7 +364,7 @@ DEMO_RUNTIME = "from anima_train.adapters.lora.model import peft_config, save_ch
 DEMO_CHECK = textwrap.dedent('''
     from anima_train import adapters
     from anima_train.adapters import export
-    from anima_train.config import ConfigError, iter_fields, load_config
+    from anima_train.config import ConfigError, iter_fields, parse_config
     from anima_train.config.reference import reference_markdown
     from anima_train.outputs import resume_state
 
@@ -372,7 +372,7 @@ DEMO_CHECK = textwrap.dedent('''
     assert kind.choices[-2:] == ("demo", "none"), kind.choices
     assert "demo (= a test method)" in kind.help and "Demo: rank dropout" in reference_markdown()
     base = '[dataset]\\npath = "data"\\n[adapter]\\nkind = "demo"\\n'
-    cfg = load_config(base + "rank = 4\\n")
+    cfg = parse_config(base + "rank = 4\\n")
     assert cfg.injected_components() == ["self_attn", "cross_attn", "mlp"]
     assert resume_state.describe_adapter(cfg)["alpha"] == 32.0
     for extra, wanted in (("rank = 16\\n", 'kind = "demo" takes rank <= 8'),
@@ -380,7 +380,7 @@ DEMO_CHECK = textwrap.dedent('''
                                                        "LoRA only (lora_down/lora_up/alpha); Demo files use demo_*"),
                           ("train_text_encoder = true\\n", 'not supported with kind = "demo"')):
         try:
-            load_config(base + extra)
+            parse_config(base + extra)
         except ConfigError as e:
             assert wanted in str(e), str(e)
         else:

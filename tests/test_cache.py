@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from anima_train import cli
 from anima_train.data.buckets import Bucketer
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.data.cache_files import vae_identity
 from anima_train.data.dataset import build_training_data, collate, encode_latents, load_pixels
 from anima_train.data.errors import DatasetError
@@ -53,7 +53,7 @@ def cache_cli(*args) -> int:
 
 def train_config(folder, tiers=(64, 96), steps=32, source="auto"):
     res = f"resolution = {tiers[0]}" if len(tiers) == 1 else f"resolutions = {list(tiers)}"
-    return load_config(f'[dataset]\npath = "{folder}"\n{res}\nbucket_reso_steps = {steps}\nsource = "{source}"\n')
+    return parse_config(f'[dataset]\npath = "{folder}"\n{res}\nbucket_reso_steps = {steps}\nsource = "{source}"\n')
 
 
 def cache_files(folder):

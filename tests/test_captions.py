@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from anima_train.data.captions import build_caption, caption_rng, parse_protected_tags, read_caption_files, split_tags
-from anima_train.config import CaptionConfig, ConfigError, load_config
+from anima_train.config.rules import parse_protected_tags
+from anima_train.data.captions import build_caption, caption_rng, read_caption_files, split_tags
+from anima_train.config import CaptionConfig, ConfigError, load_config, parse_config
 
 TAGS = "trigger, 1girl, solo, long hair, smile, red eyes, outdoors, sky, cloud, tree, dress, hat"
 TAG_LIST = split_tags(TAGS, ", ")
@@ -112,7 +113,7 @@ def test_bad_mode_and_weights_raise():
     with pytest.raises(ValueError, match="caption_mode"):
         opts(caption_mode="tag")
     with pytest.raises(ValueError, match="mixed_weights"):
-        load_config('[dataset]\npath = "/data/train"\n[dataset.caption]\nmixed_weights = { tagz = 1 }\n')
+        parse_config('[dataset]\npath = "/data/train"\n[dataset.caption]\nmixed_weights = { tagz = 1 }\n')
 
 
 def test_tag_dropout_count_uses_round():

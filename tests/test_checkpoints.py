@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from anima_train.outputs import checkpoint_files as C
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.outputs import layout, manifest, resume_state
 
 
@@ -187,14 +187,14 @@ def test_epoch_of_step_is_the_one_based_epoch_the_step_falls_in():
 
 def test_a_loha_state_records_its_rank_and_a_resume_with_another_kind_is_refused(tmp_path):
     base = '[dataset]\npath = "/data/train"\n[adapter]\nrank = 4\n'
-    loha = load_config(base + 'kind = "loha"\n')
+    loha = parse_config(base + 'kind = "loha"\n')
     assert resume_state.describe_adapter(loha) == {"kind": "loha", "rank": 4, "components": ["cross_attn", "mlp", "self_attn"],
                                         "train_llm_adapter": False, "train_text_encoder": False}
-    lokr = load_config(base + 'kind = "lokr"\n')  # the other methods record what they always did
+    lokr = parse_config(base + 'kind = "lokr"\n')  # the other methods record what they always did
     assert resume_state.describe_adapter(lokr) == {**resume_state.describe_adapter(loha), "kind": "lokr", "lokr_factor": -1,
                                         "lokr_decompose_both": False}
-    assert "rank" not in resume_state.describe_adapter(load_config(base + 'kind = "none"\n'))
+    assert "rank" not in resume_state.describe_adapter(parse_config(base + 'kind = "none"\n'))
     state = tmp_path / "run-state"
     with pytest.raises(resume_state.ResumeError, match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
-        resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, load_config(base))
+        resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, parse_config(base))
     resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, loha)  # the same adapter resumes

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.model.tiny import make_synthetic_dataset, make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
+from anima_train.model.tiny import make_synthetic_dataset
 from tests.fixtures_tiny import anima_train_cli, small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +105,10 @@ def test_an_unwritable_output_dir_is_refused_before_loading(tiny_anima, latents,
 def test_an_output_dir_that_cannot_be_created_or_written_is_named(tmp_path, monkeypatch):
     # (in-process: as root every folder is writable, so the permission branch is reached through os.access)
     from anima_train.training import preflight
-    from anima_train.config import load_config
+    from anima_train.config import parse_config
 
     (tmp_path / "a-file").write_text("x")
-    cfg = load_config(f'[train]\noutput_dir = "{tmp_path / "a-file" / "runs"}"\n[dataset]\npath = "{tmp_path}"\n')
+    cfg = parse_config(f'[train]\noutput_dir = "{tmp_path / "a-file" / "runs"}"\n[dataset]\npath = "{tmp_path}"\n')
     assert any("a-file is a file, so the folder cannot be created" in p for p in preflight.path_problems(cfg))
     cfg.train.output_dir = str(tmp_path / "new" / "runs")
     assert not any("output_dir" in p for p in preflight.path_problems(cfg))

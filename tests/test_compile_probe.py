@@ -19,8 +19,8 @@ import torch
 from anima_train import errors
 from anima_train.system import check
 from anima_train.training import compiling
-from anima_train.config import load_config
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.config import parse_config
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.training.train import train
 from tests.fixtures_tiny import forget_inductor_cpu_checks, small_run_toml
 
@@ -85,8 +85,8 @@ def test_auto_compile_that_cannot_build_trains_eagerly_with_one_warning_and_the_
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     events = tmp_path / "events.jsonl"
     with inductor_config.patch({"cpp.cxx": (None, str(no_header_cxx))}):
-        auto = train(load_config(_toml(tiny_anima, latents, tmp_path / "a", "auto")), cpu=True, events=str(events))
-    eager = train(load_config(_toml(tiny_anima, latents, tmp_path / "b", "off")), cpu=True)
+        auto = train(parse_config(_toml(tiny_anima, latents, tmp_path / "a", "auto")), cpu=True, events=str(events))
+    eager = train(parse_config(_toml(tiny_anima, latents, tmp_path / "b", "off")), cpu=True)
     said = list(map(json.loads, events.read_text().splitlines()))
     warnings = [e["text"] for e in said if e["event"] == "warning" and "torch.compile" in e["text"]]
     assert not [e for e in said if "torch.compile" in e.get("text", "") and e["event"] != "warning"]
@@ -110,7 +110,7 @@ def portable(monkeypatch, tmp_path):
 
 
 def _quantized_cfg(setting: str):
-    return load_config(f'[train]\nmodel_path = "m"\ncompile = "{setting}"\n[dataset]\npath = "d"\n'
+    return parse_config(f'[train]\nmodel_path = "m"\ncompile = "{setting}"\n[dataset]\npath = "d"\n'
                        f'[quant]\nmode = "frozen"\n')
 
 
@@ -155,7 +155,7 @@ def test_compile_and_sdnq_triton_that_work_change_nothing(monkeypatch):
     assert decision.probes == ["torch.compile", "SDNQ Triton matmul"]
     assert os.environ["SDNQ_USE_TRITON_MM"] == "1"
     # nothing is probed where nothing would compile: eager by choice costs no probe
-    off = compiling.decide_compile(load_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
+    off = compiling.decide_compile(parse_config('[train]\nmodel_path = "m"\ncompile = "off"\n[dataset]\npath = "d"\n'),
                                torch.device("cuda"), 10**6, probe=pytest.fail, probe_sdnq=pytest.fail)
     assert off.mode is None and off.probes == []
 

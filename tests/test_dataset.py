@@ -17,7 +17,7 @@ from PIL import Image
 
 from anima_train.data.buckets import Bucketer
 from anima_train.data.latent_cache import save_cache
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.data.cache_files import cache_path
 from anima_train.data.dataset import bucket_batch_sizes, build_training_data, collate
 from anima_train.data.errors import DatasetError
@@ -45,7 +45,7 @@ def config(paths, tiers=(128,), source="auto", steps=32, extra_dataset="", train
         head = ""
         tail = "".join(f'\n[[dataset.subsets]]\npath = "{p}"\nnum_repeats = {n}\ntexture = {str(t).lower()}\n'
                        for p, n, t in subsets)
-    return load_config(f"[train]\nseed = 7\n{train}\n[dataset]\n{head}\n{res}\nbucket_reso_steps = {steps}\n"
+    return parse_config(f"[train]\nseed = 7\n{train}\n[dataset]\n{head}\n{res}\nbucket_reso_steps = {steps}\n"
                        f'source = "{source}"\nmax_bucket_reso = 512\n{extra_dataset}\n{tail}')
 
 

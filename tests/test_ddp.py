@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from anima_train.data.batches import steps_per_epoch
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from tests.fixtures_tiny import small_run_toml, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -162,3 +162,45 @@ def test_relative_links_in_the_docs_resolve():
                 elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
                     bad.append(f"{where}: no heading #{anchor}")
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------- what the docs quote of the code
+
+ARCHITECTURE = DOCS / "architecture.md"
+CITED_SOURCE = re.compile(r"(?<![\w/.<-])((?:anima_train|nodes|anchor|tests|bench|js)/[\w./-]*\w)")
+
+
+def _exists(cited: str) -> bool:
+    """A file or folder; `nodes/fixes.shown_on` is a name in nodes/fixes.py. (A name followed by `<`, `*` or `{` is
+    a pattern, `nodes/nodes_<family>.py`, and not checked.)"""
+    return (ROOT / cited).exists() or (ROOT / (cited.rpartition(".")[0] + ".py")).is_file()
+
+
+def test_every_source_path_the_docs_cite_exists():
+    """A doc that names a file of the repository (`anima_train/adapters/inject.py`, `tests/test_layers.py`) names one
+    that exists: a moved or split module takes its docs with it."""
+    bad = []
+    for doc in sorted([*DOCS.glob("*.md"), ROOT / "README.md"]):
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            bad += [f"{doc.relative_to(ROOT)}:{n}: {m.group(1)}" for m in CITED_SOURCE.finditer(line)
+                    if line[m.end():m.end() + 1] not in ("<", "*", "{") and not _exists(m.group(1))]
+    assert not bad, "docs cite files that do not exist:\n  " + "\n  ".join(bad)
+
+
+def test_the_architecture_names_every_adapter_method():
+    """docs/architecture.md's `adapters/` line lists the methods by title, in the registry's (menu) order."""
+    from anima_train import adapters
+
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    listed = re.search(r"^  adapters/\s+which weights train, one folder per method \(([^)]*)\)", text, re.M)
+    assert listed, "docs/architecture.md: the adapters/ line no longer lists the methods"
+    assert [s.strip() for s in listed.group(1).split(",")] == [m.title for m in adapters.METHODS.values()]
+
+
+def test_the_count_of_function_local_imports_is_the_one_quoted():
+    from tests.test_imports import function_local_imports, source_files
+
+    text = " ".join(ARCHITECTURE.read_text(encoding="utf-8").split())
+    quoted = re.search(r"; now (\d+), each with its reason", text)
+    assert quoted, "docs/architecture.md (Imports) no longer quotes how many function-local imports remain"
+    assert int(quoted.group(1)) == sum(len(function_local_imports(p)) for p in source_files())

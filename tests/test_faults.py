@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from anima_train.outputs import resume_state as ckpt
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from tests.fixtures_tiny import small_run_toml
 
 STEPS, SAVE_EVERY = 8, 2  # 6 latents in batches of 2: 3 steps per epoch, so the step-6 state ends an epoch

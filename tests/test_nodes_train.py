@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import anima_train.config as anima_config
-from anima_train.config import AdapterConfig, ConfigError, TrainConfig, load_config
+from anima_train.config import AdapterConfig, ConfigError, TrainConfig, parse_config
 
 FAKE_TRAINER = textwrap.dedent(r'''
     import json, os, sys, time, tomllib
@@ -201,7 +201,7 @@ def test_config_validates_with_load_config_before_running(comfy_env, tiny_anima,
     good = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="my run", epochs=2)
     assert nt.AnimaTrainConfig.validate_inputs(**good) is True
     out = nt.AnimaTrainConfig.execute(**good).values[0]
-    cfg = load_config(out["toml"])
+    cfg = parse_config(out["toml"])
     assert cfg.train.epochs == 2 and cfg.run_stem == "my-run" and cfg.adapter.rank == 16
     assert cfg.train.output_dir == str(comfy_env.tmp / "output" / "anima_train")  # empty widget -> ComfyUI output
     assert out["run_dir"] == str(comfy_env.tmp / "output" / "anima_train" / "my-run")
@@ -238,7 +238,7 @@ def test_extra_toml_overrides_widgets_and_replaces_their_forms(comfy_env, tiny_a
              f"num_repeats = 3\n")
     text = nt.AnimaTrainConfig.execute(**widgets(nt, tiny_anima.diffusers_dir, dataset, epochs=2,
                                                  extra_toml=extra)).values[0]["toml"]
-    cfg = load_config(text)
+    cfg = parse_config(text)
     assert cfg.train.epochs == 7 and cfg.dataset.tiers == [512, 768]
     assert cfg.dataset.path is None and [s.path for s in cfg.dataset.subsets] == [str(other)]
 
@@ -250,7 +250,7 @@ def test_output_format_widget_reaches_the_lora_file_format(comfy_env, tiny_anima
     assert port.options["default"] == AdapterConfig().output_format == "peft"
     assert "lora_unet_" in port.options["tooltip"]
     values = widgets(nt, tiny_anima.diffusers_dir, dataset, output_format="kohya")
-    assert load_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
+    assert parse_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
     bad = refusal(nt, **dict(values, adapter="lokr"))
     assert 'output_format = "kohya" applies to kind = "lora"' in bad and "[adapter]" not in bad, bad
 
@@ -393,8 +393,8 @@ def test_the_swap_blocks_widget_stands_for_auto_at_zero(comfy_env, dataset):
     port = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}["swap_blocks"]
     assert port.kind == "INT" and port.options["default"] == 0 and "[0 here = auto]" in port.options["tooltip"]
     values = widgets(nt, "x", dataset)
-    assert load_config(nt.config_toml(dict(values, swap_blocks=0))).train.swap_blocks == "auto"
-    assert load_config(nt.config_toml(dict(values, swap_blocks=3))).train.swap_blocks == 3
+    assert parse_config(nt.config_toml(dict(values, swap_blocks=0))).train.swap_blocks == "auto"
+    assert parse_config(nt.config_toml(dict(values, swap_blocks=3))).train.swap_blocks == 3
 
 
 def test_train_shows_the_validation_summary_and_its_verdict(comfy_env, tiny_anima, dataset):
@@ -457,7 +457,7 @@ def test_one_queue_parses_its_config_once_and_walks_the_dataset_once(comfy_env, 
     # ComfyUI calls, for one queued prompt: the Training config's validate_inputs (when it is queued),
     # fingerprint_inputs and execute, then Train's execute (which here also renames the run: its name is taken)
     env, nt = comfy_env, comfy_env.nt
-    calls = {"load_config": 0, "confine_toml": 0, "dataset_digest": 0}
+    calls = {"parse_config": 0, "confine_toml": 0, "dataset_digest": 0}
 
     def counted(name, fn):
         def count(*args, **kwargs):
@@ -465,7 +465,7 @@ def test_one_queue_parses_its_config_once_and_walks_the_dataset_once(comfy_env, 
             return fn(*args, **kwargs)
         return count
 
-    monkeypatch.setattr(anima_config, "load_config", counted("load_config", anima_config.load_config))
+    monkeypatch.setattr(anima_config, "parse_config", counted("parse_config", anima_config.parse_config))
     monkeypatch.setattr(nt.paths, "confine_toml", counted("confine_toml", nt.paths.confine_toml))
     monkeypatch.setattr(nt.run_records, "dataset_digest", counted("dataset_digest", nt.run_records.dataset_digest))
 
@@ -477,16 +477,16 @@ def test_one_queue_parses_its_config_once_and_walks_the_dataset_once(comfy_env, 
         return _train(env, nt.AnimaTrainConfig.execute(**values).values[0])
 
     queue("prompt-a")
-    assert calls == {"load_config": 1, "confine_toml": 0, "dataset_digest": 1}
+    assert calls == {"parse_config": 1, "confine_toml": 0, "dataset_digest": 1}
     second = queue("prompt-b", epochs=2)  # a new queue parses again (files may have changed in between)
-    assert calls == {"load_config": 2, "confine_toml": 0, "dataset_digest": 2}
+    assert calls == {"parse_config": 2, "confine_toml": 0, "dataset_digest": 2}
     assert Path(second.values[0]).parent.name == "once-2"
     # outside a queued prompt (a script calling the node) nothing is kept
     monkeypatch.setattr(env.comfy, "queued_prompt_id", lambda: None)
     values = widgets(nt, tiny_anima.diffusers_dir, dataset, run_name="once")
     nt.AnimaTrainConfig.validate_inputs(**values)
     nt.AnimaTrainConfig.validate_inputs(**values)
-    assert calls["load_config"] == 4
+    assert calls["parse_config"] == 4
 
 
 def test_each_job_has_its_own_stop_file(comfy_env, tiny_anima, dataset):
@@ -554,7 +554,7 @@ def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_i
     env.mode["value"] = "ok"
     env.log.clear()
     out = _train(env, config)
-    job = load_config((Path(out.values[0]).parent / env.nt.JOB_CONFIG_NAME).read_text())
+    job = parse_config((Path(out.values[0]).parent / env.nt.JOB_CONFIG_NAME).read_text())
     messages = [e[1]["text"] for e in env.log if e[0] == "ws" and e[1]["event"] == "run_note"]
     if state_on_stop:
         assert said.endswith("queue again (same inputs) to resume from step 1"), said
@@ -737,7 +737,7 @@ def test_a_texture_curriculum_goes_in_extra_toml_and_two_gpus_are_refused_before
     values = widgets(env.nt, tiny_anima.diffusers_dir, dataset, run_name="tex", extra_toml=extra)
     assert env.nt.AnimaTrainConfig.validate_inputs(**values) is True
     config = env.nt.AnimaTrainConfig.execute(**values).values[0]
-    cfg = load_config(config["toml"])
+    cfg = parse_config(config["toml"])
     assert [p.mode for p in cfg.curriculum] == ["fullres", "texture"] and cfg.dataset.texture.trigger == "tex"
     assert cfg.dataset.texture.canvases == [[64, 64], [64, 64], [128, 64]] and cfg.dataset.source == "encode"
     with pytest.raises(TextureError, match="on 2 processes is refused: run it on one process"):

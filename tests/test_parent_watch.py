@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]

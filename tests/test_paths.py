@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from tests.test_nodes_train import refusal
 
 
@@ -217,7 +217,7 @@ def test_config_node_resolves_relative_paths_in_comfys_folders(nodes_env, monkey
     (env.root / "models" / "anima").symlink_to(env.model, target_is_directory=True)
     out = env.nt.AnimaTrainConfig.execute(**config_values(env, dataset_path="data", model_path="anima",
                                                           output_dir="my_runs")).values[0]
-    cfg = load_config(out["toml"])
+    cfg = parse_config(out["toml"])
     assert cfg.dataset.path == str(env.data)
     assert cfg.train.model_path == str(env.model)  # models/anima leads to the allowed tiny model: its real path
     assert cfg.train.output_dir == str(env.root / "output" / "my_runs")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.model import tiny
 from anima_train.training import plan, weight_swap
 
@@ -79,8 +79,8 @@ def fp8_runs() -> list[dict]:
 def config_for(batch: int, recompute: str = "block", base_matmul: str = "bf16"):
     # the bench configuration: LoRA r32 (the default), AdamW, bf16, 1024x1024 (the defaults), the run's batch, and
     # the swap count the committed runs were made with (bench_train_gpu.py wrote 0 but for its @K runs)
-    return load_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
-                       f'base_matmul = "{base_matmul}"\nswap_blocks = 0\n')
+    return parse_config(train_table() + f'batch_size = {batch}\nrecompute = "{recompute}"\n'
+                        f'base_matmul = "{base_matmul}"\nswap_blocks = 0\n')
 
 
 def mismatches(runs, high: float = PEAK_HIGH, runtime_tolerance: float = 0.1) -> list[str]:
@@ -180,7 +180,7 @@ def test_lora_parameters_match_the_bench_count():
 
 
 def test_fixed_count_is_kept_and_qwen3_stays_parked():
-    cfg = load_config(train_table() + 'batch_size = 2\ncheckpoint_blocks = "all"\n')
+    cfg = parse_config(train_table() + 'batch_size = 2\ncheckpoint_blocks = "all"\n')
     p = plan.make_plan(cfg, 80 * GIB, expandable=True)
     assert (p.recomputed, p.resident, p.auto, p.fits) == (28, False, False, True)
 
@@ -204,9 +204,9 @@ def test_a_lora_that_does_not_fit_is_told_the_fewest_swapped_blocks_that_would()
     resident = plan.make_plan(config_for(1), small, expandable=True)
     assert not resident.fits and resident.swap_fix is not None
     count = resident.swap_fix
-    swapped = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
+    swapped = plan.make_plan(parse_config(train_table() + f'batch_size = 1\n'
                                          f'swap_blocks = {count}\n'), small, expandable=True)
-    fewer = plan.make_plan(load_config(train_table() + f'batch_size = 1\n'
+    fewer = plan.make_plan(parse_config(train_table() + f'batch_size = 1\n'
                                        f'swap_blocks = {count - 1}\n'), small, expandable=True)
     assert swapped.fits and not fewer.fits
     assert swapped.recomputed >= count
@@ -326,7 +326,7 @@ def test_the_plan_is_for_the_model_at_model_path(tmp_path, tiny_anima):
     assert "measured on the 2B (28 blocks of width 2048) and scaled" in out
     # deeper is larger: at the same card and batch the 2.9B needs more than the 2B, and swaps more to fit 8 GiB
     two = plan.make_plan(config_for(2), 8 * GIB, expandable=True)
-    deeper = plan.make_plan(load_config(deep.read_text() + "swap_blocks = 0\n"), 8 * GIB, expandable=True)
+    deeper = plan.make_plan(parse_config(deep.read_text() + "swap_blocks = 0\n"), 8 * GIB, expandable=True)
     assert deeper.inputs.steady > two.inputs.steady and deeper.predicted > two.predicted
     assert deeper.inputs.steady - two.inputs.steady > 12 * 69_206_528 * 2  # 12 more blocks of bf16 weights
     assert two.fits and not deeper.fits and deeper.swap_fix is not None
@@ -360,21 +360,21 @@ def test_swap_auto_plans_the_fewest_swapped_blocks_that_fit():
     """issue 45: on a 6 GiB card the plan named swap_blocks = 3 but the run did not apply it. swap_blocks = "auto"
     (the default) plans it: the fewest swapped blocks with which the step fits, the same plan as that count written
     out; none where the resident model fits; none where no block can swap (a full finetune), said."""
-    default = load_config(train_table() + 'batch_size = 1\n')
+    default = parse_config(train_table() + 'batch_size = 1\n')
     assert default.train.swap_blocks == "auto"
     resident = plan.make_plan(config_for(1), 6 * GIB, expandable=True)
     auto = plan.make_plan(default, 6 * GIB, expandable=True)
     assert not resident.fits and auto.fits and auto.swap_auto and auto.inputs.swapped == resident.swap_fix == 3
-    written = plan.make_plan(load_config(train_table() + 'batch_size = 1\nswap_blocks = 3\n'), 6 * GIB, expandable=True)
+    written = plan.make_plan(parse_config(train_table() + 'batch_size = 1\nswap_blocks = 3\n'), 6 * GIB, expandable=True)
     assert (written.predicted, written.recomputed, written.fits) == (auto.predicted, auto.recomputed, True)
     text = plan.render(auto, "run.toml")
     assert 'weights: 3 blocks swapped (0.39 GiB in host memory, copied to the GPU one block at a time); [train] ' \
            'swap_blocks = "auto": the fewest with which the step fits, decided before the model loads' in text
     assert "DOES NOT FIT" not in text and "would fit" not in text
-    roomy = plan.make_plan(load_config(train_table() + 'batch_size = 2\n'), 8 * GIB, expandable=True)
+    roomy = plan.make_plan(parse_config(train_table() + 'batch_size = 2\n'), 8 * GIB, expandable=True)
     assert roomy.inputs.swapped == 0 and roomy.fits
     assert 'weights: all on the GPU ([train] swap_blocks = "auto": the resident model fits)' in plan.render(roomy, "r")
-    full = plan.make_plan(load_config(train_table() + 'batch_size = 1\n[adapter]\nkind = "none"\n'), 6 * GIB,
+    full = plan.make_plan(parse_config(train_table() + 'batch_size = 1\n[adapter]\nkind = "none"\n'), 6 * GIB,
                           expandable=True)
     assert full.inputs.swapped == 0 and not full.fits
     assert ('weights: all on the GPU ([train] swap_blocks = "auto": no block can swap: a full finetune trains the '
@@ -399,10 +399,10 @@ def test_cli_shows_the_margin_it_keeps_and_the_batch_that_would_fit(tmp_path, co
     assert "weights: 28 blocks swapped" in out and 'swap_blocks = "auto": none fits, so every block' in out
     assert ("  a smaller batch would fit: [train] batch_size = 4 (predicted; a smaller batch changes the training, so "
             "the run keeps the batch the config asks)") in out
-    cfg = load_config(large.read_text())
+    cfg = parse_config(large.read_text())
     assert plan.make_plan(cfg, 6 * GIB).batch_fix == 4 and cfg.train.batch_size == 8
     for batch, fits in ((4, True), (5, False)):
-        smaller = load_config(train_table() + f'batch_size = {batch}\n')
+        smaller = parse_config(train_table() + f'batch_size = {batch}\n')
         assert plan.make_plan(smaller, 6 * GIB).fits is fits
     # no smaller batch fits: nothing is named
     one = tmp_path / "b1.toml"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from nodes import worker
 from tests.fixtures_tiny import small_run_toml
 

@@ -65,7 +65,7 @@ def test_events_stream_and_off_mode(tmp_path):
     prog.step(_stats(1, mse=0.5, hf=0.1))
     prog.message("saved x")
     prog.close()
-    recs = [json.loads(l) for l in events.read_text().splitlines()]
+    recs = [json.loads(line) for line in events.read_text().splitlines()]
     assert [r["event"] for r in recs] == ["start", "step", "message"]
     assert recs[1]["loss"] == 0.0712 and recs[1]["hf"] == 0.1 and recs[1]["total"] == 10
     assert out.getvalue() == "saved x\n"  # off: no step line, messages still print

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from anima_train.training import previews
-from anima_train.config import ConfigError, load_config
+from anima_train.config import ConfigError, load_config, parse_config
 from anima_train.model.components import load_components
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.training.train import train
 
 
@@ -105,7 +105,7 @@ def test_sample_config_errors_name_the_key_and_fix(tmp_path, tiny_anima, latents
     assert "[sample] prompts_file = \"missing.txt\": file not found" in text
     no_prompt = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path, sample="[sample]\nevery_n_steps = 5\n")
     with pytest.raises(ConfigError, match=r"every_n_steps set, but there is no prompt"):
-        load_config(no_prompt)
+        parse_config(no_prompt)
     (tmp_path / "comments.txt").write_text("# only a comment\n\n", encoding="utf-8")
     only_comments = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path,
                                 sample="[sample]\nprompts_file = \"comments.txt\"\n")
@@ -155,7 +155,7 @@ def test_previews_and_tensorboard_on_a_tiny_run(tmp_path, tiny_anima, latents_di
     text = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path / "out", sample=SAMPLE,
                        logging="[logging]\ntensorboard = true\n", max_steps=5)
     events = tmp_path / "events.jsonl"
-    result = train(load_config(text), cpu=True, events=str(events))
+    result = train(parse_config(text), cpu=True, events=str(events))
     run_dir = result.run_dir
 
     # step 0 (before the first step), 2, 4 (every 2) and 5 (at the end): two prompts each
@@ -211,7 +211,7 @@ def test_previews_leave_the_training_rng_alone(tmp_path, tiny_anima, latents_dir
     runs = {}
     for name, sample in (("plain", ""), ("previews", SAMPLE.replace("every_n_steps = 2", "every_n_steps = 1"))):
         text = config_text(tiny_anima.diffusers_dir, latents_dir, tmp_path / name, sample=sample, max_steps=4)
-        runs[name] = train(load_config(text), cpu=True, no_save=True)
+        runs[name] = train(parse_config(text), cpu=True, no_save=True)
     assert len(list((tmp_path / "previews" / "prev" / "samples").iterdir())) == 2 * 5
     assert runs["previews"].losses == runs["plain"].losses
     assert runs["previews"].trainable_digest == runs["plain"].trainable_digest

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from anima_train.data import texture as T
-from anima_train.config import ConfigError, CurriculumPhase, TextureConfig, load_config
+from anima_train.config import ConfigError, CurriculumPhase, TextureConfig, parse_config
 from tests.fixtures_tiny import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,14 +237,14 @@ D = '[dataset]\npath = "/data"\n'
 
 def test_a_texture_phase_needs_encode_and_that_is_said_first():
     with pytest.raises(ConfigError) as exc:
-        load_config(D + '[dataset.texture]\ncanvases = []\n[[curriculum]]\nat = 0.0\nmode = "texture"\n')
+        parse_config(D + '[dataset.texture]\ncanvases = []\n[[curriculum]]\nat = 0.0\nmode = "texture"\n')
     assert exc.value.errors[0] == ('[[curriculum]] #1 mode = "texture" needs [dataset] source = "encode" (a crop is '
                                    'chosen per sample per step, so no cached latent can express it); it is "auto"')
     assert any("canvases = []" in e for e in exc.value.errors[1:])
 
 
 def test_a_seed_texture_config_loads_unchanged():
-    cfg = load_config(D + 'source = "encode"\n[dataset.texture]\ncanvases = [[1024, 1024], [832, 1216], '
+    cfg = parse_config(D + 'source = "encode"\n[dataset.texture]\ncanvases = [[1024, 1024], [832, 1216], '
                       '[1216, 832], [640, 1536], [1024, 1024]]\ntrigger = ""\noversize = "pad"\n'
                       '[train]\nallow_multi_gpu_texture = false\n'
                       '[[curriculum]]\nat = 0.0\nt_range = [0.0, 1.0]\nmode = "fullres"\n'
@@ -254,13 +254,13 @@ def test_a_seed_texture_config_loads_unchanged():
 
 
 def test_refusal_under_several_processes_unless_allowed():
-    cfg = load_config(D + 'source = "encode"\n[[curriculum]]\nat = 0.0\nmode = "texture"\n')
+    cfg = parse_config(D + 'source = "encode"\n[[curriculum]]\nat = 0.0\nmode = "texture"\n')
     T.refuse_multi_process(cfg, 1)
     with pytest.raises(T.TextureError, match="on 2 processes is refused: run it on one process"):
         T.refuse_multi_process(cfg, 2)
     cfg.train.allow_multi_gpu_texture = True
     T.refuse_multi_process(cfg, 2)
-    T.refuse_multi_process(load_config(D), 8)  # no texture phase: nothing to refuse
+    T.refuse_multi_process(parse_config(D), 8)  # no texture phase: nothing to refuse
 
 
 # ------------------------------------------------------------------------------------------- sampler + dataset
@@ -279,7 +279,7 @@ def test_texture_batches_in_texture_phases_only_exempt_subsets_keep_their_captio
     from anima_train.data.dataset import build_training_data, collate
 
     crops, flat = _two_subsets(tmp_path)
-    cfg = load_config(f'[train]\nbatch_size = 2\n[dataset]\nresolution = 128\nsource = "encode"\n'
+    cfg = parse_config(f'[train]\nbatch_size = 2\n[dataset]\nresolution = 128\nsource = "encode"\n'
                       f'[[dataset.subsets]]\npath = "{crops}"\n[[dataset.subsets]]\npath = "{flat}"\ntexture = false\n'
                       f'[dataset.texture]\ncanvases = [[64, 64], [128, 64], [128, 64]]\ntrigger = "tex"\n'
                       '[[curriculum]]\nat = 0.0\n[[curriculum]]\nat = 0.5\nmode = "texture"\n')
@@ -363,7 +363,7 @@ def _eval_set(model_dir, folder):
     from anima_train.data.dataset import build_training_data, encode_latents, load_pixels
     from anima_train.model.components import load_components
 
-    cfg = load_config(f'[dataset]\npath = "{folder}"\nresolution = 128\nsource = "encode"\n')
+    cfg = parse_config(f'[dataset]\npath = "{folder}"\nresolution = 128\nsource = "encode"\n')
     data = build_training_data(cfg)
     vae = load_components(model_dir, dtype="float32").vae
     latents = [encode_latents(vae, load_pixels(it.image, it.plan)[None])[0] for it in data.dataset.items]
@@ -382,7 +382,7 @@ def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_t
     before = evaluate(load_components(model, dtype="float32"), latents, captions)
     events = tmp_path / "events.jsonl"
     # 6 images / batch 2 = 3 batches per epoch; 10 steps: fullres 0-2, texture 3-6, fullres 7-9
-    full = train(load_config(_texture_run_toml(model, images, tmp_path / "a", max_steps=10, save_every_steps=5,
+    full = train(parse_config(_texture_run_toml(model, images, tmp_path / "a", max_steps=10, save_every_steps=5,
                                                save_optimizer_state="true")), cpu=True, events=str(events))
     after = evaluate(full.components, latents, captions)
     assert after.true_captions < 0.8 * before.true_captions, (before, after)
@@ -395,7 +395,7 @@ def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_t
     # the state at step 5 lies inside the texture phase (steps 3-6)
     state = tmp_path / "a" / "tex" / "tex-step000005-state"
     assert json.loads((state / "state.json").read_text())["global_step"] == 5
-    resumed = train(load_config(_texture_run_toml(model, images, tmp_path / "b", max_steps=10,
+    resumed = train(parse_config(_texture_run_toml(model, images, tmp_path / "b", max_steps=10,
                                                   resume_from=f'"{state}"')), cpu=True, no_save=True)
     assert resumed.batches_seen == full.batches_seen[5:]
     assert resumed.losses == full.losses[5:]  # bit-identical: same crops, masks, noise, timesteps, moments
@@ -406,7 +406,7 @@ def test_a_texture_phase_on_a_cached_dataset_built_in_code_is_refused(tiny_anima
     from anima_train.data.dataset import build_training_data
     from anima_train.data.errors import DatasetError
 
-    cfg = load_config(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path))
+    cfg = parse_config(_texture_run_toml(tiny_anima.diffusers_dir, images, tmp_path))
     cfg.dataset.source = "images"  # past load_config, which refuses this
     with pytest.raises(DatasetError, match='needs \\[dataset\\] source = "encode"'):
         build_training_data(cfg)

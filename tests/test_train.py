@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from anima_train.config import load_config
+from anima_train.config import parse_config
 from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.outputs.layout import MANIFEST_NAME
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli
@@ -40,7 +40,7 @@ resolution = 128
 rank = 8
 alpha = 8.0
 {extra}"""
-    return load_config(text)
+    return parse_config(text)
 
 
 def test_a_loha_run_through_the_cli_writes_the_hada_file_comfyui_loads(tiny_anima, latents_dir, tmp_path):
@@ -424,7 +424,7 @@ def test_encode_mode_runs_the_vae_in_the_loop(tiny_anima, tmp_path):
     cfg = make_cfg(tiny_anima.diffusers_dir, data, tmp_path, max_steps=2, vae_encode_chunk=1)
     cfg.dataset.source = "encode"
     result = train(cfg, cpu=True, no_save=True)
-    assert result.global_step == 2 and all(l == l for l in result.losses)  # finite, no caches needed
+    assert result.global_step == 2 and all(loss == loss for loss in result.losses)  # finite, no caches needed
     assert not list(data.glob("*_anima.safetensors"))
 
 

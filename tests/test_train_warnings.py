@@ -71,12 +71,12 @@ def test_the_train_nodes_chart_lists_the_warnings():
     result = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)
-    warning = lambda lines: [(l["text"], l["kind"]) for l in lines if l["kind"] == "warning"]  # noqa: E731
+    warning = lambda lines: [(line["text"], line["kind"]) for line in lines if line["kind"] == "warning"]  # noqa: E731
     both = [("warning: tier 128: 2/4 sources (50.0%) are smaller than this tier", "warning"),
             ("warning: min_source_area = 0.5: dropped 1 source(s)", "warning")]
     assert warning(shown[2]) == both  # while preparing
     assert warning(shown[4]) == both and shown[4][0]["kind"] == "main"  # through the run, under the step line
-    assert warning(shown[5]) == both and any(l["kind"] == "done" for l in shown[5])  # and after it
+    assert warning(shown[5]) == both and any(line["kind"] == "done" for line in shown[5])  # and after it
     # a later run starts clean; beyond five the rest is counted, not listed
     assert [t for t, _ in warning(shown[6])] == [f"warning: w{i}" for i in range(5)] + \
         ["… and 2 more warning(s) in the log"]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from anima_train.cli import main
 from anima_train.data.dataset import build_training_data
-from anima_train.model.tiny import make_synthetic_latents
+from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.training.train import train
 from tests.test_train import make_cfg
 

@@ -357,7 +357,7 @@ def test_windows_run_lock_left_by_a_dead_run_is_taken_over_and_said_so(msvcrt, t
 
 
 def test_windows_paths_round_trip_through_the_config_toml():
-    from anima_train.config import Config, DatasetConfig, SubsetConfig, dump_toml, load_config
+    from anima_train.config import Config, DatasetConfig, SubsetConfig, dump_toml, parse_config
 
     cfg = Config()
     cfg.train.model_path = r"C:\Users\Me\Anima Models\anima-diffusers"
@@ -367,7 +367,7 @@ def test_windows_paths_round_trip_through_the_config_toml():
     text = dump_toml(cfg)
     with pytest.raises(tomllib.TOMLDecodeError):  # why no path is ever formatted into TOML by hand
         tomllib.loads(f'model_path = "{cfg.train.model_path}"')
-    back = load_config(text)
+    back = parse_config(text)
     assert back.train.model_path == cfg.train.model_path
     assert back.train.output_dir == cfg.train.output_dir and back.train.resume_from == cfg.train.resume_from
     assert [s.path for s in back.dataset.subsets] == [r"E:\データ\画像 1", r"D:\u0041"]
@@ -596,7 +596,7 @@ def test_windows_train_node_refuses_several_gpus_before_a_worker_or_a_run_folder
 def test_windows_cli_under_a_launcher_refuses_several_processes_before_accelerate(monkeypatch, tmp_path, tiny_anima,
                                                                                 capsys):
     from anima_train import cli
-    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.data.synthetic import make_synthetic_latents
     from tests.fixtures_tiny import small_run_toml
 
     data = tmp_path / "data"
@@ -627,8 +627,8 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
 
     from anima_train.outputs import resume_state
     from anima_train.system import windows
-    from anima_train.config import load_config
-    from anima_train.model.tiny import make_synthetic_latents
+    from anima_train.config import parse_config
+    from anima_train.data.synthetic import make_synthetic_latents
     from anima_train.training.train import train
     from tests.fixtures_tiny import small_run_toml
 
@@ -638,7 +638,7 @@ def test_console_close_event_saves_a_resumable_state_before_the_process_may_end(
     data = tmp_path / "data"
     make_synthetic_latents(data, n=8)
     events = tmp_path / "events.jsonl"
-    cfg = load_config(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
+    cfg = parse_config(small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
                                      train='run_name = "close"\nmax_steps = 400\nsave_optimizer_state = true\n'
                                            'batch_size = 2\nepochs = 1000'))
     answer = {}

@@ -51,6 +51,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from anima_train import adapters
 from anima_train.adapters.base import ADAPTER_NAME, MODEL_ROLES
 from anima_train.config import COMPONENT_LR_KEYS, Config
+from anima_train.model.keymaps import owner_component
 
 # Linear targets per component; full matches on diffusers module names.
 _DIT_TARGETS = {
@@ -62,15 +63,6 @@ _DIT_TARGETS = {
 }
 _CONDITIONER_TARGETS = re.compile(r"blocks\.\d+\.(self_attn|cross_attn)\.[qkvo]_proj|blocks\.\d+\.mlp\.[02]|out_proj")
 _TEXT_ENCODER_TARGETS = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)")
-
-# Full finetune: the DiT sub-tree that owns a parameter decides its component (first match wins; else base).
-_DIT_OWNERS = (
-    ("self_attn", re.compile(r"transformer_blocks\.\d+\.attn1\.")),
-    ("cross_attn", re.compile(r"transformer_blocks\.\d+\.attn2\.")),
-    ("mlp", re.compile(r"transformer_blocks\.\d+\.ff\.")),
-    ("adaln", re.compile(r"transformer_blocks\.\d+\.norm[123]\.|norm_out\.")),
-)
-
 
 def component_of(module_name: str, model: str = "transformer") -> str | None:
     """The component of an adapter-target Linear, from its diffusers module name; None for any other module.
@@ -88,20 +80,6 @@ def component_of(module_name: str, model: str = "transformer") -> str | None:
     if model == "text_encoder":
         return "text_encoder" if _TEXT_ENCODER_TARGETS.fullmatch(module_name) else None
     raise ValueError(f"unknown model role {model!r}; expected one of {', '.join(MODEL_ROLES)}")
-
-
-def owner_component(param_name: str, model: str = "transformer") -> str:
-    """Full finetune: the component a (non-adapter) parameter belongs to (see the module docstring)."""
-    if model == "text_conditioner":
-        return "llm_adapter"
-    if model == "text_encoder":
-        return "text_encoder"
-    if model != "transformer":
-        raise ValueError(f"unknown model role {model!r}; expected one of {', '.join(MODEL_ROLES)}")
-    for comp, pattern in _DIT_OWNERS:
-        if pattern.match(param_name):
-            return comp
-    return "base"
 
 
 def target_modules(model: torch.nn.Module, components, role: str = "transformer") -> list[str]:

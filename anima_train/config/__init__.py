@@ -1,6 +1,6 @@
 """The trainer's configuration: one TOML file, typed dataclasses, every value checked when a config is built.
 
-    cfg = load_config("configs/lora.toml")      # or load_config(toml_text)
+    cfg = load_config("configs/lora.toml")      # a file; parse_config(toml_text) for text
     cfg.train.epochs, cfg.dataset.tiers, cfg.component_learning_rates()
     ScheduleConfig(kind="rex", d=0.5)           # built in code: checked by the same gate
     dump_toml(cfg)                              # only non-default values (+ adapter.kind)
@@ -16,7 +16,7 @@ The modules, each importing only those listed above it (no import cycle; tests/t
                   @section / @root make every table's constructor call it
     schema.py     the tables: one dataclass per TOML table, one field per key (help, choices, bounds)
     load.py       TOML in and out: load_config (the file's structure, then validate), dump_toml, copy_config_verbatim
-    reference.py  `anima-train config`: docs/config.md, and the check of a config file and the paths it names
+    reference.py  docs/config.md, generated from the tables (`anima-train config --reference`: training/config_check.py)
 
 One gate. load_config and a constructor called in code go through the same `validate`: a bad value gets the same
 message (the key, the fix, did-you-mean, sd-scripts' names), with the key named as a file names it ("[schedule] d")
@@ -24,8 +24,7 @@ or as code does ("schedule.d"); every problem at once, one line each. So the mod
 its values again. On purpose, a file must name its training data while `Config()` in code may leave it for later,
 and the files that keys name (protected_tags_file, prompts_file) are read by load_config, relative to the config's
 folder. Assigning a key of a built table checks that key; the rules across keys run when a table is built
-(`dataclasses.replace` builds a new one). Features not implemented yet (schema.NOT_IMPLEMENTED) are refused by
-load_config only.
+(`dataclasses.replace` builds a new one).
 
 Why not pydantic (a ComfyUI dependency) or another schema library. Measured with pydantic 2.14 on a model of 7 of
 these tables (extra="forbid", strict, validate_assignment): importing pydantic takes ~130-180 ms of CPU and building
@@ -44,8 +43,8 @@ from anima_train.config.constants import (CAME_BETAS, COMPONENT_LR_KEYS, DEFAULT
                                           ROPE_SIDE_DECLARED, ROPE_SIDE_LIMIT, SAMPLE_SHIFT, SDNQ_OPTIMIZERS,
                                           TIER_COLLAPSE_MODES)
 from anima_train.config.keys import REQUIRED, ConfigError, ConfigWarning, as_toml
-from anima_train.config.load import TEXT_SOURCE, copy_config_verbatim, dump_toml, load_config
-from anima_train.config.schema import (ARRAY_TABLES, NOT_IMPLEMENTED, TABLES, AdapterConfig, CaptionConfig,
+from anima_train.config.load import TEXT_SOURCE, copy_config_verbatim, dump_toml, load_config, parse_config
+from anima_train.config.schema import (ARRAY_TABLES, TABLES, AdapterConfig, CaptionConfig,
                                        ComponentLRConfig, Config, CurriculumPhase, DatasetConfig, FieldInfo,
                                        FlowConfig, LoggingConfig, OptimizerConfig, QuantConfig, SampleConfig,
                                        ScheduleConfig, SubsetConfig, TextureConfig, TrainConfig, iter_fields,
@@ -54,10 +53,11 @@ from anima_train.config.validate import validate
 
 __all__ = [
     "ARRAY_TABLES", "CAME_BETAS", "COMPONENT_LR_KEYS", "DEFAULT_MODEL_PATH", "DIT_COMPONENTS", "DTYPE_NAMES",
-    "LORA_FORMATS", "MAX_RANK", "MAX_REPEATS", "MODEL_PATH_ENV", "NOT_IMPLEMENTED", "REQUIRED", "ROPE_SIDE_DECLARED",
+    "LORA_FORMATS", "MAX_RANK", "MAX_REPEATS", "MODEL_PATH_ENV", "REQUIRED", "ROPE_SIDE_DECLARED",
     "ROPE_SIDE_LIMIT", "SAMPLE_SHIFT", "SDNQ_OPTIMIZERS", "TABLES", "TEXT_SOURCE", "TIER_COLLAPSE_MODES",
     "AdapterConfig", "CaptionConfig", "ComponentLRConfig", "Config", "ConfigError", "ConfigWarning",
     "CurriculumPhase", "DatasetConfig", "FieldInfo", "FlowConfig", "LoggingConfig", "OptimizerConfig", "QuantConfig",
     "SampleConfig", "ScheduleConfig", "SubsetConfig", "TextureConfig", "TrainConfig", "as_toml",
-    "copy_config_verbatim", "dump_toml", "iter_fields", "load_config", "sanitize_run_name", "validate",
+    "copy_config_verbatim", "dump_toml", "iter_fields", "load_config", "parse_config", "sanitize_run_name",
+    "validate",
 ]

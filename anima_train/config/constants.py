@@ -13,6 +13,8 @@ CAME_BETAS = [0.9, 0.999, 0.9999]
 ROPE_SIDE_LIMIT = 2048  # RoPE table: 128 patch units x 16 px; 2112 crashes (docs/training.md#rope-side-limits)
 ROPE_SIDE_DECLARED = 1920  # declared spatial range (120 units x 16 px); beyond it RoPE extrapolates
 TIER_COLLAPSE_MODES = ("dedup", "repeat")  # buckets.plan_tiers
+CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")  # [dataset.caption] caption_mode (data/captions.py)
+CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
 MAX_RANK = 4096  # above every layer width of Anima and Qwen3: a larger rank adds nothing (and 10**20 crashes torch)
 # What every value can reach, checked for every key by its type (config/keys.py): an integer goes to torch and numpy
 # (seeds, step counters) as a signed 64-bit one, a number into float32 tensors (the optimizer's step, the loss).

@@ -1,14 +1,14 @@
-"""A config file in and out: `load_config` (TOML -> a validated Config), `dump_toml`, `copy_config_verbatim`.
+"""A config file in and out: `load_config` (a TOML file -> a validated Config; `parse_config` for TOML text),
+`dump_toml`, `copy_config_verbatim`.
 
-    cfg = load_config("configs/lora.toml")      # or load_config(toml_text)
+    cfg = load_config("configs/lora.toml")      # a file; parse_config(toml_text) for text
     dump_toml(cfg)                              # only non-default values (+ adapter.kind)
     copy_config_verbatim(cfg, run_dir / f"{cfg.run_stem}.toml")   # comments kept
 
 load_config reads the file's structure here (which tables, which keys: an unknown one is answered with the key
 meant), builds the Config from the values as written, and hands it to the one gate, validate.validate, which checks
 every value and rule and collects every problem; they are raised together in one ConfigError, so a config is fixed
-in one pass. Features whose code has not landed are listed in `NOT_IMPLEMENTED`; setting one of their keys to a
-non-default value is refused after all other validation passed.
+in one pass.
 """
 
 from __future__ import annotations
@@ -23,42 +23,49 @@ from typing import Any, Callable
 
 from anima_train.config import aliases
 from anima_train.config.keys import ConfigError, ConfigWarning, Problems, Where, as_toml, is_key, toml_type
-from anima_train.config.schema import ARRAY_TABLES, NOT_IMPLEMENTED, TABLES, Config
+from anima_train.config.schema import ARRAY_TABLES, TABLES, Config
 from anima_train.config.validate import Context, header, keys_by_table, unchecked, unknown_key, validate
 
 TEXT_SOURCE = "<config text>"  # how messages name a config given as text rather than a file
 
 
-def _read_source(source: str | os.PathLike) -> tuple[Path | None, str]:
-    # A string is a path if it names a file, or if it is one line that cannot be a useful TOML document
-    # (no '=' and no '[': "configs/lora.toml" that does not exist must say "not found", not "invalid TOML").
-    if isinstance(source, os.PathLike) or (
-            isinstance(source, str) and "\n" not in source and source.strip() and (os.path.isfile(source) or (
-                "=" not in source and "[" not in source and not source.lstrip().startswith("#")))):
-        path = Path(source).expanduser()
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except IsADirectoryError:
-            raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not UTF-8 text ({exc}); save the config as UTF-8") from None
-        return path, text
-    if not isinstance(source, str):
-        raise TypeError(f"load_config takes a path or TOML text, not {type(source).__name__}")
-    return None, source
+def _read_file(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path is a folder, not a TOML file: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc}); save the config as UTF-8") from None
 
 
-def load_config(source: str | os.PathLike,
-                also: Callable[[Config, frozenset[str]], None] | None = None) -> Config:
-    """Load and validate a config from a .toml path or from TOML text. Raises ConfigError listing every problem.
+Also = Callable[[Config, frozenset[str]], None]
+
+
+def load_config(path: str | os.PathLike, also: Also | None = None) -> Config:
+    """Load and validate the config file at `path` (a str is a path too: parse_config takes TOML text). Raises
+    ConfigError listing every problem; the files its keys name are read relative to the file's folder.
 
     `also(cfg, bad)` checks more of the config (the files and folders it names: training.preflight.path_check) and
     raises its own ConfigError: alone when the values are fine, else its problems join theirs in one message, so a
     config is fixed in one pass. `bad` holds the keys whose values were refused (set back to their defaults, which
     `also` should not judge)."""
-    path, text = _read_source(source)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_config takes a path, not {type(path).__name__}")
+    path = Path(path).expanduser()
+    return _load(path, _read_file(path), also)
+
+
+def parse_config(text: str, also: Also | None = None) -> Config:
+    """Validate a config given as TOML text, as load_config does a file's; the files its keys name are read
+    relative to the current folder, and messages name it TEXT_SOURCE."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_config takes TOML text, not {type(text).__name__}")
+    return _load(None, text, also)
+
+
+def _load(path: Path | None, text: str, also: Also | None) -> Config:
     name = str(path) if path is not None else TEXT_SOURCE
     try:
         raw = tomllib.loads(text.removeprefix("\ufeff"))
@@ -83,12 +90,7 @@ def load_config(source: str | os.PathLike,
         raise ConfigError(f"{name}: {n} problems in the config:\n" + "\n".join(f"  - {e}" for e in p.errors),
                           p.errors)
     for w in p.warnings:
-        warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=2)
-    gated = _gate(cfg)
-    if gated:
-        n = len(gated)
-        raise ConfigError(f"{name}: {n} setting{'s' if n > 1 else ''} not implemented yet:\n"
-                          + "\n".join(f"  - {g}" for g in gated), gated)
+        warnings.warn(f"{name}: {w}", ConfigWarning, stacklevel=3)  # the caller of load_config or parse_config
     cfg.source_path, cfg.source_text = path, text
     return cfg
 
@@ -191,43 +193,6 @@ def _build_config(raw: dict, p: Problems) -> Config:
     return unchecked(Config, **tables)
 
 
-# --------------------------------------------------------------------------------------------------- not yet
-
-
-def _get_dotted(cfg: Config, dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _gate(cfg: Config) -> list[str]:
-    if not NOT_IMPLEMENTED:
-        return []
-    defaults = Config()
-    out = []
-    for dotted, feature in NOT_IMPLEMENTED.items():
-        if dotted == "curriculum.texture":
-            if any(phase.mode == "texture" for phase in cfg.curriculum):
-                out.append(f"`[[curriculum]] mode = \"texture\"` is not implemented yet ({feature}); use "
-                           f"mode = \"fullres\" or remove the phase")
-            continue
-        if _get_dotted(cfg, dotted) == _get_dotted(defaults, dotted):
-            continue
-        if dotted in ARRAY_TABLES:
-            out.append(f"`[[{dotted}]]` is not implemented yet ({feature}); remove the [[{dotted}]] tables")
-        elif dotted in TABLES:
-            out.append(f"`[{dotted}]` is not implemented yet ({feature}); remove the table or set its keys back "
-                       "to their defaults")
-        else:
-            table, key = dotted.rsplit(".", 1)
-            default = _get_dotted(defaults, dotted)
-            back = "remove it (it is unset by default)" if default is None else \
-                f"remove it or set it back to its default {as_toml(default)}"
-            out.append(f"`[{table}] {key}` is not implemented yet ({feature}); {back}")
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- writing
 
 
@@ -287,7 +252,7 @@ def _dump_table(obj: Any, default: Any, always: tuple[str, ...] = ()) -> Any:
 
 
 def dump_toml(config: Config) -> str:
-    """TOML text of the non-default values (adapter.kind always). Loads back with load_config to an equal Config."""
+    """TOML text of the non-default values (adapter.kind always). Loads back with parse_config to an equal Config."""
     # lazy: tomlkit: see _toml_value
     import tomlkit
     doc = tomlkit.document()

@@ -16,22 +16,18 @@ import re
 import unicodedata
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, NamedTuple
+from typing import Any, Iterator, Literal, NamedTuple, Sequence
 
 from anima_train import adapters
-from anima_train.data.captions import CAPTION_MODES, CAPTION_VARIANTS
-from anima_train.config.constants import (DEFAULT_MODEL_PATH, DIT_COMPONENTS, DTYPE_NAMES, LORA_FORMATS,
-                                          MAX_LEARNING_RATE, MAX_RANK, MAX_REPEATS, MODEL_PATH_ENV, SAMPLE_SHIFT,
-                                          SDNQ_OPTIMIZERS, TIER_COLLAPSE_MODES)
+from anima_train.config.constants import (CAPTION_MODES, CAPTION_VARIANTS, DEFAULT_MODEL_PATH, DIT_COMPONENTS,
+                                          DTYPE_NAMES, LORA_FORMATS, MAX_LEARNING_RATE, MAX_RANK, MAX_REPEATS,
+                                          MODEL_PATH_ENV, SAMPLE_SHIFT, SDNQ_OPTIMIZERS, TIER_COLLAPSE_MODES)
 from anima_train.config.keys import field_default, hints, is_key
 from anima_train.config.validate import array_tables, root, section, tables
 
-# Features whose code has not landed yet. A key here set to a non-default value is refused at load (after all
-# other validation). Remove the line when the feature lands. A table name ("quant") or "curriculum" gates the
-# whole table / every phase.
-NOT_IMPLEMENTED: dict[str, str] = {}
 
 _LR_HINT = "LoRAs train at about 1e-4, Prodigy-style optimizers at 1.0"
+
 
 def _key(default: Any = MISSING, *, help: str, factory: Any = MISSING, choices: tuple | None = None,
          ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
@@ -334,7 +330,17 @@ class CurriculumPhase:
     lr_mul: float = _lr_key(1.0, gt=0.0, help="multiplies the scheduler's current LR")
 
 
-
+def active_phase(phases: Sequence[CurriculumPhase], progress: float) -> CurriculumPhase | None:
+    """The last phase with at <= progress (progress > 1 stays in the last); None without a curriculum.
+    The config requires a phase at 0.0, so some phase is always active; a negative progress gets the first."""
+    if not phases:
+        return None
+    ordered = sorted(phases, key=lambda p: p.at)
+    current = ordered[0]
+    for phase in ordered:
+        if phase.at <= progress:
+            current = phase
+    return current
 
 
 @section

@@ -7,7 +7,8 @@ keyword is answered with the key meant (did-you-mean, other trainers' names: ali
 built table (`cfg.train.epochs = 0`) checks that key.
 
 `validate` checks every key of the table and of the tables inside it (type, choices, bounds: keys.check_key, from
-the field metadata), then runs the rules across keys of that scope (rules.RULES). Messages name keys as a file does
+the field metadata), then puts what they say in final form (rules.NORMALISE: tiers ascending, the files the keys
+name read) and runs the rules across keys of that scope (rules.RULES), which only read and report. Messages name keys as a file does
 (`[train] epochs`) when load_config checks a file, and as code does (`train.epochs`) otherwise. A value that is its
 key's declared default is valid as declared (tests/test_config.py checks every default), so a constructor checks the
 keys it was given and the rules, and `Config()` costs what a plain dataclass does.
@@ -26,7 +27,7 @@ from typing import Any, Iterator
 from anima_train.config import aliases
 from anima_train.config.keys import (REQUIRED, ConfigError, ConfigWarning, Problems, Where, check_key, field_default,
                                      hints, is_key, is_required)
-from anima_train.config.rules import RULES
+from anima_train.config.rules import NORMALISE, NORMALISE_AFTER, RULES
 
 
 @dataclass(frozen=True)
@@ -121,17 +122,22 @@ def validate(obj: Any, p: Problems | None = None, ctx: Context = IN_CODE, given:
     else:
         _check_keys(obj, where, p, given)
         _check_tables(obj, where, p, given)
-    for scope, rule in _rules(name):
-        for table, at in _scoped(obj, where, scope):
-            rule(table, p, ctx, at)
+    for stage in _STAGES:
+        for scope, step in _in_scope(name, stage):
+            for table, at in _scoped(obj, where, scope):
+                step(table, p, ctx, at)
     if own:
         _finish(p)
 
 
+# normalise, then the rules, then what must wait for them (rules.py says why for each)
+_STAGES = {"normalise": NORMALISE, "rules": RULES, "after": NORMALISE_AFTER}
+
+
 @functools.cache
-def _rules(table: str) -> list:
-    """The rules that read `table` or a table inside it ("" = the Config: every rule), in RULES order."""
-    return [(scope, rule) for scope, rule in RULES
+def _in_scope(table: str, stage: str) -> list:
+    """The steps of a stage that read `table` or a table inside it ("" = the Config: all of them), in order."""
+    return [(scope, step) for scope, step in _STAGES[stage]
             if table == "" or scope == table or scope.startswith(table + ".")]
 
 

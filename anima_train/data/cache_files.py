@@ -172,5 +172,5 @@ def load_latents(path: Path, bucket: tuple[int, int] | None = None):
         if why is not None:
             raise DatasetError(f"latent cache {path} is damaged: {why}; "
                                + ref("run cache", "re-run anima-train cache") + " (it re-encodes "
-                               f"damaged caches), or delete the file when its image is gone")
+                               "damaged caches), or delete the file when its image is gone")
     return t.float()

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
+from anima_train.config.constants import CAPTION_VARIANTS
 from anima_train.errors import UserError
 from anima_train.files import why_unreadable
 
-CAPTION_MODES = ("tags", "nl", "tags_nl", "nl_tags", "mixed")
-CAPTION_VARIANTS = ("tags", "nl", "tags_nl", "nl_tags")  # the mixed_weights keys, in draw order
 NL_SUFFIX = "_nl"
 
 
@@ -80,13 +79,6 @@ def read_caption_files(stem: str | Path) -> tuple[str, str | None]:
     tags = read_caption_file(tags_path)
     nl = read_caption_file(nl_path) if nl_path.is_file() else None
     return tags, nl
-
-
-def parse_protected_tags(lines: Iterable[str]) -> list[str]:
-    """The tags of a protected_tags_file, in file order: one per line, lower-cased; blank lines and # comments
-    skipped. (load_config reads the file, relative to the config's folder, and keeps these in
-    CaptionConfig.file_protected_tags.)"""
-    return [s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#")]
 
 
 def split_tags(text: str, delimiter: str) -> list[str]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from anima_train.cli import program
 from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError, BucketPlan, below_min_source_area,
     make_bucketers, plan_tiers, tier_counts, tier_report)
 from anima_train.data.cache_files import (CACHE_FORMAT, CacheUnreadable, cache_damage, cache_path, read_cache_metadata,
@@ -21,7 +20,7 @@ from anima_train.data.errors import DatasetError
 from anima_train.data.identity import file_change, file_identity
 from anima_train.data.scan import Scan
 from anima_train.data.sources import Source
-from anima_train.fixes import ref
+from anima_train.fixes import program, ref
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Sequence
 import numpy as np
 from PIL import Image
 
+from anima_train.config.schema import active_phase
 from anima_train.errors import UserError
 from anima_train.data.images import open_image
 
@@ -278,9 +279,6 @@ class TextureSchedule:
         return int(epoch) * per_epoch + (int(position) // processes) // accum
 
     def phase_at(self, epoch: int, position: int):
-        # lazy: training.flow imports torch (~4.6 s): see texture_sample
-        from anima_train.training.flow import active_phase
-
         return active_phase(self.phases, self.step_of(epoch, position) / self.run[0])
 
     def canvas(self, epoch: int, position: int, batch: Sequence[int]) -> tuple[int, int] | None:

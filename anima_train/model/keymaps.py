@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from anima_train.adapters.base import MODEL_ROLES
+
 NATIVE_PREFIX = "net."  # every key of the released native Anima file starts with this
 NATIVE_PREFIXES = ("net.", "model.diffusion_model.")  # both are accepted by ComfyUI's UNETLoader
 ADAPTER_PREFIX = "llm_adapter."  # native sub-tree of the LLM adapter, after NATIVE_PREFIX
@@ -418,3 +420,30 @@ _KIND_DESCRIPTIONS = {
 def describe_state_dict(keys: Iterable[str]) -> str:
     """Human sentence for state_dict_kind(), e.g. 'looks like a Qwen3 text encoder'."""
     return _KIND_DESCRIPTIONS[state_dict_kind(keys)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Components
+
+# Full finetune: the DiT sub-tree that owns a parameter decides its component (first match wins; else base).
+_DIT_OWNERS = (
+    ("self_attn", re.compile(r"transformer_blocks\.\d+\.attn1\.")),
+    ("cross_attn", re.compile(r"transformer_blocks\.\d+\.attn2\.")),
+    ("mlp", re.compile(r"transformer_blocks\.\d+\.ff\.")),
+    ("adaln", re.compile(r"transformer_blocks\.\d+\.norm[123]\.|norm_out\.")),
+)
+
+
+def owner_component(param_name: str, model: str = "transformer") -> str:
+    """The component a (non-adapter) parameter belongs to, for a full finetune's param groups and SDNQ's per-layer
+    choices (adapters/inject.py's docstring lists which sub-tree goes where)."""
+    if model == "text_conditioner":
+        return "llm_adapter"
+    if model == "text_encoder":
+        return "text_encoder"
+    if model != "transformer":
+        raise ValueError(f"unknown model role {model!r}; expected one of {', '.join(MODEL_ROLES)}")
+    for comp, pattern in _DIT_OWNERS:
+        if pattern.match(param_name):
+            return comp
+    return "base"

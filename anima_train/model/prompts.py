@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from anima_train.training.memory import to_device
+from anima_train.system.device import to_device
 
 MAX_SEQUENCE_LENGTH = 512
 

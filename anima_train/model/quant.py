@@ -43,9 +43,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from anima_train.config import Config, QuantConfig
-from anima_train.adapters import owner_component, tuner_layers
+from anima_train.model.keymaps import owner_component
 
 SDNQ_VERSION = "0.2.8"
 QUANTIZED_MATMUL_MIN_TOKENS = 2900  # "auto": token-weighted mean DiT length (docs/sdnq.md#quantized-matmul)
@@ -247,7 +248,7 @@ def quantize_models(models: Mapping[str, torch.nn.Module | None], cfg: Config, *
         model = models.get(role)
         if model is None:
             raise ValueError(f"[quant] asks to quantize the {role}, but it was not passed to quantize_models")
-        if tuner_layers(model):
+        if any(isinstance(m, BaseTunerLayer) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} already holds peft adapters: quantize_models must run before "
                              "inject_adapters (peft then wraps SDNQ's Linear layers)")
         if any(type(p).__name__ == "SDNQTensor" for p in model.parameters()):

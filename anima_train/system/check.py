@@ -5,8 +5,8 @@ only shows up on import), prints versions and device facts, and says which optio
 non-zero when a required piece fails, so install.sh and CI stop there instead of at the first training step.
 
 Triton (SDNQ's fast kernels, `[train] compile` on CUDA) is judged by running it: on a CUDA machine the check compiles
-and runs the same tiny function the trainer probes before a run (training/compiling.py, probe_compile), so a Triton that imports but
-cannot build a kernel is reported as broken. On Windows triton is the `triton-windows` wheel (upstream publishes none
+and runs the same tiny function the trainer probes before a run (system/compile_probe.py, probe_compile), so a
+Triton that imports but cannot build a kernel is reported as broken. On Windows triton is the `triton-windows` wheel (upstream publishes none
 for Windows), which the pack never installs (other packs in a ComfyUI depend on theirs): the check names the exact
 pin for the torch it finds, the pip command for the python it runs in (ComfyUI portable's python_embeded included,
 with `-s`), what an embedded Python lacks for it (include/Python.h, libs/python3XX.lib), and that multi-GPU runs are
@@ -152,8 +152,8 @@ def _probe_device(torch):
 
 def _probe(torch) -> str | None:
     """The trainer's own compile probe on the probe device (speed imports torch: imported only when torch works)."""
-    # lazy: training.compiling imports torch: `check` imports torch only once it knows torch works
-    from anima_train.training.compiling import probe_compile
+    # lazy: compile_probe imports torch: `check` imports torch only once it knows torch works
+    from anima_train.system.compile_probe import probe_compile
 
     return probe_compile(_probe_device(torch))
 

@@ -5,13 +5,10 @@ update into the weight left out), 6 bytes per element instead of the 12 of fp32 
 of one length are stepped together, up to 16 in one call of one function (`_step_bf16`) that reads weight,
 gradient, moments and residual once and writes them back: compiled (the trainer passes `compiled=True` when
 torch.compile works on its CUDA device), that is one fused kernel per tensor and 48 calls for a full
-finetune's 567 tensors; eager, about 40 kernels per tensor. History, all on an H200 over the DiT's 1.96 B
-parameters: SDNQ's eager adamw8bit with Kahan launches ~49 kernels per tensor, 0.81 s per step, against 0.02 s for
-torch's fused AdamW (bench/results/optimizer_step_2026-12-03); this class's first version, fp32 chunks through
-`_foreach_*` ops with noise from a torch.Generator, 0.148 s; then one compiled call per tensor, 0.053 s, of which
-11 ms on the GPU; in 48 calls, 0.055-0.058 s: the host's cost is launching 567 kernels, not the calls (on a 2-core
-CPU with Inductor's C++ backend and small tensors the calls were the cost: 96 ms per step, 45 in 48 calls); see
-bench/results/fullkahan24_2026-12-03.
+finetune's 567 tensors; eager, about 40 kernels per tensor. Why fused per tensor, grouped by length: the cost of
+an optimizer step over the DiT's 1.96 B parameters is launching kernels, not arithmetic (a GPU step is ~11 ms of a
+~55 ms step on an H200), and on a small CPU the Python calls are, so grouping tensors cuts the calls without
+changing a kernel. The measurements of each design tried are in bench/results/adamw_kahan_designs.md.
 
 The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias-corrected moments, eps outside the square root):
 

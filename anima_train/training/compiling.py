@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import sys
-import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +21,7 @@ import torch
 from anima_train import errors
 from anima_train.model.quant import import_sdnq
 from anima_train.system.check import toolchain_fix
+from anima_train.system.compile_probe import failure_cause, probe_compile
 
 if TYPE_CHECKING:
     from anima_train.config import Config
@@ -109,56 +108,6 @@ class CompileDecision:
     sdnq_triton_off: bool = False  # SDNQ's Triton kernels failed the probe: its torch kernels are used instead
     probes: list[str] = field(default_factory=list)  # what ran (for the log)
     cache_dir: str | None = None  # where compiled kernels are kept between runs (compile_cache_dir), when compiling
-
-
-def failure_cause(exc: BaseException) -> str:
-    """One line out of a compiler failure: the exception's first line, plus the compiler's own line that names the
-    error (`fatal error: Python.h: No such file or directory`) when there is one."""
-    lines = [ln.strip() for ln in f"{exc}".splitlines() if ln.strip()]
-    head = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    detail = None
-    for pattern in (r"fatal error", r"No such file|not found|cannot find|cannot open", r"^error:|\berror:"):
-        detail = next((ln for ln in lines[1:] if re.search(pattern, ln, re.IGNORECASE)), None)
-        if detail:
-            break
-    cause = f"{head}: {detail}" if detail and detail not in head else head
-    return cause if len(cause) <= 300 else cause[:297] + "..."
-
-
-def _probe_function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (torch.sin(x) * w + x * x).sum()
-
-
-_probes = [0]
-
-
-def probe_compile(device: torch.device | str) -> str | None:
-    """Compile and run a tiny function (forward and backward) on `device` with Inductor; None when it works and
-    gives the eager numbers, else the cause in one line. Each probe compiles anew: a fresh code object (dynamo
-    caches by code object) and no FX graph cache, so an earlier success cannot answer for this machine now."""
-    # lazy: torch._inductor: see compile_transformer (only when a probe runs)
-    import torch._inductor.config as inductor_config  # heavy: only when a probe runs
-
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, generator=gen).to(device)
-    w_eager = torch.randn(64, generator=gen).to(device).requires_grad_(True)
-    w = w_eager.detach().clone().requires_grad_(True)
-    _probes[0] += 1
-    code = _probe_function.__code__.replace(co_name=f"anima_compile_probe_{_probes[0]}")
-    fn = types.FunctionType(code, _probe_function.__globals__)
-    try:
-        with inductor_config.patch(fx_graph_cache=False):
-            out = torch.compile(fn, dynamic=False, fullgraph=True)(x, w)
-            out.backward()
-        ref = _probe_function(x, w_eager)
-        ref.backward()
-        if not (torch.allclose(out.detach(), ref.detach(), rtol=1e-4, atol=1e-4)
-                and torch.allclose(w.grad, w_eager.grad, rtol=1e-4, atol=1e-4)):
-            return "the compiled probe gave different numbers from eager"
-    except Exception as exc:  # noqa: BLE001 (any failure of the toolchain means: do not compile)
-        return failure_cause(exc)
-    return None
 
 
 def sdnq_triton_wanted(cfg: Config, device: torch.device) -> bool:

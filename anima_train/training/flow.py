@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from anima_train.config import CurriculumPhase, FlowConfig
+from anima_train.config.schema import active_phase as active_phase  # the phase is the config's; named here too
 
 PATCH = 2  # the DiT's spatial patch (patch_size = (1, 2, 2)): one token = 2x2 latent pixels
 HF_EPS = 1e-6  # keeps a flat target's weights finite (0/0 otherwise)
@@ -104,19 +105,6 @@ def sample_timesteps(batch: int, cfg: FlowConfig, generator: torch.Generator,
                      f"flow.timestep_sample_method = {cfg.timestep_sample_method!r} (shift {cfg.shift}, "
                      f"flux_shift {cfg.flux_shift}): {count} of {TRUNCATE_ROUNDS * 4 * batch} draws landed in it. "
                      "Widen the range or use flow.phase_mapping = \"rescale\"")
-
-
-def active_phase(phases: Sequence[CurriculumPhase], progress: float) -> CurriculumPhase | None:
-    """The last phase with at <= progress (progress > 1 stays in the last); None without a curriculum.
-    The config requires a phase at 0.0, so some phase is always active; a negative progress gets the first."""
-    if not phases:
-        return None
-    ordered = sorted(phases, key=lambda p: p.at)
-    current = ordered[0]
-    for phase in ordered:
-        if phase.at <= progress:
-            current = phase
-    return current
 
 
 def phase_summary(phases: Sequence[CurriculumPhase], phase: CurriculumPhase | None) -> dict | None:

@@ -72,15 +72,6 @@ def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return host.pin_memory() if pin else host.clone()
 
 
-def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on the device without a host sync: from pinned memory the copy is queued behind the running
-    kernels; from pageable memory CUDA would first wait for all of them."""
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 class HostCopy:
     """A device tensor's values on their way to the host. `read()` waits only for the kernels queued before the copy
     (a CUDA event), not for everything queued since, as `.tolist()` on the device tensor would: read after queueing

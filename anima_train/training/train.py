@@ -50,9 +50,10 @@ from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
                                        sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
-from anima_train.training.memory import (ParkedWeights, plan_checkpointing, relieve, to_device,
+from anima_train.training.memory import (ParkedWeights, plan_checkpointing, relieve,
                                          use_expandable_segments)
 from anima_train.training.previews import Previewer
+from anima_train.system.device import to_device
 from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
 from anima_train.training.stopping import StopRequests, with_resume_line
