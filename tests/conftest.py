@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# The tests compare runs by their trained tensors and batches (TrainResult.trainable_digest, batches_seen), which a run
+# records only when asked (training/run_state.py); children the tests start inherit it.
+os.environ["ANIMA_TRAIN_RECORD"] = "1"
+
 COMFYUI_SKIP = ("needs ComfyUI: set COMFYUI_PATH to a ComfyUI checkout with Anima support "
                 "(and COMFYUI_PYTHON to its venv's python) to run it")
 
