@@ -86,7 +86,7 @@ export function applyEvent(run, ev) {
   const finished = run.phase === "done" || run.phase === "error" || run.phase === "cancelled";
   const fresh = () => Object.assign(newRun(), { runNote: run.runNote }); // the note was said before the run began
   switch (ev.event) {
-    case "run_note": // nodes_train.pick_run: which folder this run trains in, and why (said before the worker starts)
+    case "run_note": // run_picking.pick_run: which folder this run trains in, and why (said before the worker starts)
       run = startedRun(finished ? newRun() : run);
       run.runNote = String(ev.text ?? "");
       break;
@@ -180,7 +180,7 @@ export function applyEvent(run, ev) {
       run.phase = "done";
       run.done = ev;
       break;
-    case "cancelled": // Cancel: where the run stopped, what was saved and how it goes on (nodes_train._cancelled)
+    case "cancelled": // Cancel: where the run stopped, what was saved and how it goes on (train_outcome.after_cancel)
       run.phase = "cancelled";
       run.cancelled = ev;
       break;
