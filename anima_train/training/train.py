@@ -44,8 +44,8 @@ from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
 from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
-from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
-                                       sample_timesteps)
+from anima_train.training.flow import (LOSS_TERMS, active_phase, flow_loss, noisy_latents, ot_pair_noise,
+                                       phase_summary, sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
 from anima_train.training.memory import plan_checkpointing, relieve, to_device, use_expandable_segments
 from anima_train.training.previews import Previewer
@@ -279,9 +279,9 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
                 relieve(model.block_ckpt, model.parked, model.device, say)
             run.grad_norms.check(before=step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = readout.receive(step_readout, accelerator)
-            if not math.isfinite(stats[0]):
-                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}", model=model)
-            result.losses.append(stats[0])
+            if not math.isfinite(stats["loss"]):
+                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats['loss']}", model=model)
+            result.losses.append(stats["loss"])
             _report_step(run, model, tracker, stats, step=step, epoch=epoch, lrs=lrs, phase=phase, peaks=peaks,
                          images=totals.images * world)
             totals.images = 0
@@ -318,9 +318,9 @@ def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: read
     totals.images += len(batch["index"])
     with accelerator.accumulate(*run.trainable):
         loss, loss_parts = _flow_matching_loss(cfg, model, run.gens, batch, phase)
-        totals.add(readout.loss_values(loss, loss_parts))
+        totals.add(loss, loss_parts)
         if accelerator.sync_gradients:  # on its way to the host while the backward runs (memory.HostCopy)
-            step_readout = readout.send(accelerator, totals.mean(), stop_vote=stops.vote())
+            step_readout = readout.send(accelerator, totals.names, totals.mean(), stop_vote=stops.vote())
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             norm = (accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
@@ -338,7 +338,7 @@ def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: read
     return (step_readout, used_lrs) if step_readout is not None else (None, None)
 
 
-def _report_step(run: Run, model: Model, tracker, stats: list[float], *, step: int, epoch: int, lrs: list[float],
+def _report_step(run: Run, model: Model, tracker, stats: dict[str, float], *, step: int, epoch: int, lrs: list[float],
                  phase, peaks: list[float], images: int) -> None:
     """The optimizer step's numbers to the progress bar / events, and to TensorBoard."""
     cfg = run.cfg
@@ -468,7 +468,7 @@ def _say_steps(say, cfg: Config, per_epoch: int, *, batches: int, world: int, ac
 
 def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phase) -> tuple[torch.Tensor, dict]:
     """One micro-batch: x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, caption). Returns the
-    loss and its parts (mse, hf, ot) for the report."""
+    loss and its named parts for the report: flow_loss's terms, and "ot" (the OT pairing's moved fraction)."""
     device, dtype, parts, block_ckpt, parked = model.device, model.dtype, model.parts, model.block_ckpt, model.parked
     if model.vae is not None:  # source = "encode": the VAE runs here, without autograd
         chunk = cfg.train.vae_encode_chunk  # images per VAE forward: bounds the encode's share of the peak
@@ -498,16 +498,16 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
     return loss, loss_parts
 
 
-def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: list[float], phase,
+def _step_stats(cfg: Config, stats: dict[str, float], *, step: int, epoch: int, lrs: list[float], phase,
                 peak_gb: list[float]) -> StepStats:
-    """The optimizer step's report from its mean-over-ranks [loss, mse, hf, ot]; a part the config does not use
-    is None."""
-    return StepStats(step=step, epoch=epoch + 1, loss=stats[0],
-                     mse=stats[1] if cfg.flow.hf_scale > 0 else None,
-                     hf=stats[2] if cfg.flow.hf_scale > 0 else None,
-                     ot=stats[3] if cfg.flow.use_ot else None,
-                     lrs=lrs, peak_gb=peak_gb,
-                     phase=phase_summary(cfg.curriculum, phase))
+    """The optimizer step's report from its mean-over-ranks named values: the loss, its terms by name (each
+    flow.LOSS_TERMS name; None unless the step has two or more terms: one term is the loss) and the OT pairing's
+    moved fraction (None without use_ot)."""
+    terms = {name: stats.get(name) for name in LOSS_TERMS}
+    if sum(value is not None for value in terms.values()) < 2:
+        terms = dict.fromkeys(LOSS_TERMS)
+    return StepStats(step=step, epoch=epoch + 1, loss=stats["loss"], terms=terms, ot=stats.get("ot"),
+                     lrs=lrs, peak_gb=peak_gb, phase=phase_summary(cfg.curriculum, phase))
 
 
 def _report_done(progress: Progress, result: TrainResult, *, start_step: int, total: int, t_start: float) -> None:
