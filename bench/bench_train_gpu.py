@@ -54,6 +54,8 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# each record carries the trained tensors' digest (A/B of two runs), which a run computes only when asked
+os.environ.setdefault("ANIMA_TRAIN_RECORD", "1")
 
 from anima_train.config import parse_config  # noqa: E402
 from anima_train.data.synthetic import make_synthetic_latents  # noqa: E402

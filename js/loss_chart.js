@@ -16,15 +16,21 @@ const COLOURS = {
   axis: "rgba(255,255,255,0.45)",
   loss: "rgba(120,170,255,0.85)",
   ema: "#ffa63d",
-  mse: "rgba(90,205,130,0.6)",
-  hf: "rgba(215,110,225,0.85)",
   validation: "#f2e34c", // yellow: apart from the EMA orange and the loss blue on the dark chart
 };
+
+// The loss's terms, by the name the `step` event carries each under (anima_train/training/flow.py LOSS_TERMS), with
+// the colour of their line; the trainer reports them only when the loss has two or more (null otherwise).
+const LOSS_PARTS = [
+  ["mse", "rgba(90,205,130,0.6)"],
+  ["hf", "rgba(215,110,225,0.85)"],
+];
 
 export function newRun() {
   return {
     phase: "idle", // idle | queued | preparing | running | cancelling | done | cancelled | error
-    steps: [], loss: [], ema: [], mse: [], hf: [],
+    steps: [], loss: [], ema: [],
+    parts: Object.fromEntries(LOSS_PARTS.map(([name]) => [name, []])), // a series per loss term, by name
     emaAcc: 0, emaCount: 0,
     valSteps: [], valLoss: [], valMargin: [], // [validation]: the held-out loss and caption margin ("validation")
     total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0, chartFrom: null, device: "",
@@ -37,18 +43,25 @@ export function newRun() {
   };
 }
 
-// One loss point, with the bias-corrected EMA (no ramp up from 0)
-function addPoint(run, step, loss, mse, hf) {
-  run.emaAcc = EMA_BETA * run.emaAcc + (1 - EMA_BETA) * loss;
+// One loss point (a step event: its loss and its terms by name), with the bias-corrected EMA (no ramp up from 0)
+function addPoint(run, ev) {
+  run.emaAcc = EMA_BETA * run.emaAcc + (1 - EMA_BETA) * ev.loss;
   run.emaCount += 1;
-  run.steps.push(step);
-  run.loss.push(loss);
+  run.steps.push(ev.step);
+  run.loss.push(ev.loss);
   run.ema.push(run.emaAcc / (1 - Math.pow(EMA_BETA, run.emaCount)));
-  run.mse.push(finite(mse) ? mse : NaN);
-  run.hf.push(finite(hf) ? hf : NaN);
+  for (const [name] of LOSS_PARTS) run.parts[name].push(finite(ev[name]) ? ev[name] : NaN);
   if (run.steps.length > MAX_POINTS) {
-    for (const k of ["steps", "loss", "ema", "mse", "hf"]) run[k] = run[k].filter((_, i) => i % 2 === 1);
+    const half = (series) => series.filter((_, i) => i % 2 === 1);
+    for (const k of ["steps", "loss", "ema"]) run[k] = half(run[k]);
+    for (const [name] of LOSS_PARTS) run.parts[name] = half(run.parts[name]);
   }
+}
+
+// The loss terms this run reports (those with a value), in LOSS_PARTS order: [name, colour, series]
+function reportedParts(run) {
+  return LOSS_PARTS.filter(([name]) => run.parts[name].some(finite))
+    .map(([name, colour]) => [name, colour, run.parts[name]]);
 }
 
 const SHOWN_WARNINGS = 5; // more are summarised in one line (the node's result text and the log list them all)
@@ -86,7 +99,7 @@ export function applyEvent(run, ev) {
   const finished = run.phase === "done" || run.phase === "error" || run.phase === "cancelled";
   const fresh = () => Object.assign(newRun(), { runNote: run.runNote }); // the note was said before the run began
   switch (ev.event) {
-    case "run_note": // nodes_train.pick_run: which folder this run trains in, and why (said before the worker starts)
+    case "run_note": // run_picking.pick_run: which folder this run trains in, and why (said before the worker starts)
       run = startedRun(finished ? newRun() : run);
       run.runNote = String(ev.text ?? "");
       break;
@@ -111,7 +124,7 @@ export function applyEvent(run, ev) {
       // a resumed run's losses before it: the chart draws the whole run, not only what this worker trains
       const earlier = Array.isArray(ev.losses) ? ev.losses : [];
       const first = finite(ev.first_loss_step) ? ev.first_loss_step : run.resumedStep + 1;
-      earlier.forEach((loss, i) => { if (finite(loss)) addPoint(run, first + i, loss); });
+      earlier.forEach((loss, i) => { if (finite(loss)) addPoint(run, { step: first + i, loss }); });
       if (earlier.length) run.chartFrom = first - 1;
       break;
     }
@@ -127,7 +140,7 @@ export function applyEvent(run, ev) {
                        runNote: run.runNote, phase: run.phase };
         run = Object.assign(newRun(), keep, { resumedStep: ev.step - 1 });
       }
-      addPoint(run, ev.step, ev.loss, ev.mse, ev.hf);
+      addPoint(run, ev);
       run.last = ev;
       break;
     }
@@ -162,7 +175,7 @@ export function applyEvent(run, ev) {
         // the node re-used a finished run: nothing was trained now; its recorded losses are the curve
         run = newRun();
         const losses = Array.isArray(ev.losses) ? ev.losses : [];
-        losses.forEach((loss, i) => { if (finite(loss)) addPoint(run, i + 1, loss); });
+        losses.forEach((loss, i) => { if (finite(loss)) addPoint(run, { step: i + 1, loss }); });
         const points = Array.isArray(ev.validation) ? ev.validation : []; // [step, loss, margin]
         for (const p of points) {
           if (Array.isArray(p) && finite(p[0]) && finite(p[1])) {
@@ -180,7 +193,7 @@ export function applyEvent(run, ev) {
       run.phase = "done";
       run.done = ev;
       break;
-    case "cancelled": // Cancel: where the run stopped, what was saved and how it goes on (nodes_train._cancelled)
+    case "cancelled": // Cancel: where the run stopped, what was saved and how it goes on (train_outcome.after_cancel)
       run.phase = "cancelled";
       run.cancelled = ev;
       break;
@@ -264,7 +277,8 @@ function mainStatusLines(run) {
     const parts = [`training step ${ev.step} of ${finite(total) ? total : "?"}${pct}`];
     if (finite(ev.epoch)) parts.push(`epoch ${ev.epoch}${finite(run.epochs) ? "/" + run.epochs : ""}`);
     let loss = `loss ${fmtLoss(ev.loss)}`;
-    if (finite(ev.hf)) loss += ` (mse ${fmtLoss(ev.mse)} + hf ${fmtLoss(ev.hf)})`;
+    const terms = LOSS_PARTS.filter(([name]) => finite(ev[name])).map(([name]) => `${name} ${fmtLoss(ev[name])}`);
+    if (terms.length) loss += ` (${terms.join(" + ")})`;
     parts.push(loss);
     if (run.ema.length) parts.push(`EMA ${fmtLoss(run.ema[run.ema.length - 1])}`);
     if (finite(ev.ot)) parts.push(`ot ${ev.ot.toFixed(2)}`);
@@ -360,9 +374,9 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
   }
   const x0 = Math.max(0, run.chartFrom ?? (run.resumedStep || 0), run.steps[0] - 1);
   const x1 = Math.max(finite(run.total) ? run.total : 0, run.steps[run.steps.length - 1], x0 + 1);
-  const hasParts = run.hf.some(finite);
+  const parts = reportedParts(run);
   // y range: the bulk of the raw loss plus the whole EMA; rare spikes are clipped at the top edge
-  const pool = run.loss.concat(run.ema, run.valLoss, hasParts ? run.mse.concat(run.hf) : []).filter(finite);
+  const pool = run.loss.concat(run.ema, run.valLoss, ...parts.map(([, , series]) => series)).filter(finite);
   let lo = pool.reduce((a, b) => Math.min(a, b), Infinity);
   let hi = Math.max(quantile(run.loss, 0.99), run.ema.concat(run.valLoss).reduce((a, b) => Math.max(a, b), -Infinity));
   if (!(hi > lo)) { hi = lo + Math.max(Math.abs(lo) * 0.1, 1e-3); lo -= Math.max(Math.abs(lo) * 0.1, 1e-3); }
@@ -391,9 +405,8 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
   ctx.save();
   ctx.beginPath(); ctx.rect(pad.left, pad.top - 1, w, h + 2); ctx.clip();
   ctx.lineJoin = "round";
-  if (hasParts) { // the parts under the total they add up to
-    drawSeries(ctx, run.steps, run.mse, toX, toY, COLOURS.mse, 1);
-    drawSeries(ctx, run.steps, run.hf, toX, toY, COLOURS.hf, 1);
+  for (const [, colour, series] of parts) { // the terms under the total they add up to
+    drawSeries(ctx, run.steps, series, toX, toY, colour, 1);
   }
   drawSeries(ctx, run.steps, run.loss, toX, toY, COLOURS.loss, 1);
   drawSeries(ctx, run.steps, run.ema, toX, toY, COLOURS.ema, 2);
@@ -408,7 +421,7 @@ export function drawChart(canvas, run, cssWidth, cssHeight, dpr = 1) {
 
   // legend along the top edge
   const legend = [["loss", COLOURS.loss], ["EMA", COLOURS.ema]];
-  if (hasParts) legend.push(["mse", COLOURS.mse], ["hf", COLOURS.hf]);
+  for (const [name, colour] of parts) legend.push([name, colour]);
   if (run.valSteps.length) legend.push([validationText(run), COLOURS.validation]);
   ctx.textAlign = "left";
   ctx.textBaseline = "middle";

@@ -9,6 +9,7 @@ the helpers on this module.
 """
 
 import importlib
+import os
 
 from comfy_api.latest import ComfyExtension, io  # noqa: F401  (re-exported)
 
@@ -39,6 +40,13 @@ def model_path(folder: str, name: str) -> str:
 def model_folder(folder: str) -> str:
     """The first (default) directory of a model folder: where the pack writes files for the stock loaders."""
     return _module("folder_paths").get_folder_paths(folder)[0]
+
+
+def add_model_folder(folder: str) -> None:
+    """Make models/<folder> a model folder ComfyUI lists (the pack's own kinds: "anchors"). Idempotent:
+    add_model_folder_path ignores a path it already has and keeps the ones a user added (extra_model_paths.yaml)."""
+    fp = _module("folder_paths")
+    fp.add_model_folder_path(folder, os.path.join(fp.models_dir, folder))
 
 
 def models_directory() -> str:

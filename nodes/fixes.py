@@ -80,8 +80,9 @@ def _keys() -> dict[str, frozenset[str]]:
 @functools.cache
 def _widgets() -> dict[str, str]:
     """dotted config key -> the Training config widget that sets it."""
-    # lazy: nodes_train imports this module (an import cycle); its Knobs are the one map of keys to widgets
-    from .nodes_train import ALL_KNOBS
+    # lazy: training_config imports ComfyUI's API (nodes/comfy.py), which the fix texts need nowhere else; its Knobs
+    # are the one map of keys to widgets
+    from .training_config import ALL_KNOBS
     return {k.key: k.widget for k in ALL_KNOBS}
 
 

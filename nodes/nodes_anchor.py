@@ -8,12 +8,11 @@ also drawn on the node by js/anchor_card.js (ui key "anchor_card").
 Strength: the widget default -1 (any negative value) means "the card's recommended_strength", since a widget
 default cannot depend on the chosen file. 0 leaves every block output bit-exact.
 
-The patching logic is in anchor_patch.py (no ComfyUI import). ComfyUI's own modules (folder_paths) are imported
-only when a node runs inside ComfyUI, through `_comfy_module`, so this file imports without ComfyUI.
+The patching logic is in anchor_patch.py (no ComfyUI import); ComfyUI's model folders are reached through
+nodes/comfy.py, the pack's one door to ComfyUI.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 from anchor import OBJECTIVE_SOURCES, AnchorError
@@ -30,29 +29,18 @@ STRENGTH_FROM_CARD = -1.0
 GATE_TEXT = {"flow": "flow, s01 = sigma", "eps": "eps/v, s01 = t/1000", "v": "eps/v, s01 = t/1000"}
 
 
-def _comfy_module(name):
-    """A ComfyUI module (folder_paths, ...), imported lazily: present only inside a running ComfyUI."""
-    return importlib.import_module(name)
-
-
-def _folder_paths():
-    folder_paths = _comfy_module("folder_paths")
-    # Idempotent: add_model_folder_path ignores a path it already has (and keeps user-added ones).
-    folder_paths.add_model_folder_path(ANCHOR_FOLDER, os.path.join(folder_paths.models_dir, ANCHOR_FOLDER))
-    return folder_paths
-
-
 def anchor_files():
     """Anchor files ComfyUI can see, for the combo; [] outside ComfyUI."""
     try:
-        folder_paths = _folder_paths()
+        comfy.add_model_folder(ANCHOR_FOLDER)
     except ImportError:
         return []
-    return [f for f in folder_paths.get_filename_list(ANCHOR_FOLDER) if f.lower().endswith(LISTED_EXTENSIONS)]
+    return [f for f in comfy.model_files(ANCHOR_FOLDER) if f.lower().endswith(LISTED_EXTENSIONS)]
 
 
 def anchor_path(name):
-    return _folder_paths().get_full_path_or_raise(ANCHOR_FOLDER, name)
+    comfy.add_model_folder(ANCHOR_FOLDER)
+    return comfy.model_path(ANCHOR_FOLDER, name)
 
 
 def _declared_dtype(model):

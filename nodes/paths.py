@@ -172,7 +172,7 @@ def confine_tree(tree: dict, policy: Policy, skip: Callable[[str], bool] = lambd
     def check(table: dict, name: str, key: str, base: str) -> None:
         value = table.get(name)
         if not isinstance(value, str) or not value.strip() or skip(value):
-            return  # a wrong type or an empty value is load_config's to report
+            return  # a wrong type or an empty value is parse_config's to report
         try:
             table[name] = str(policy.resolve(value, key, base))
         except PathRefused as exc:

@@ -86,6 +86,8 @@ def comfy_env(monkeypatch, tmp_path, request):
     comfy_double.install(monkeypatch)
     import nodes.comfy as comfy
     import nodes.nodes_train as nt
+    import nodes.run_picking as run_picking
+    import nodes.training_config as training_config
 
     allowed = [request.getfixturevalue("tiny_anima").diffusers_dir] if "tiny_anima" in request.fixturenames else []
     comfy_double.install_folders(monkeypatch, comfy, tmp_path, allowed)
@@ -113,7 +115,8 @@ def comfy_env(monkeypatch, tmp_path, request):
     real_train_command = nt.train_command
     monkeypatch.setattr(nt, "train_command", command)
     return type("Env", (), dict(nt=nt, comfy=comfy, log=log, folders=folders, mode=mode, spawned=spawned,
-                                tmp=tmp_path, real_train_command=real_train_command))
+                                tmp=tmp_path, real_train_command=real_train_command, tc=training_config,
+                                picking=run_picking))
 
 
 @pytest.fixture
@@ -153,7 +156,7 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     assert ports["tag_dropout"].options["max"] > 1.0
     assert ports["extra_toml"].options["multiline"] is True
     # every knob maps to a real key, and the widget names are unique
-    assert len({k.widget for k in nt.ALL_KNOBS}) == len(nt.ALL_KNOBS)
+    assert len({k.widget for k in comfy_env.tc.ALL_KNOBS}) == len(comfy_env.tc.ALL_KNOBS)
     assert AdapterConfig().kind == ports["adapter"].options["default"]
 
 
@@ -169,13 +172,13 @@ def test_the_late_knobs_come_after_extra_toml_and_leave_an_older_workflows_confi
     assert ports["base_matmul"].kind == "COMBO" and ports["base_matmul"].options["options"] == ["bf16", "fp8"]
     assert ports["swap_blocks"].kind == "INT" and ports["swap_blocks"].options["advanced"] is True
     older = {k: v for k, v in widgets(nt, "x", dataset).items() if k not in ("swap_blocks", "base_matmul")}
-    text = nt.config_toml(older)
-    assert nt.config_toml(dict(older, swap_blocks=0, base_matmul="bf16")) == text
+    text = comfy_env.tc.config_toml(older)
+    assert comfy_env.tc.config_toml(dict(older, swap_blocks=0, base_matmul="bf16")) == text
     assert "swap_blocks" not in text and "base_matmul" not in text
-    chosen = tomllib.loads(nt.config_toml(dict(older, swap_blocks=12, base_matmul="fp8")))["train"]
+    chosen = tomllib.loads(comfy_env.tc.config_toml(dict(older, swap_blocks=12, base_matmul="fp8")))["train"]
     assert (chosen["swap_blocks"], chosen["base_matmul"]) == (12, "fp8")
     # extra_toml still wins over a widget
-    over = tomllib.loads(nt.config_toml(dict(older, swap_blocks=12, extra_toml="[train]\nswap_blocks = 3\n")))
+    over = tomllib.loads(comfy_env.tc.config_toml(dict(older, swap_blocks=12, extra_toml="[train]\nswap_blocks = 3\n")))
     assert over["train"]["swap_blocks"] == 3
 
 
@@ -547,7 +550,7 @@ def test_cancel_keeps_the_run_says_where_it_stopped_and_the_next_queue_resumes_i
     assert not any(p.name.startswith((".comfyui-stop", "comfyui-stop")) for p in run_dir.iterdir())
     from anima_train.outputs.run_folder import lock_holder
 
-    assert lock_holder(run_dir, env.nt.JOB_LOCK_NAME) is None  # the node's lock on the folder is free again
+    assert lock_holder(run_dir, env.picking.JOB_LOCK_NAME) is None  # the node's lock on the folder is free again
 
     # queue the same inputs again, with Cancel not pressed
     monkeypatch.setattr(env.comfy, "throw_if_interrupted", lambda: None)
@@ -647,7 +650,7 @@ def test_two_comfyui_instances_never_pick_the_same_run_folder(comfy_env, tiny_an
 
     env = comfy_env
     config = _config(env, tiny_anima, dataset, run_name="cat")
-    other = run_folder.RunLock(Path(config["run_dir"]), env.nt.JOB_LOCK_NAME)  # an OS lock: held per open file
+    other = run_folder.RunLock(Path(config["run_dir"]), env.picking.JOB_LOCK_NAME)  # an OS lock: held per open file
     other.acquire()
     try:
         out = _train(env, config)
@@ -657,7 +660,7 @@ def test_two_comfyui_instances_never_pick_the_same_run_folder(comfy_env, tiny_an
     assert env.spawned[0][0].parent.name == "cat-2" and "running job" in out.ui["text"][0].splitlines()[0]
     assert not (Path(config["run_dir"]) / "comfyui-job.toml").exists()  # the other job's folder is untouched
     # the lock is released after the job: the next job may use cat-2 again (re-used, unchanged inputs)
-    assert run_folder.lock_holder(Path(out.values[0]).parent, env.nt.JOB_LOCK_NAME) is None
+    assert run_folder.lock_holder(Path(out.values[0]).parent, env.picking.JOB_LOCK_NAME) is None
 
 
 @pytest.mark.slow

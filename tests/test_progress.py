@@ -10,8 +10,8 @@ import pytest
 from anima_train.outputs import progress as P
 
 
-def _stats(step, **kw):
-    base = dict(step=step, epoch=3, loss=0.0712, lrs=[2.71e-05])
+def _stats(step, mse=None, hf=None, **kw):
+    base = dict(step=step, epoch=3, loss=0.0712, lrs=[2.71e-05], terms={"mse": mse, "hf": hf})
     base.update(kw)
     return P.StepStats(**base)
 
@@ -108,3 +108,38 @@ def test_bar_total_can_be_set_after_start():
     prog.step(_stats(5))
     prog.close()
     assert "5/10" in out.getvalue()
+
+
+def test_a_loss_term_is_reported_under_its_own_name_from_the_readout_to_tensorboard(tmp_path):
+    """The loss's terms travel by name from the loss function on: a term it adds shows in the progress line, in the
+    `step` event under its name and as TensorBoard's loss/<name>, with no slot to add anywhere on the way."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from anima_train.outputs import tracking
+    from anima_train.training import readout
+
+    totals = readout.StepTotals()  # two micro-batches of one optimizer step
+    totals.add(torch.tensor(1.0), {"mse": torch.tensor(0.5), "edge": torch.tensor(0.25), "ot": 0.5})
+    totals.add(torch.tensor(3.0), {"mse": torch.tensor(1.5), "edge": torch.tensor(0.75), "ot": 1.0})
+    one = SimpleNamespace(num_processes=1, device=torch.device("cpu"))
+    stats, votes, peaks = readout.receive(readout.send(one, totals.names, totals.mean(), stop_vote=False), one)
+    assert stats == {"loss": 2.0, "mse": 1.0, "edge": 0.5, "ot": 0.75} and votes == [] and peaks == []
+
+    step = _stats(7, terms={"mse": stats["mse"], "edge": stats["edge"]}, ot=stats["ot"])
+    assert P.describe_step(step).startswith("loss 0.0712 (mse 1.0000 + edge 0.5000)  ot 0.75")
+    events = tmp_path / "ev.jsonl"
+    prog = P.Progress("off", 10, stream=io.StringIO(), events=str(events))
+    prog.step(step)
+    prog.close()
+    record = json.loads(events.read_text())
+    assert (record["mse"], record["edge"], record["ot"]) == (1.0, 0.5, 0.75)
+
+    logged = []
+    tracker = tracking.Tracker.__new__(tracking.Tracker)
+    tracker.on, tracker._last = True, None
+    tracker.accelerator = SimpleNamespace(log=lambda values, step: logged.append(values))
+    tracker.step(step, group_names=["lora"], images=4)
+    assert {k: v for k, v in logged[0].items() if k.startswith("loss/")} == {"loss/total": 0.0712, "loss/mse": 1.0,
+                                                                             "loss/edge": 0.5}

@@ -82,6 +82,28 @@ def test_it_learns_from_its_captions(tiny_anima, latents_dir, tmp_path):
     assert after.margin > before.margin + 0.01, (before, after)
 
 
+def test_a_production_run_records_no_test_digest_or_batches(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    """The digest copies every trained tensor to the host (a full finetune: ~4 GB, seconds per rank) for a value
+    only tests read; a run computes it, and the batch record, only under ANIMA_TRAIN_RECORD=1."""
+    from anima_train.outputs import resume_state
+
+    digests = []
+    monkeypatch.setattr(resume_state, "digest", lambda models: digests.append(1) or "d")
+    monkeypatch.delenv("ANIMA_TRAIN_RECORD")
+    result = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=2), cpu=True, no_save=True)
+    assert len(result.losses) == 2 and not digests
+    assert result.trainable_digest == "" and not result.batches_seen
+    monkeypatch.setenv("ANIMA_TRAIN_RECORD", "1")
+    result = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, max_steps=2), cpu=True, no_save=True)
+    assert digests == [1] and result.trainable_digest == "d" and len(result.batches_seen) == 2
+
+
+def test_the_tests_ask_for_the_digest_their_run_comparisons_read():
+    # without it every `a.trainable_digest == b.trainable_digest` would compare "" with ""
+    import os
+    assert os.environ.get("ANIMA_TRAIN_RECORD") == "1"
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny_anima, latents_dir, tmp_path):
     extra = "[optimizer]\nlr = 1e-3\n[flow]\nuse_ot = true\nhf_scale = 0.25\n"
     # 3 batches per epoch; the step-2 state is mid-epoch, so the resumed run must skip exactly the used batches

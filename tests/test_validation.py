@@ -200,7 +200,7 @@ def test_evaluate_without_a_validation_set_says_how_to_add_one(tiny_anima, laten
 
 def test_a_held_out_image_without_a_caption_is_refused_before_the_model_loads(tiny_anima, latents_dir, tmp_path,
                                                                               monkeypatch):
-    from anima_train.training import train as train_module
+    from anima_train.training import models
 
     held = tmp_path / "held_out"
     make_synthetic_latents(held, n=2, seed=1)
@@ -208,7 +208,7 @@ def test_a_held_out_image_without_a_caption_is_refused_before_the_model_loads(ti
     cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "out", f'[validation]\nfolder = "{held}"\n',
                    max_steps=1)
     loaded = []
-    monkeypatch.setattr(train_module, "load_components", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(models, "load_components", lambda *a, **k: loaded.append(1))
     with pytest.raises(Exception) as exc:
         train(cfg, cpu=True, dry_run=True)
     assert str(held / "lat_0001.txt") in str(exc.value) and not loaded

@@ -380,21 +380,21 @@ def test_windows_paths_round_trip_through_the_node_config_and_the_run_name_rewri
     from tests import comfy_double
 
     comfy_double.install(monkeypatch)
-    import nodes.nodes_train as nodes_train
+    import nodes.training_config as training_config
 
-    paths = nodes_train.paths
+    paths = training_config.paths
     monkeypatch.setattr(paths, "current_policy", lambda: None)  # Windows path resolution cannot run here
     monkeypatch.setattr(paths, "confine_tree", lambda tree, policy, skip=None: [])  # every path allowed as typed
     values = {"model_path": r"C:\Users\Me\Anima Models\anima-diffusers", "dataset_path": r"\\nas\share\set 1",
-              "output_dir": "D:\\runs\\new\\", nodes_train.EXTRA_TOML: "[dataset]\ncaption_extension = \".txt\"\n"}
-    known = {k: v for k, v in values.items() if k == nodes_train.EXTRA_TOML or
-             any(knob.widget == k for knob in nodes_train.KNOBS)}
-    text = nodes_train.config_toml(known)
+              "output_dir": "D:\\runs\\new\\", training_config.EXTRA_TOML: "[dataset]\ncaption_extension = \".txt\"\n"}
+    known = {k: v for k, v in values.items() if k == training_config.EXTRA_TOML or
+             any(knob.widget == k for knob in training_config.KNOBS)}
+    text = training_config.config_toml(known)
     tree = tomllib.loads(text)
     doc = tomlkit.parse(text)  # what pick_run does to rename a run
     doc["train"]["run_name"] = "x-2"
     again = tomllib.loads(tomlkit.dumps(doc))
-    for knob in nodes_train.KNOBS:
+    for knob in training_config.KNOBS:
         if knob.widget in known:
             table, key = knob.key.rsplit(".", 1)
             assert tree[table][key] == known[knob.widget] == again[table][key]

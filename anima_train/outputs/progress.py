@@ -14,8 +14,9 @@ Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the
   {"event": "start", "total", "steps_per_epoch", "epochs" (as many as the steps reach), "processes", "run_dir",
   "device" ("cpu", "cuda"), "resumed_step", "first_loss_step", "losses" (a resumed run's before it: the node's
   chart draws the whole run)} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
-  "mse", "hf", "ot", "lr": [...], "s_per_step", "eta_s", "peak_gb": [...], "phase": {"index", "count", "mode",
-  "t_range", "lr_mul"} (with a curriculum only)} {"event": "message", "text"}
+  the loss's terms by name ("mse", "hf": training/flow.py LOSS_TERMS; null when not reported), "ot", "lr": [...],
+  "s_per_step", "eta_s", "peak_gb": [...], "phase": {"index", "count", "mode", "t_range", "lr_mul"} (with a
+  curriculum only)} {"event": "message", "text"}
   {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}
   {"event": "error", "message", "traceback"}
 Only the main process reports; the trainer passes `enabled=False` on other ranks.
@@ -78,8 +79,9 @@ class StepStats:
     epoch: int  # 1-based
     loss: float
     lrs: list[float]
-    mse: float | None = None
-    hf: float | None = None  # present only when the hf loss is on
+    # the loss's terms by name (training/flow.py LOSS_TERMS), each a `step` event key; None where not reported
+    # (a run whose loss has one term reports none: it is the loss)
+    terms: dict[str, float | None] = field(default_factory=dict)
     ot: float | None = None  # fraction of noise rows moved, only with use_ot
     peak_gb: list[float] = field(default_factory=list)  # one per rank; empty on CPU
     phase: dict | None = None  # the curriculum phase of the step (flow.phase_summary); None without a curriculum
@@ -87,7 +89,8 @@ class StepStats:
 
 def describe_step(stats: StepStats) -> str:
     """The part of a progress line after the counters: loss parts, ot, lr, peak."""
-    parts = [f"loss {stats.loss:.4f}" + (f" (mse {stats.mse:.4f} + hf {stats.hf:.4f})" if stats.hf is not None else "")]
+    terms = " + ".join(f"{name} {value:.4f}" for name, value in stats.terms.items() if value is not None)
+    parts = [f"loss {stats.loss:.4f}" + (f" ({terms})" if terms else "")]
     if stats.ot is not None:
         parts.append(f"ot {stats.ot:.2f}")
     if stats.phase:
@@ -222,8 +225,8 @@ class Progress:
             self._anchor = (time.perf_counter(), stats.step)
         s_per_step = self.seconds_per_step(stats.step)
         eta = self.eta_seconds(stats.step)
-        self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, mse=stats.mse,
-                   hf=stats.hf, ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb,
+        self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, **stats.terms,
+                   ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb,
                    **({"phase": stats.phase} if stats.phase else {}))
         if not report or self.mode == "off":
             if self._bar is not None:

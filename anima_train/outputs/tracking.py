@@ -2,9 +2,10 @@
 
     <run_dir>/logs/<YYYYmmdd-HHMMSS>/events.out.tfevents.*     (a resumed run: ...-from-step<N>)
 
-Scalars per optimizer step: loss/total, loss/mse and loss/hf (hf loss on), ot/moved_fraction (use_ot), lr/<param
-group> (the LR the step used), grad_norm (the pre-clip norm; only when max_grad_norm > 0, the clip computes it),
-throughput/images_per_s (all processes), memory/peak_gib_rank<r> (CUDA). Preview images: samples/prompt<i>.
+Scalars per optimizer step: loss/total, loss/<term> for each term of the loss it reports (flow.LOSS_TERMS: loss/mse
+and loss/hf with the hf loss on), ot/moved_fraction (use_ot), lr/<param group> (the LR the step used), grad_norm
+(the pre-clip norm; only when max_grad_norm > 0, the clip computes it), throughput/images_per_s (all processes),
+memory/peak_gib_rank<r> (CUDA). Preview images: samples/prompt<i>.
 View with `tensorboard --logdir <run_dir>/logs`.
 
 Only the main process writes (Accelerate's trackers do nothing elsewhere). The tensorboard package is optional: a
@@ -65,8 +66,7 @@ class Tracker:
             return
         now = time.perf_counter()
         values: dict[str, float] = {"loss/total": stats.loss}
-        if stats.hf is not None:
-            values["loss/mse"], values["loss/hf"] = stats.mse, stats.hf
+        values.update({f"loss/{name}": value for name, value in stats.terms.items() if value is not None})
         if stats.ot is not None:
             values["ot/moved_fraction"] = stats.ot
         for name, lr in zip(group_names, stats.lrs):

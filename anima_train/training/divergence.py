@@ -34,7 +34,7 @@ def grad_norm(params) -> torch.Tensor | None:
 
 def diverged(cfg, run_dir: Path, saved: list, step: int, what: str, model=None) -> Diverged:
     """Every rank sees the same loss (the mean over ranks) and norm (after the all-reduce): all stop here. `model`
-    (training.train.Model): its frozen weights are looked at first, as a learning rate cannot have made them
+    (training.models.Model): its frozen weights are looked at first, as a learning rate cannot have made them
     non-finite."""
     newest = latest_state(run_dir) if run_dir.is_dir() else None
     kept = (f"the last good checkpoint and state are kept (newest: {newest})" if newest is not None

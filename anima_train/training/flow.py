@@ -209,6 +209,13 @@ def hf_token_weights(x0: torch.Tensor, patch: int = PATCH, exponent: float = 1.0
         return w.view(d.shape)
 
 
+# The loss's named terms, as flow_loss returns them: every report says each term under its name (the progress line,
+# the `step` event's key, TensorBoard's loss/<name>, the node's chart), and only when there are two or more (a single
+# term is the loss). A new term is computed in flow_loss and named here; the chart gives it a colour
+# (js/loss_chart.js LOSS_PARTS).
+LOSS_TERMS = ("mse", "hf")
+
+
 def flow_loss(pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
               hf_scale: float = 0.0, hf_exponent: float = 1.0, mask: torch.Tensor | None = None,
               patch: int = PATCH) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

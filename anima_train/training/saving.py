@@ -3,36 +3,12 @@ older checkpoints pruned to keep_last_n. Every rank calls `save`; the main proce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from anima_train.config import Config
 from anima_train.outputs import checkpoint_files, manifest, resume_state
 from anima_train.outputs.layout import STATE_SUFFIX, checkpoint_stem
-from anima_train.outputs.progress import Progress
-from anima_train.outputs.run_folder import Claim
-from anima_train.training.divergence import GradNorms
-
-
-@dataclass
-class Run:
-    """What a save needs, gathered once the run is set up."""
-    cfg: Config
-    accelerator: object
-    progress: Progress
-    parts: object  # model.components.Components: the bare modules the checkpoint files are written from
-    result: object  # train.TrainResult: its step, horizon and tag frequency go into the file; each save is added
-    run_dir: Path
-    per_epoch: int  # optimizer steps per epoch
-    trainable: list  # the trained modules as accelerate prepared them, the transformer first
-    optimizer: object
-    scheduler: object
-    gens: dict  # the random generators by stream ("noise", "timestep"): their states go into the resume state
-    claim: Claim  # the run folder's claim: an --overwrite's set-aside files go once the first save is in place
-    grad_norms: GradNorms
-    earlier_losses: list = field(default_factory=list)  # a resumed run's losses before it (its state's losses.json)
-    first_loss_step: int = 1  # the step of earlier_losses[0] (or of this run's first loss when there are none)
-    inputs: dict = field(default_factory=dict)  # resume_state.run_inputs: what the run trains from, in each state
+from anima_train.training.run_state import Run
 
 
 def every_steps_due(cfg: Config, step: int) -> bool:

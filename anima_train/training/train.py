@@ -22,7 +22,6 @@ import math
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,15 +29,13 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
 from anima_train import errors
-from anima_train.adapters import build_param_groups, inject_adapters
 from anima_train.config import Config, copy_config_verbatim, load_config
 from anima_train.data.batches import EpochKeys, steps_per_epoch
 from anima_train.data.dataset import build_training_data, collate, encode_latents
 from anima_train.data.texture import check_batch_phase, refuse_multi_process
 from anima_train.model import fp8_base
-from anima_train.model.components import DTYPES, load_components
+from anima_train.model.components import DTYPES
 from anima_train.model.prompts import encode_prompts
-from anima_train.model.quant import dit_tokens, quantize_models
 from anima_train.outputs import guard, manifest, resume_state, run_folder, tracking
 from anima_train.outputs.checkpoint_files import tag_frequency
 from anima_train.outputs.layout import LOSS_PLOT_NAME
@@ -47,34 +44,17 @@ from anima_train.outputs.progress import Progress, StepStats
 from anima_train.system import windows
 from anima_train.training import honoured, optimizers, preflight, readout, recompute, saving, swap_plan
 from anima_train.training.divergence import GradNorms, diverged, grad_norm
-from anima_train.training.flow import (active_phase, flow_loss, noisy_latents, ot_pair_noise, phase_summary,
-                                       sample_timesteps)
+from anima_train.training.flow import (LOSS_TERMS, active_phase, flow_loss, noisy_latents, ot_pair_noise,
+                                       phase_summary, sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
-from anima_train.training.memory import (ParkedWeights, plan_checkpointing, relieve,
-                                         use_expandable_segments)
+from anima_train.training.memory import plan_checkpointing, relieve, use_expandable_segments
 from anima_train.training.previews import Previewer
+from anima_train.training.models import Model, build_model, prepare
+from anima_train.training.run_state import Run, TrainResult, recording
 from anima_train.system.device import to_device
-from anima_train.training.saving import Run
 from anima_train.training.schedules import build_scheduler
 from anima_train.training.stopping import StopRequests, with_resume_line
 from anima_train.training.validation import Validation, ValidationSet, validation_items
-from anima_train.training.weight_swap import WeightSwap
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    final: Path | None
-    global_step: int
-    losses: list[float] = field(default_factory=list)  # mean-over-ranks loss per optimizer step
-    saved: list[Path] = field(default_factory=list)
-    tag_frequency: dict = field(default_factory=dict)
-    stopped: bool = False  # ended early through the stop file
-    components: object = field(default=None, repr=False)  # the trained models (in-process callers: eval, demo)
-    trainable_digest: str = ""  # sha256 over this process's trainable tensors: equal on every rank under DDP
-    batches_seen: list[list[int]] = field(default_factory=list)  # dataset indices per micro-batch, this rank
-    total_steps: int = 0  # the run's horizon in optimizer steps (max_steps capped by the epochs)
-    validation: list = field(default_factory=list)  # [validation]: validation.Point per evaluation (every rank)
 
 
 def add_arguments(parser) -> None:
@@ -173,7 +153,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     swap_blocks = swap_plan.blocks_to_swap(  # before the weights load: on a small card they would not all fit
         cfg, device, largest_tokens=data.sampler.largest_batch_tokens(), say=say, warn=progress.warning,
         whole_trunk_compiled=compiling.mode is not None and not cfg.train.compile_regional)
-    model = _build_model(cfg, data, device, dtype, say, swap_blocks)
+    model = build_model(cfg, data, device, dtype, say, swap_blocks)
     gens = _seed(cfg.train.seed + rank, device)
 
     optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer,
@@ -182,7 +162,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
     _compile_when_it_pays(cfg, model, compiling, say)
-    trainable, optimizer, loader, scheduler = _prepare(accelerator, model, optimizer, loader, scheduler)
+    trainable, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler)
     _say_steps(say, cfg, per_epoch, batches=len(data.sampler), world=world, accum=accum)
 
     # -- resume ---------------------------------------------------------------------------------------------
@@ -205,6 +185,7 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         copy_config_verbatim(cfg, manifest.output(run_dir, f"{cfg.run_stem}.toml"))
 
     result = TrainResult(run_dir=run_dir, final=None, global_step=global_step, total_steps=total,
+                         batches_seen=[] if recording() else None,
                          tag_frequency=tag_frequency(data.sources) if accelerator.is_main_process else {})
     tracker = tracking.Tracker(accelerator, cfg, run_dir, resumed_step=start_step)
     cleanup.callback(tracker.close)
@@ -245,7 +226,8 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
         model.parked.restore()  # in-process callers (eval, demo) get a normal model back
     if model.swap is not None:
         model.swap.restore()
-    result.trainable_digest = resume_state.digest(accelerator.unwrap_model(m) for m in trainable)
+    if recording():  # tests compare runs by it; a production run skips the copy of every trained tensor
+        result.trainable_digest = resume_state.digest(accelerator.unwrap_model(m) for m in trainable)
     result.components = model.parts
     for line in validation.summary(run.earlier_losses + result.losses) if validation is not None else ():
         (progress.warning if line.startswith("warning:") else progress.message)(line.removeprefix("warning: "))
@@ -284,7 +266,7 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
         batch_index, skip_batches = skip_batches, 0  # batches of this epoch done (a resume skips some)
         for batch in batches:
             batch_index += 1
-            result.batches_seen.append([int(i) for i in batch["index"]])
+            result.saw(batch["index"])
             # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
             phase = active_phase(cfg.curriculum, result.global_step / total) if cfg.curriculum else None
             check_batch_phase(batch, phase)
@@ -301,9 +283,9 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
                 relieve(model.block_ckpt, model.parked, model.device, say)
             run.grad_norms.check(before=step)  # the earlier steps' norms: ready, reading them costs no wait
             stats, stop_votes, peaks = readout.receive(step_readout, accelerator)
-            if not math.isfinite(stats[0]):
-                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats[0]}", model=model)
-            result.losses.append(stats[0])
+            if not math.isfinite(stats["loss"]):
+                raise diverged(cfg, run.run_dir, result.saved, step, f"the loss is {stats['loss']}", model=model)
+            result.losses.append(stats["loss"])
             _report_step(run, model, tracker, stats, step=step, epoch=epoch, lrs=lrs, phase=phase, peaks=peaks,
                          images=totals.images * world)
             totals.images = 0
@@ -340,9 +322,9 @@ def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: read
     totals.images += len(batch["index"])
     with accelerator.accumulate(*run.trainable):
         loss, loss_parts = _flow_matching_loss(cfg, model, run.gens, batch, phase)
-        totals.add(readout.loss_values(loss, loss_parts))
+        totals.add(loss, loss_parts)
         if accelerator.sync_gradients:  # on its way to the host while the backward runs (memory.HostCopy)
-            step_readout = readout.send(accelerator, totals.mean(), stop_vote=stops.vote())
+            step_readout = readout.send(accelerator, totals.names, totals.mean(), stop_vote=stops.vote())
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             norm = (accelerator.clip_grad_norm_(params, cfg.optimizer.max_grad_norm)
@@ -360,7 +342,7 @@ def _step(run: Run, model: Model, params: list, batch: dict, phase, totals: read
     return (step_readout, used_lrs) if step_readout is not None else (None, None)
 
 
-def _report_step(run: Run, model: Model, tracker, stats: list[float], *, step: int, epoch: int, lrs: list[float],
+def _report_step(run: Run, model: Model, tracker, stats: dict[str, float], *, step: int, epoch: int, lrs: list[float],
                  phase, peaks: list[float], images: int) -> None:
     """The optimizer step's numbers to the progress bar / events, and to TensorBoard."""
     cfg = run.cfg
@@ -433,96 +415,6 @@ def _seed(seed: int, device: torch.device) -> dict[str, torch.Generator]:
             "timestep": torch.Generator().manual_seed(seed)}  # t, on the CPU (tiny draws)
 
 
-@dataclass
-class Model:
-    """The three models as a training step calls them, and what their memory needs.
-
-    `transformer`, `conditioner` and `text_encoder` start as the bare modules; `_prepare` swaps in accelerate's
-    wrappers for the trained ones. `parts` keeps the bare modules (checkpoint files, previews)."""
-    parts: object  # model.components.Components
-    device: torch.device
-    dtype: torch.dtype
-    groups: list  # the optimizer's parameter groups (adapters.build_param_groups)
-    train_conditioner: bool
-    train_text_encoder: bool
-    block_ckpt: recompute.BlockCheckpointing
-    recompute: int | None  # DiT blocks that recompute from the start; None = "auto", decided after step one
-    parked: ParkedWeights | None  # the frozen Qwen3, when it waits in host memory between steps
-    swap: WeightSwap | None  # [train] swap_blocks: the blocks whose frozen weights wait in host memory
-    vae: object  # source = "encode": the VAE encodes each batch in the step; else None (latents are cached)
-    transformer: torch.nn.Module
-    conditioner: torch.nn.Module
-    text_encoder: torch.nn.Module
-
-    def trained(self) -> list[torch.nn.Module]:
-        """The modules the optimizer updates, in the order accelerate prepares them (and the resume state numbers
-        them): the transformer, then the conditioner and the text encoder when trained."""
-        return [m for m, on in ((self.transformer, True), (self.conditioner, self.train_conditioner),
-                                (self.text_encoder, self.train_text_encoder)) if on]
-
-
-def _build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say, swap_blocks: int) -> Model:
-    """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing,
-    the `swap_blocks` swapped blocks (swap_plan.blocks_to_swap) and the parked Qwen3 set up."""
-    # swapped blocks: the model loads into host memory, so that its weights never all sit on a small card at once
-    swapping = swap_blocks > 0
-    parts = load_components(cfg.train.model_path, dtype=dtype, device="cpu" if swapping else device)
-    transformer, conditioner, text_encoder = parts.transformer, parts.text_conditioner, parts.text_encoder
-
-    if cfg.quant.mode != "none":  # before the adapters: LoRA/LoKr wrap the quantized Linears
-        tokens = [dit_tokens(*e.plan.bucket) for e in data.entries]
-        report = quantize_models({"transformer": transformer, "text_conditioner": conditioner,
-                                  "text_encoder": text_encoder}, cfg, token_counts=tokens)
-        for line in report.summary().splitlines():
-            say(line)
-    inject_adapters(transformer, conditioner, text_encoder, cfg)
-    blocks = list(transformer.transformer_blocks)
-    if cfg.train.base_matmul == "fp8":  # after the adapters (they wrap the frozen Linears), before swap and compile
-        converted = fp8_base.convert_blocks(blocks)
-        fp8_base.keep_out_of_ddp(transformer)
-        say(f"base     {converted} frozen Linears of the DiT blocks multiply in FP8 (e4m3, per-channel scales; "
-            f"[train] base_matmul = \"fp8\")")
-    swap = None
-    if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
-        swap = WeightSwap(blocks[:swap_blocks], device)
-        say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / recompute.GIB:.2f} "
-            f"GiB of frozen weights in host memory, copied in one block at a time (they always recompute)")
-        for module in (transformer, conditioner, text_encoder):
-            module.to(device)
-        parts.device = device
-    groups, table = build_param_groups({"transformer": transformer, "text_conditioner": conditioner,
-                                        "text_encoder": text_encoder}, cfg)
-    for line in table.splitlines():
-        say(line)
-    train_conditioner = any(p.requires_grad for p in conditioner.parameters())
-    train_text_encoder = any(p.requires_grad for p in text_encoder.parameters())
-    # which DiT blocks recompute their activations in backward: a count, or "auto" = measured on the first step
-    recomputed = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks,
-                                            len(blocks), device)
-    block_ckpt = recompute.BlockCheckpointing(blocks, floor=len(swap.blocks) if swap is not None else 0)
-    block_ckpt.set_recomputed(len(blocks) if recomputed is None else recomputed)
-    if recomputed is None:
-        block_ckpt.measure = recompute.Measure(tokens=0)
-    if block_ckpt.recomputed:
-        transformer.enable_gradient_checkpointing(block_ckpt)
-    if cfg.train.gradient_checkpointing and train_conditioner and hasattr(conditioner, "enable_gradient_checkpointing"):
-        conditioner.enable_gradient_checkpointing()
-    transformer.train()
-    conditioner.train(train_conditioner)
-    text_encoder.train(train_text_encoder)
-
-    # A frozen Qwen3 is needed for a few milliseconds per step but would sit in VRAM (1.1 GiB) through the DiT's
-    # forward and backward, where the peak is: park its weights in pinned host memory between steps.
-    parked = None
-    if device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder:
-        parked = ParkedWeights(text_encoder, device)
-    return Model(parts=parts, device=device, dtype=dtype, groups=groups, train_conditioner=train_conditioner,
-                 train_text_encoder=train_text_encoder, block_ckpt=block_ckpt, recompute=recomputed, parked=parked,
-                 swap=swap,
-                 vae=parts.vae if data.mode == "encode" else None,
-                 transformer=transformer, conditioner=conditioner, text_encoder=text_encoder)
-
-
 def _total_steps(cfg: Config, per_epoch: int) -> int:
     """The run's horizon: max_steps is the horizon and a hard stop, but the epochs still bound the loop
     (docs/training.md#several-processes)."""
@@ -567,20 +459,6 @@ def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, 
     say(f"speed    compile {compile_mode or 'off'} (compile = {cfg.train.compile}); checkpointing {ckpt_text}{how}")
 
 
-def _prepare(accelerator, model: Model, optimizer, loader, scheduler):
-    """accelerate.prepare: the trained models wrapped (DDP on many processes), which the step calls from now on;
-    returns the prepared trainable modules, optimizer, loader and scheduler."""
-    trained = model.trained()
-    prepared = accelerator.prepare(*trained, optimizer, loader, scheduler)
-    trainable, (optimizer, loader, scheduler) = list(prepared[: len(trained)]), prepared[len(trained):]
-    model.transformer = trainable[0]
-    if model.train_conditioner:
-        model.conditioner = trainable[1]
-    if model.train_text_encoder:
-        model.text_encoder = trainable[-1]
-    return trainable, optimizer, loader, scheduler
-
-
 def _say_steps(say, cfg: Config, per_epoch: int, *, batches: int, world: int, accum: int) -> None:
     say(f"steps    {per_epoch}/epoch x {cfg.train.epochs} epoch(s) = {per_epoch * cfg.train.epochs}"
         + (f", capped at max_steps {cfg.train.max_steps}" if cfg.train.max_steps else "")
@@ -595,7 +473,7 @@ def _say_steps(say, cfg: Config, per_epoch: int, *, batches: int, world: int, ac
 
 def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phase) -> tuple[torch.Tensor, dict]:
     """One micro-batch: x_t = (1−t)·x0 + t·ε, the DiT predicts v = ε − x0 from (x_t, t, caption). Returns the
-    loss and its parts (mse, hf, ot) for the report."""
+    loss and its named parts for the report: flow_loss's terms, and "ot" (the OT pairing's moved fraction)."""
     device, dtype, parts, block_ckpt, parked = model.device, model.dtype, model.parts, model.block_ckpt, model.parked
     if model.vae is not None:  # source = "encode": the VAE runs here, without autograd
         chunk = cfg.train.vae_encode_chunk  # images per VAE forward: bounds the encode's share of the peak
@@ -625,16 +503,16 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
     return loss, loss_parts
 
 
-def _step_stats(cfg: Config, stats: list[float], *, step: int, epoch: int, lrs: list[float], phase,
+def _step_stats(cfg: Config, stats: dict[str, float], *, step: int, epoch: int, lrs: list[float], phase,
                 peak_gb: list[float]) -> StepStats:
-    """The optimizer step's report from its mean-over-ranks [loss, mse, hf, ot]; a part the config does not use
-    is None."""
-    return StepStats(step=step, epoch=epoch + 1, loss=stats[0],
-                     mse=stats[1] if cfg.flow.hf_scale > 0 else None,
-                     hf=stats[2] if cfg.flow.hf_scale > 0 else None,
-                     ot=stats[3] if cfg.flow.use_ot else None,
-                     lrs=lrs, peak_gb=peak_gb,
-                     phase=phase_summary(cfg.curriculum, phase))
+    """The optimizer step's report from its mean-over-ranks named values: the loss, its terms by name (each
+    flow.LOSS_TERMS name; None unless the step has two or more terms: one term is the loss) and the OT pairing's
+    moved fraction (None without use_ot)."""
+    terms = {name: stats.get(name) for name in LOSS_TERMS}
+    if sum(value is not None for value in terms.values()) < 2:
+        terms = dict.fromkeys(LOSS_TERMS)
+    return StepStats(step=step, epoch=epoch + 1, loss=stats["loss"], terms=terms, ot=stats.get("ot"),
+                     lrs=lrs, peak_gb=peak_gb, phase=phase_summary(cfg.curriculum, phase))
 
 
 def _report_done(progress: Progress, result: TrainResult, *, start_step: int, total: int, t_start: float) -> None:
