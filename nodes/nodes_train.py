@@ -699,7 +699,7 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             node_id="AnimaLoadTrainedLora",
             display_name="Anima: Load trained LoRA",
             category=CATEGORY,
-            description="Apply a trained LoRA/LoKr file to MODEL (and CLIP, when the file has a Qwen3 part) the "
+            description=f"Apply a trained {adapters.titles(adapters_only=True, sep='/')} file to MODEL (and CLIP, when the file has a Qwen3 part) the "
                         "way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
             inputs=[
                 io.Model.Input("model"),

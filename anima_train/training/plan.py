@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from anima_train import adapters
 from anima_train.config import load_config
 from anima_train.config.schema import Config
 from anima_train.errors import UserError
@@ -164,15 +165,15 @@ def predict_inputs(cfg: Config, shape: ModelShape) -> Inputs:
                         "counts, width and blocks")
     frozen = int(FROZEN_BYTES_BF16 * weight_scale * (shape.dit_parameters + shape.conditioner_parameters)
                  / (ref.dit_parameters + ref.conditioner_parameters))
-    full = cfg.adapter.kind == "none"
+    method = adapters.method(cfg.adapter.kind)
+    full = method.trains_base
     if full:
         trainable, trainable_bytes = frozen // 2 if dtype == 2 else frozen // 4, dtype
         frozen = 0
         estimate.append("full finetune: measured with a LoRA only")
     else:
-        trainable, trainable_bytes = shape.lora_parameters(cfg.adapter.rank), 4
-        if cfg.adapter.kind != "lora":
-            estimate.append(f"{cfg.adapter.kind}: trainable parameters taken as a LoRA's of rank {cfg.adapter.rank}")
+        trainable, trainable_bytes = shape.blocks * sum(method.parameters(cfg.adapter, i, o)
+                                                        for i, o in shape.adapted_linears), 4
     if cfg.quant.mode != "none":
         estimate.append("quantised DiT: weights counted unquantised (the prediction is high)")
     if cfg.optimizer.kind != "adamw":
@@ -250,7 +251,9 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
                 resident=resident, predicted=predicted, fits=predicted <= usable, auto=setting is None,
                 expandable=expandable, in_graph=in_graph and keep < n_blocks - inputs.swapped,
                 base_matmul=cfg.train.base_matmul)
-    if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
+    swappable = not adapters.method(cfg.adapter.kind).trains_base and cfg.quant.mode == "none" and not \
+        adapters.base_refusals(cfg.adapter, adapters.BaseFacts(matmul=cfg.train.base_matmul, swap_blocks=n_blocks))
+    if not plan.fits and look_for_swap and swappable:
         for count in range(inputs.swapped + 1, n_blocks + 1):
             trial = copy.deepcopy(cfg)
             trial.train.swap_blocks = count
