@@ -5,7 +5,6 @@ as files in ComfyUI's key space for blocks 0-39 whose metadata names the model t
 count the model's, and an anchor made for 28 sites is refused on the 40-block trunk by its width signature.
 """
 
-from anima_train import adapters
 from __future__ import annotations
 
 import hashlib
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from anchor import SiteMismatch
 from anchor.attach import attach
 from anchor.modules import fresh_anchor
+from anima_train import adapters
 from anima_train.model.tiny import build_models, build_tiny_anima
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli

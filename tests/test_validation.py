@@ -4,7 +4,6 @@ What the user gets is checked: the lines printed, the events, loss.png, the summ
 evaluation must not do: change the training (the losses of a run without validation, bit for bit).
 """
 
-from anima_train import adapters
 from __future__ import annotations
 
 import json
@@ -14,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from anima_train import adapters
 from anima_train.cli import main
 from anima_train.data.dataset import build_training_data
 from anima_train.model.tiny import make_synthetic_latents
