@@ -166,10 +166,9 @@ def test_base_matmul_fp8_is_refused_where_it_cannot_work(tiny_anima, latents_dir
                                   and not m.trains_base])
 def test_a_method_that_needs_the_base_weight_is_refused_with_the_fp8_base(tiny_anima, latents_dir, tmp_path, kind):
     """DoRA normalises each base weight; the FP8 base keeps only FP8 copies beside a meta weight: one problem that
-    names both keys and the fix (the method's base rule, adapters.BaseFacts), and the same for an SDNQ base and
-    swapped blocks."""
+    names both keys and the fix (the method's base rule, adapters.BaseFacts), and the same for swapped blocks (their
+    weights are not on the GPU when the file is written)."""
     for keys, extra, expect in (({"base_matmul": '"fp8"'}, "", '[train] base_matmul = "fp8" keeps no plain base weight'),
-                                ({}, '[quant]\nmode = "frozen"\n', '[quant] mode = "frozen" keeps it quantised'),
                                 ({"swap_blocks": 1, "gradient_checkpointing": "true"}, "",
                                  "[train] swap_blocks = 1 keeps a swapped block's weights")):
         with pytest.raises(ConfigError) as exc:

@@ -43,11 +43,6 @@ class BaseFacts:
     quant: str = "none"  # [quant] mode: "frozen" keeps the base as SDNQ-quantised weights
     swap_blocks: int = 0  # [train] swap_blocks: that many blocks' weights visit the GPU only while their block runs
 
-    @property
-    def weight_readable(self) -> bool:
-        """Can a layer read its base weight as a plain tensor (not FP8 copies beside a meta weight, not SDNQ's)?"""
-        return self.matmul != "fp8" and self.quant == "none"
-
 
 class Runtime(Protocol):
     """The torch side of a method: `anima_train.adapters.<name>.model`. Every method provides `state_dict` and

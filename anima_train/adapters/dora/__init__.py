@@ -9,10 +9,11 @@ Files: `diffusion_model.<native module>.lora_up.weight / lora_down.weight / alph
 LoRA loader applies with its weight decomposition (model.py says how dora_scale is made to give peft's W'). [adapter]
 rank, alpha and dropout (on the layer input) apply; a fresh DoRA is an exact no-op (B = 0, m = ‖W‖).
 
-Where it cannot work: DoRA reads the plain base weight every step (its norm) and at every save (dora_scale). The FP8
-base ([train] base_matmul = "fp8") keeps FP8 copies beside a meta weight, an SDNQ-quantised base ([quant] mode =
-"frozen") keeps quantised weights, and a swapped block ([train] swap_blocks) holds its weight on the GPU only while it
-runs: each is refused.
+Where it cannot work: DoRA reads the base weight every step (its norm) and at every save (dora_scale). The FP8 base
+([train] base_matmul = "fp8") keeps FP8 copies beside a meta weight, and a swapped block ([train] swap_blocks) holds
+its weight on the GPU only while it runs: both are refused. An SDNQ base ([quant] mode = "frozen") works: its
+weights dequantise where peft reads them (tests/test_quant.py: the same gradients as over the dequantised weight), and
+the file's dora_scale is made from that weight, as any adapter trained on a quantised base is.
 """
 
 from anima_train.adapters.base import AdapterMethod
@@ -28,10 +29,6 @@ def base_rule(adapter, base, rules) -> None:
         rules.error('[adapter] kind = "dora" normalises each base weight, but [train] base_matmul = "fp8" keeps no '
                     'plain base weight to normalise (FP8 copies only); set [train] base_matmul = "bf16", or use '
                     'kind = "lora"', "kind")
-    elif base.quant == "frozen":
-        rules.error(f'[adapter] kind = "dora" normalises each base weight, but [quant] mode = '
-                    f'{rules.toml(base.quant)} keeps it quantised (SDNQ), which peft\'s DoRA does not read; set [quant] '
-                    f'mode = "none", or use kind = "lora"', "kind")
     elif base.swap_blocks:
         rules.error(f'[adapter] kind = "dora" reads each base weight when it saves (dora_scale), but [train] '
                     f'swap_blocks = {base.swap_blocks} keeps a swapped block\'s weights on the GPU only while it runs; '
