@@ -699,8 +699,8 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             node_id="AnimaLoadTrainedLora",
             display_name="Anima: Load trained LoRA",
             category=CATEGORY,
-            description=f"Apply a trained {adapters.titles(adapters_only=True, sep='/')} file to MODEL (and CLIP, when the file has a Qwen3 part) the "
-                        "way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
+            description=f"Apply a trained {adapters.titles(adapters_only=True, sep='/')} file to MODEL (and CLIP, "
+                        "when the file has a Qwen3 part) the way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("lora_path", default="", tooltip="a .safetensors path (a relative one is in ComfyUI's "

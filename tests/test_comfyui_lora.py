@@ -23,6 +23,7 @@ import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
+from anima_train import adapters
 from anima_train.model import keymaps
 from anima_train.adapters import export as lora_export
 from anima_train.adapters.full import model as full
@@ -206,6 +207,10 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     dora_keys = load_file(files["dora"])
     assert {k.removesuffix(".weight").rsplit(".", 1)[1] for k in dora_keys} == {"lora_up", "lora_down", "alpha",
                                                                                 "dora_scale"}
+
+    # every adapter method of the registry has its file here (a new method without a round trip fails)
+    assert {{"peft": "lora", "kohya": "lora"}.get(n, n) for n in files} == \
+        {m.name for m in adapters.METHODS.values() if not m.trains_base}
 
     # Qwen3 LoRA on the tiny text encoder, base weights handed over under ComfyUI's TE key names
     te = build_models("tiny", seed=0)["text_encoder"]

@@ -168,7 +168,8 @@ def test_a_method_that_needs_the_base_weight_is_refused_with_the_fp8_base(tiny_a
     """DoRA normalises each base weight; the FP8 base keeps only FP8 copies beside a meta weight: one problem that
     names both keys and the fix (the method's base rule, adapters.BaseFacts), and the same for swapped blocks (their
     weights are not on the GPU when the file is written)."""
-    for keys, extra, expect in (({"base_matmul": '"fp8"'}, "", '[train] base_matmul = "fp8" keeps no plain base weight'),
+    for keys, extra, expect in (({"base_matmul": '"fp8"'}, "",
+                                 '[train] base_matmul = "fp8" keeps no plain base weight'),
                                 ({"swap_blocks": 1, "gradient_checkpointing": "true"}, "",
                                  "[train] swap_blocks = 1 keeps a swapped block's weights")):
         with pytest.raises(ConfigError) as exc:

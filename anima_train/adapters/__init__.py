@@ -47,8 +47,9 @@ from typing import Any
 from anima_train.adapters.base import ADAPTER_NAME, MODEL_ROLES, AdapterMethod, BaseFacts, Rules
 from anima_train.errors import UserError
 
-__all__ = ["ADAPTER_NAME", "METHODS", "MODEL_ROLES", "AdapterMethod", "BaseFacts", "Rules", "base_refusals", "by_name", "check_base",
-           "check_config", "dropout_help", "kind_help", "kinds", "method", "reading", "table_help", "titles"]
+__all__ = ["ADAPTER_NAME", "METHODS", "MODEL_ROLES", "AdapterMethod", "BaseFacts", "Rules", "base_refusals", "by_name",
+           "check_base", "check_config", "dropout_help", "kind_help", "kinds", "method", "reading", "table_help",
+           "titles"]
 
 
 def _discover() -> dict[str, AdapterMethod]:

@@ -39,7 +39,7 @@ class BaseFacts:
     """What a run does to the frozen base weights an adapter sits on: the facts a method's `base_rule` may refuse on
     (its `check` sees only [adapter]). Built by the config's rules from [train] and [quant]."""
 
-    matmul: str = "bf16"  # [train] base_matmul: "fp8" replaces each block Linear's weight by FP8 copies and a meta weight
+    matmul: str = "bf16"  # [train] base_matmul: "fp8" replaces a block Linear's weight by FP8 copies and a meta one
     quant: str = "none"  # [quant] mode: "frozen" keeps the base as SDNQ-quantised weights
     swap_blocks: int = 0  # [train] swap_blocks: that many blocks' weights visit the GPU only while their block runs
 

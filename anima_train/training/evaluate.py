@@ -7,8 +7,9 @@ The numbers are the ones training prints (training/validation.py): the `[validat
 or the `fraction` of the dataset its seed holds out), the fixed timesteps and noise, the text-conditioning margin.
 So the checkpoints of one run can be compared and the best one picked.
 
-A checkpoint is applied to the base model as the weights it changes: an adapter file (each module's tensors read by the
-adapter method whose file holds them: adapters.reading, the method's `delta`) is merged as what ComfyUI applies, a full-finetune native single file replaces the DiT and the LLM adapter;
+A checkpoint is applied to the base model as the weights it changes: an adapter file (each module's tensors read by
+the adapter method whose file holds them: adapters.reading, the method's `delta`) is merged as what ComfyUI applies,
+a full-finetune native single file replaces the DiT and the LLM adapter;
 a `<stem>_te.safetensors` beside an adapter (the Qwen3 LoRA) is merged too. A file whose modules or shapes are not
 those of the config's model is refused with one line naming the file.
 """
@@ -40,8 +41,8 @@ class CheckpointError(errors.UserError):
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the run's TOML config (its [validation] table and model_path)")
     parser.add_argument("--checkpoint", metavar="FILE",
-                        help=f"a {adapters.titles(adapters_only=True)} or full-finetune .safetensors trained for this model; omitted: "
-                             "the base model")
+                        help=f"a {adapters.titles(adapters_only=True)} or full-finetune .safetensors trained for "
+                             "this model; omitted: the base model")
     parser.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is visible")
 
 

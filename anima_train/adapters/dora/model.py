@@ -47,8 +47,9 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
                 raise ValueError(f"{part}.{name}: a LoRA layer without DoRA's magnitude; export it with kind 'lora'")
             weight = module.get_base_layer().weight
             if weight.is_meta or weight.numel() == 0:
-                raise ValueError(f"{part}.{name}: its base weight is not here ({'meta' if weight.is_meta else 'empty'});"
-                                 f" DoRA's dora_scale is made from it")
+                where = "meta" if weight.is_meta else "empty"
+                raise ValueError(f"{part}.{name}: its base weight is not here ({where}); DoRA's dora_scale is made "
+                                 f"from it")
             a = module.lora_A[adapter_name].weight.detach().float()
             b = module.lora_B[adapter_name].weight.detach().float()
             scaling, rank = float(module.scaling[adapter_name]), a.shape[0]
