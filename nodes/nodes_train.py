@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from anchor.atomic import write_text
+from anima_train import adapters
 import anima_train.config as anima_config  # called through the module: tests count parse_config's calls
 from anima_train.config import ConfigError
 from anima_train.data.texture import refuse_multi_process
@@ -245,8 +246,8 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             node_id="AnimaLoadTrainedLora",
             display_name="Anima: Load trained LoRA",
             category=CATEGORY,
-            description="Apply a trained LoRA/LoKr file to MODEL (and CLIP, when the file has a Qwen3 part) the "
-                        "way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
+            description=f"Apply a trained {adapters.titles(adapters_only=True, sep='/')} file to MODEL (and CLIP, "
+                        "when the file has a Qwen3 part) the way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("lora_path", default="", tooltip="a .safetensors path (a relative one is in ComfyUI's "

@@ -292,6 +292,51 @@ def test_loha_injects_and_trains():
         assert torch.count_nonzero(to_k.hada_w2_b["default"]) > 0
 
 
+def test_dora_injects_and_trains():
+    m = tiny_models()
+    b = tiny_batch()
+    with torch.no_grad():
+        before = tiny_forward(m, b)
+    cfg = make_cfg(kind="dora", rank=4, alpha=2.0, components=["cross_attn", "mlp"], train_llm_adapter=True)
+    cfg.component_lr.llm_adapter = 1e-3
+    cfg.optimizer.lr = 1e-2
+    injected = inject(m, cfg)
+    assert set(injected) == {"transformer", "text_conditioner"}
+    names = [n for _, n, _ in adapters.adapter_parameters(m["transformer"])]
+    assert len(names) == len(set(names)) == 3 * len(injected["transformer"])  # A, B and the magnitude, once each
+    assert all(re.search(r"\.(lora_[AB]|lora_magnitude_vector)\.default\.weight$", n) for n in names)
+    to_k = m["transformer"].transformer_blocks[0].attn2.to_k
+    magnitude = to_k.lora_magnitude_vector["default"].weight
+    assert magnitude.shape == (64,) and torch.allclose(magnitude, to_k.base_layer.weight.norm(dim=1))  # m = ‖W‖
+    with torch.no_grad():
+        assert torch.equal(tiny_forward(m, b), before)  # a fresh DoRA is a no-op, bit for bit
+    groups, _ = adapters.build_param_groups(m, cfg)
+    assert [g["name"] for g in groups] == ["cross_attn", "mlp", "llm_adapter"]
+    start = magnitude.detach().clone()
+    losses = _train(m, groups, b, steps=4)
+    assert losses[-1] < losses[0]
+    with torch.no_grad():
+        assert not torch.allclose(tiny_forward(m, b), before)
+        assert not torch.equal(magnitude, start)  # the magnitude trains
+
+
+@pytest.mark.parametrize("kind", [m.kind for m in adapters.METHODS.values() if not m.trains_base])
+def test_plan_counts_each_methods_trainable_parameters_as_peft_makes_them(kind):
+    """`plan` asks the method what one adapted Linear trains (AdapterMethod.parameters): equal to the parameters
+    peft makes on the tiny model, for a rank that leaves some LoKr factors whole and decomposes others."""
+    from anima_train.model.shape import shape_of
+    from anima_train.model.tiny import build_models
+    from anima_train.training import plan
+
+    models = build_models("tiny", seed=0)
+    for rank, extra in ((4, {}), (16, {}), (4, {"lokr_decompose_both": True, "lokr_factor": 4})):
+        cfg = make_cfg(kind=kind, rank=rank, **(extra if kind == "lokr" else {}))
+        fresh = build_models("tiny", seed=0)
+        inject(fresh, cfg)
+        made = sum(p.numel() for _, _, p in adapters.adapter_parameters(fresh["transformer"]))
+        assert plan.predict_inputs(cfg, shape_of(models)).trainable == made, (kind, rank, extra)
+
+
 def test_text_encoder_lora_rank_scale_and_gradients():
     m = tiny_models()
     cfg = make_cfg(rank=4, alpha=8.0, components=["cross_attn"], train_text_encoder=True, text_encoder_rank=2)
@@ -339,10 +384,11 @@ def test_every_method_in_the_registry_is_complete_and_drives_the_config():
         assert set(m.shape_keys) <= keys and set(m.exclusive) <= keys, m.name
         runtime = m.runtime()  # the torch side loads and implements the Runtime protocol
         assert callable(runtime.state_dict) and callable(runtime.save_checkpoint)
-        assert m.trains_base or callable(runtime.peft_config), m.name
+        assert m.trains_base or (callable(runtime.peft_config) and callable(runtime.delta) and m.factors), m.name
+        assert m.trains_base or adapters.reading(m.factors[:1] + m.required_factors) is m, m.name
     assert adapters.method("none").trains_base and adapters.method("none").comfy_folder == "diffusion_models"
-    with pytest.raises(UserError, match=r"\[adapter\] kind = 'dora' is not an adapter method; use one of 'lora'"):
-        adapters.method("dora")
+    with pytest.raises(UserError, match=r"\[adapter\] kind = 'glora' is not an adapter method; use one of 'lora'"):
+        adapters.method("glora")
 
 
 DEMO_METHOD = '''
@@ -354,12 +400,20 @@ def check(adapter, rules):
         rules.error(f"[adapter] rank = {adapter.rank}: kind = \\"demo\\" takes rank <= 8", "rank")
 
 
+def base_rule(adapter, base, rules):
+    if base.matmul == "fp8":
+        rules.error("[adapter] kind = \\"demo\\" needs the base weight; set [train] base_matmul = \\"bf16\\"", "kind")
+
+
 METHOD = AdapterMethod(name="demo", kind="demo", title="Demo", order=5, summary="a test method",
                        layout="Demo files use demo_* keys", dropout="rank dropout", shape_keys=("rank", "alpha"),
-                       text_encoder=False, check=check, network_module="demo.net", architecture="/demo")
+                       text_encoder=False, check=check, base_rule=base_rule, network_module="demo.net",
+                       architecture="/demo", parameters=lambda adapter, i, o: 7, factors=("demo_w", "alpha"),
+                       required_factors=("demo_w",))
 '''
 
-DEMO_RUNTIME = "from anima_train.adapters.lora.model import peft_config, save_checkpoint, state_dict  # noqa: F401\n"
+DEMO_RUNTIME = ("from anima_train.adapters.lora.model import delta, peft_config, save_checkpoint, state_dict  "
+                "# noqa: F401\n")
 
 DEMO_CHECK = textwrap.dedent('''
     from anima_train import adapters
@@ -378,7 +432,8 @@ DEMO_CHECK = textwrap.dedent('''
     for extra, wanted in (("rank = 16\\n", 'kind = "demo" takes rank <= 8'),
                           ('output_format = "kohya"\\n', "but kind = \\"demo\\": the kohya lora_unet_* layout defines "
                                                        "LoRA only (lora_down/lora_up/alpha); Demo files use demo_*"),
-                          ("train_text_encoder = true\\n", 'not supported with kind = "demo"')):
+                          ("train_text_encoder = true\\n", 'not supported with kind = "demo"'),
+                          ('[train]\\nbase_matmul = "fp8"\\n', 'kind = "demo" needs the base weight')):
         try:
             parse_config(base + extra)
         except ConfigError as e:
@@ -388,6 +443,8 @@ DEMO_CHECK = textwrap.dedent('''
     md = export.training_metadata(kind="demo", title="t", rank=4, alpha=4.0)
     assert md["ss_network_module"] == "demo.net" and md["modelspec.architecture"].endswith("/demo")
     assert adapters.method("demo").runtime().peft_config(cfg.adapter, ["to_q"], 4, 4.0).r == 4
+    assert adapters.reading({"demo_w", "alpha"}) is adapters.method("demo")  # evaluate reads its files
+    assert "Demo" in adapters.titles(adapters_only=True)  # the help texts name it
     print("demo ok")
 ''')
 

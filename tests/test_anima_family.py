@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from anchor import SiteMismatch
 from anchor.attach import attach
 from anchor.modules import fresh_anchor
+from anima_train import adapters
 from anima_train.model.tiny import build_models, build_tiny_anima
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli
@@ -104,7 +105,7 @@ def test_a_file_whose_blocks_do_not_match_is_refused_naming_the_block(deep, tmp_
     assert "block 39 does not match" in _damaged(tmp_path / "c", built, lacking)
 
 
-@pytest.mark.parametrize("kind", ["lora", "lokr", "loha", "none"])
+@pytest.mark.parametrize("kind", adapters.kinds())
 def test_a_40_block_model_trains_every_method_into_comfyui_keys(deep, latents_dir, tmp_path, kind):
     path, _, repo = deep
     result = train(make_cfg(repo, latents_dir, tmp_path / "out", f'kind = "{kind}"\n', max_steps=2, batch_size=2),
@@ -116,12 +117,12 @@ def test_a_40_block_model_trains_every_method_into_comfyui_keys(deep, latents_di
         assert {int(k.split(".")[2]) for k in keys if k.startswith("net.blocks.")} == set(range(BLOCKS))
         assert md["modelspec.architecture"] == "anima-40-blocks"
     else:
-        modules = {re.sub(r"\.(lora_[AB]\.weight|lora_(down|up)\.weight|alpha|hada_\w+|lokr_\w+)$", "", k)
-                   for k in keys}
+        factors = "|".join(re.escape(f) for f in adapters.method(kind).factors)
+        modules = {re.sub(rf"\.({factors})$", "", k) for k in keys}
         assert all(COMFY_MODULE.fullmatch(m) for m in modules), sorted(modules)[:5]
         assert {int(COMFY_MODULE.fullmatch(m).group(1)) for m in modules} == set(range(BLOCKS))
         assert len(modules) == 10 * BLOCKS  # q, k, v, out of both attentions and the MLP's two, in every block
-        assert md["modelspec.architecture"] == f"anima-40-blocks/{'lora' if kind == 'lora' else 'lycoris'}"
+        assert md["modelspec.architecture"] == f"anima-40-blocks{adapters.method(kind).architecture}"
     # the base model trained, as its files name it: the single file convert read and its sha256
     assert md["ss_sd_model_name"] == NAME
     assert md["ss_new_sd_model_hash"] == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -23,6 +23,7 @@ import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
+from anima_train import adapters
 from anima_train.model import keymaps
 from anima_train.adapters import export as lora_export
 from anima_train.adapters.full import model as full
@@ -104,6 +105,14 @@ def lokr_delta(m, alpha, adapter="default"):
     return (torch.kron(w1, w2) * (alpha / m.r[adapter])).detach()
 
 
+def forward_weight(m) -> torch.Tensor:
+    """The weight a layer's own forward multiplies by (its output on the identity, less the bias)."""
+    base = m.get_base_layer()
+    with torch.no_grad():
+        out = m(torch.eye(base.in_features)) - (base.bias if base.bias is not None else 0)
+    return out.T.contiguous()
+
+
 def deltas(model, native_of, kind, alpha=None):
     from peft.tuners.loha.layer import LoHaLayer
     from peft.tuners.lokr.layer import LoKrLayer
@@ -117,6 +126,8 @@ def deltas(model, native_of, kind, alpha=None):
             out[native_of(name)] = lokr_delta(m, alpha)
         elif kind == "loha" and isinstance(m, LoHaLayer):
             out[native_of(name)] = m.get_delta_weight("default").detach()  # the peft model's own fp32 ΔW
+        elif kind == "dora" and isinstance(m, LoraLayer):  # the trained module's forward less its base weight
+            out[native_of(name)] = forward_weight(m) - m.get_base_layer().weight.detach()
     return out
 
 
@@ -140,7 +151,7 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     files = {"peft": lora_export.save_adapter(tmp_path / "peft.safetensors", transformer, conditioner, meta),
              "kohya": lora_export.save_adapter(tmp_path / "kohya.safetensors", transformer, conditioner, meta,
                                                fmt="kohya")}
-    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75, "loha": 0.6}
+    strengths = {"peft": 1.0, "kohya": 0.5, "lokr": 0.75, "loha": 0.6, "dora": 0.8}
     expected = {name: lora_deltas for name in ("peft", "kohya")}
     del conditioner, models
 
@@ -176,6 +187,30 @@ def test_comfyui_applies_every_exported_format_like_peft(tmp_path):
     loha_keys = load_file(files["loha"])
     assert {k.rsplit(".", 1)[1] for k in loha_keys} == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
     assert {v.shape[0] for k, v in loha_keys.items() if k.endswith(".hada_w1_b")} == {2, 4}
+
+    # DoRA on a DiT with the file's bf16 weights (its dora_scale is made from the base weight ComfyUI patches), alpha
+    # != rank and its own rank and alpha on norm1.linear_1, the magnitude moved off its init (as training moves it)
+    dora_dit = CosmosTransformer3DModel(**CONFIGS["comfy"]["transformer"])
+    dora_dit.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in dit_state.items()})
+    dora_dit.add_adapter(LoraConfig(r=4, lora_alpha=6.0, target_modules=["attn1.to_q", "attn2.to_k", "ff.net.2",
+                                                                         "norm1.linear_1"],
+                                    rank_pattern={"norm1.linear_1": 2}, alpha_pattern={"norm1.linear_1": 5.0},
+                                    init_lora_weights=False, use_dora=True))
+    with torch.no_grad():
+        for name, p in dora_dit.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.rand_like(p))
+    files["dora"] = lora_export.save_adapter(tmp_path / "dora.safetensors", dora_dit, None,
+                                             lora_export.training_metadata(kind="dora", title="d", rank=4, alpha=6.0),
+                                             kind="dora")
+    expected["dora"] = deltas(dora_dit, dit_native, "dora")
+    dora_keys = load_file(files["dora"])
+    assert {k.removesuffix(".weight").rsplit(".", 1)[1] for k in dora_keys} == {"lora_up", "lora_down", "alpha",
+                                                                                "dora_scale"}
+
+    # every adapter method of the registry has its file here (a new method without a round trip fails)
+    assert {{"peft": "lora", "kohya": "lora"}.get(n, n) for n in files} == \
+        {m.name for m in adapters.METHODS.values() if not m.trains_base}
 
     # Qwen3 LoRA on the tiny text encoder, base weights handed over under ComfyUI's TE key names
     te = build_models("tiny", seed=0)["text_encoder"]

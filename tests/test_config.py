@@ -308,8 +308,8 @@ def test_many_errors_are_reported_together():
 
 def test_bad_value_does_not_cause_follow_on_errors():
     # adapter.kind is unknown; the quant rule that depends on it must stay quiet instead of guessing.
-    msg = _errors(D + '[adapter]\nkind = "dora"\n[quant]\nmode = "training"\n')
-    assert "unknown value \"dora\"" in msg and "\n" not in msg  # one problem: one line
+    msg = _errors(D + '[adapter]\nkind = "glora"\n[quant]\nmode = "training"\n')
+    assert "unknown value \"glora\"" in msg and "\n" not in msg  # one problem: one line
 
 
 # --------------------------------------------------------------------------------------------- rules
@@ -379,7 +379,7 @@ RULES = [
     ("energy_power", D + "[dataset.texture]\nenergy_power = -1\n", ["energy_power = -1.0: must be >= 0.0"]),
     ("energy_downscale", D + "[dataset.texture]\nenergy_downscale = 0\n", ["energy_downscale = 0: must be >= 1"]),
     # [adapter]
-    ("adapter kind", D + '[adapter]\nkind = "dora"\n', ['kind = "dora"', '"lokr"', '"none"']),
+    ("adapter kind", D + '[adapter]\nkind = "glora"\n', ['kind = "glora"', '"lokr"', '"none"']),
     ("adapter component", D + '[adapter]\ncomponents = ["self_attn", "ffn"]\n',
      ['unknown value "ffn"', '"adaln"']),
     ("adapter rank", D + "[adapter]\nrank = 0\n", ["rank = 0: must be >= 1"]),
@@ -389,6 +389,10 @@ RULES = [
      ['[adapter] train_text_encoder = true is not supported with kind = "loha"', 'use kind = "lora"']),
     ("kohya with loha", D + '[adapter]\nkind = "loha"\noutput_format = "kohya"\n',
      ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "loha"', "hada_*", '"peft"']),
+    ("te with dora", D + '[adapter]\nkind = "dora"\ntrain_text_encoder = true\n',
+     ['[adapter] train_text_encoder = true is not supported with kind = "dora"', 'use kind = "lora"']),
+    ("kohya with dora", D + '[adapter]\nkind = "dora"\noutput_format = "kohya"\n',
+     ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "dora"', "dora_scale", '"peft"']),
     ("output format", D + '[adapter]\noutput_format = "diffusers"\n', ['output_format = "diffusers"', '"kohya"']),
     ("kohya with lokr", D + '[adapter]\nkind = "lokr"\noutput_format = "kohya"\n',
      ['[adapter] output_format = "kohya" applies to kind = "lora", but kind = "lokr"', "lokr_*", '"peft"']),

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from anima_train.config import ConfigError
+from anima_train import adapters
+from anima_train.config import AdapterConfig, ConfigError
 from anima_train.model import fp8_base
 from anima_train.model.fp8_base import Fp8FrozenLinear
 from anima_train.training.train import train
@@ -126,9 +127,14 @@ def test_an_fp8_base_trains_the_lora_the_bf16_base_trains(tiny_anima, latents_di
                for k in files["bf16"])
 
 
-@pytest.mark.parametrize("kind", ["lokr", "loha"])
+FP8_KINDS = [m.kind for m in adapters.METHODS.values() if not m.trains_base and not
+             adapters.base_refusals(AdapterConfig(kind=m.kind), adapters.BaseFacts(matmul="fp8"))]
+
+
+@pytest.mark.parametrize("kind", [k for k in FP8_KINDS if k != "lora"])  # LoRA: the tests above
 def test_an_fp8_base_under_lokr_and_loha(tiny_anima, latents_dir, tmp_path, kind):
-    """peft's LoKr and LoHa layers call their base layer as LoRA does: the FP8 base trains them too."""
+    """peft's LoKr and LoHa layers (every method that takes the FP8 base) call their base layer as LoRA does: the
+    FP8 base trains them too."""
     runs = {m: _tiny_run(tiny_anima, latents_dir, tmp_path / m, f'kind = "{kind}"\n',
                          base_matmul=f'"{m}"', save_every_epochs=0) for m in ("bf16", "fp8")}
     bf16, fp8 = runs["bf16"].losses, runs["fp8"].losses
@@ -154,6 +160,25 @@ def test_base_matmul_fp8_is_refused_where_it_cannot_work(tiny_anima, latents_dir
                  **{"dtype": '"bfloat16"', **keys})
     text = str(exc.value)
     assert expect in text and text.count('base_matmul = "fp8"') == 1, text
+
+
+@pytest.mark.parametrize("kind", [m.kind for m in adapters.METHODS.values() if m.kind not in FP8_KINDS
+                                  and not m.trains_base])
+def test_a_method_that_needs_the_base_weight_is_refused_with_the_fp8_base(tiny_anima, latents_dir, tmp_path, kind):
+    """DoRA normalises each base weight; the FP8 base keeps only FP8 copies beside a meta weight: one problem that
+    names both keys and the fix (the method's base rule, adapters.BaseFacts), and the same for swapped blocks (their
+    weights are not on the GPU when the file is written)."""
+    for keys, extra, expect in (({"base_matmul": '"fp8"'}, "",
+                                 '[train] base_matmul = "fp8" keeps no plain base weight'),
+                                ({"swap_blocks": 1, "gradient_checkpointing": "true"}, "",
+                                 "[train] swap_blocks = 1 keeps a swapped block's weights")):
+        with pytest.raises(ConfigError) as exc:
+            make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, f'kind = "{kind}"\n' + extra,
+                     **{"dtype": '"bfloat16"', **keys})
+        text = str(exc.value)
+        assert f'[adapter] kind = "{kind}"' in text and expect in text and 'use kind = "lora"' in text, text
+        assert text.count(f'[adapter] kind = "{kind}"') == 1, text
+    make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path, f'kind = "{kind}"\n', dtype='"bfloat16"')  # bf16: fine
 
 
 @pytest.mark.slow

@@ -322,3 +322,74 @@ def test_compiled_blocks_export_the_same_keys():
     assert any("_orig_mod" in n for n, _ in transformer.named_modules())
     compiled = lora_export.adapter_state_dict(transformer, conditioner)
     assert compiled.keys() == plain.keys() and all(torch.equal(compiled[k], plain[k]) for k in plain)
+
+
+def comfyui_dora(weight, up, down, alpha, dora_scale):
+    """ComfyUI's DoRA at strength 1 (comfy/weight_adapter/base.py weight_decompose, fp32), written from its formula:
+    a dora_scale per output row scales W + alpha/r·up·down by dora_scale / (‖W‖ + eps), the norm of each row of the
+    base weight."""
+    updated = weight + (alpha / down.shape[0]) * (up @ down)
+    assert dora_scale.shape[0] == weight.shape[0]  # the output axis, the one peft normalises
+    norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True) + torch.finfo(weight.dtype).eps
+    return updated * (dora_scale / norm)
+
+
+def test_dora_file_under_comfyuis_rule_gives_the_trained_modules_forward(tmp_path):
+    """A DoRA (peft use_dora, trained away from its init: B, A and the magnitude all non-trivial, alpha != rank and a
+    per-module rank and alpha) written as lora_up/lora_down/alpha/dora_scale: ComfyUI's weight decomposition of the
+    file's tensors gives the weight whose product is the module's own forward, in fp32."""
+    from peft.tuners.lora import LoraLayer
+
+    transformer, conditioner, _ = tiny_parts()
+    torch.manual_seed(5)
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=6.0, target_modules=["attn1.to_q", "attn2.to_v", "ff.net.2"],
+                                       rank_pattern={"ff.net.2": 2}, alpha_pattern={"ff.net.2": 5.0},
+                                       init_lora_weights=False, use_dora=True), adapter_name="default")
+    conditioner.add_adapter(LoraConfig(r=2, lora_alpha=3.0, target_modules=ADAPTER_TARGETS, init_lora_weights=False,
+                                       use_dora=True), adapter_name="default")
+    layers = {}
+    for part, model, native_of in (("t", transformer, keymaps.dit_module_to_native),
+                                   ("c", conditioner, lambda n: "llm_adapter." + n)):
+        for name, m in model.named_modules():
+            if isinstance(m, LoraLayer):
+                layers[native_of(name)] = m
+                with torch.no_grad():  # a trained magnitude: no longer the base weight's row norms
+                    m.lora_magnitude_vector["default"].weight.mul_(1 + 0.2 * torch.rand_like(
+                        m.lora_magnitude_vector["default"].weight))
+    meta = lora_export.training_metadata(kind="dora", title="d", rank=4, alpha=6.0)
+    path = lora_export.save_adapter(tmp_path / "d.safetensors", transformer, conditioner, meta, kind="dora")
+    sd = load_file(path)
+    assert {k.rsplit(".", 1)[1] if not k.endswith(".weight") else k.rsplit(".", 2)[1] + ".weight" for k in sd} == \
+        {"lora_up.weight", "lora_down.weight", "alpha", "dora_scale"}
+    assert len(layers) == 6 + 10 and len(sd) == 4 * len(layers)
+    assert sd["diffusion_model.blocks.0.mlp.layer2.lora_down.weight"].shape[0] == 2
+    x = torch.randn(5, max(m.get_base_layer().in_features for m in layers.values()),
+                    generator=torch.Generator().manual_seed(0))
+    for native, m in layers.items():
+        f = {n: sd[f"diffusion_model.{native}.{n}"] for n in ("lora_up.weight", "lora_down.weight", "dora_scale")}
+        alpha = sd[f"diffusion_model.{native}.alpha"]
+        base = m.get_base_layer()
+        merged = comfyui_dora(base.weight.detach(), f["lora_up.weight"], f["lora_down.weight"], alpha.item(),
+                              f["dora_scale"])
+        inputs = x[:, :base.in_features]
+        with torch.no_grad():
+            want = m(inputs)
+        got = inputs @ merged.T + (base.bias if base.bias is not None else 0)
+        assert torch.allclose(got, want, atol=2e-6, rtol=1e-5), (native, (got - want).abs().max())
+        assert not torch.allclose(merged, base.weight)  # the file changes the weight
+        # our own decoder (anima-train evaluate) applies the same weight
+        from anima_train import adapters
+        decoded = base.weight + adapters.method("dora").runtime().delta({**f, "alpha": alpha}, base.weight.detach())
+        assert torch.allclose(decoded, merged, atol=1e-6)
+    with safe_open(str(path), "pt") as handle:
+        md = handle.metadata()
+    assert md["ss_network_module"] == "lycoris.kohya"
+    assert json.loads(md["ss_network_args"]) == {"algo": "lora", "dora_wd": True}
+    with pytest.raises(ValueError, match="kohya lora_unet_\\* layout only defines LoRA"):
+        lora_export.save_adapter(tmp_path / "k.safetensors", transformer, conditioner, kind="dora", fmt="kohya")
+    with pytest.raises(ValueError, match="DoRA / lora_bias adapters cannot be exported as plain LoRA files"):
+        lora_export.adapter_state_dict(transformer, kind="lora")  # a LoRA file would drop the magnitude
+    plain, _ = with_lora()
+    with pytest.raises(ValueError, match="without DoRA's magnitude"):
+        lora_export.adapter_state_dict(plain, kind="dora")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import anima_train.config as anima_config
+from anima_train import adapters
 from anima_train.config import AdapterConfig, ConfigError, TrainConfig, parse_config
 
 FAKE_TRAINER = textwrap.dedent(r'''
@@ -149,7 +150,7 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
     assert "[valid: >= 1]" in ports["epochs"].options["tooltip"]
     assert ports["epochs"].options["min"] < 0 and ports["learning_rate"].options["min"] < 0
     assert "passes over the dataset" in ports["epochs"].options["tooltip"]
-    assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == ["lora", "lokr", "loha", "none"]
+    assert ports["adapter"].kind == "COMBO" and ports["adapter"].options["options"] == list(adapters.kinds())
     assert ports["dtype"].options["advanced"] is True and ports["epochs"].options["advanced"] is None
     assert ports["gradient_checkpointing"].kind == "BOOLEAN"
     assert "[valid: >= 0, <= 1]" in ports["tag_dropout"].options["tooltip"]  # ge=0.0, le=1.0

@@ -10,7 +10,7 @@ import torch
 
 from anima_train import adapters
 from anima_train.model import quant
-from anima_train.config import Config
+from anima_train.config import AdapterConfig, Config
 from anima_train.training.optimizers import build_optimizer
 from tests.test_adapters import make_cfg, tiny_models
 
@@ -145,7 +145,8 @@ def test_quantized_matmul_auto_rule():
 # ------------------------------------------------------------------------------------------------ frozen
 
 
-@pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
+@pytest.mark.parametrize("kind", [m.kind for m in adapters.METHODS.values() if not m.trains_base and not adapters.
+                                  base_refusals(AdapterConfig(kind=m.kind), adapters.BaseFacts(quant="frozen"))])
 def test_frozen_int8_base_gives_exact_adapter_gradients(kind):
     """Adapters over the int8 training-format base get the same gradients as the same adapters over a plain
     Linear holding the dequantized weight (the inference format fails this: docs/sdnq.md#training-format-only)."""

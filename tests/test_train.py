@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from anima_train import adapters
 from anima_train.config import parse_config
 from anima_train.training.fixed_eval import cached_eval_set, evaluate
 from anima_train.model.components import load_components
@@ -490,3 +491,21 @@ def test_loader_workers_start_once_per_run_and_each_epoch_still_draws_its_own_ca
                              resume_from=f'"{state}"'), cpu=True)
     assert resumed.batches_seen == full.batches_seen[4:] and resumed.losses == full.losses[4:]
     assert resumed.trainable_digest == full.trainable_digest
+
+
+@pytest.mark.parametrize("kind", [m.kind for m in adapters.METHODS.values()
+                                  if not m.trains_base and m.kind != "lora"])  # LoRA: test_resume_reproduces_...
+def test_every_adapter_method_resumes_to_the_uninterrupted_run(tiny_anima, latents_dir, tmp_path, kind):
+    """Every method's trainable tensors (DoRA's magnitude included) go into the state and come back: the resumed
+    run's losses and final file are the uninterrupted run's, bit for bit."""
+    extra = f'kind = "{kind}"\n[optimizer]\nlr = 1e-3\n'
+    keys = dict(max_steps=4, save_every_steps=2, save_optimizer_state="true")
+    full = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "a", extra, **keys), cpu=True)
+    resumed = train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", extra, **keys,
+                             resume_from=f'"{tmp_path / "a" / "tiny" / "tiny-step000002.safetensors"}"'), cpu=True)
+    assert resumed.losses == full.losses[2:]
+    a = load_file(str(tmp_path / "a" / "tiny" / "tiny.safetensors"))
+    b = load_file(str(tmp_path / "b" / "tiny" / "tiny.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((tmp_path / "b" / "tiny" / "tiny-state" / "state.json").read_text())
+    assert state["adapter"]["kind"] == kind

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from anima_train import adapters
 from anima_train.cli import main
 from anima_train.data.dataset import build_training_data
 from anima_train.data.synthetic import make_synthetic_latents
@@ -147,7 +148,7 @@ def test_the_overfitting_verdict():
 
 # -- anima-train evaluate ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["lora", "lokr", "none"])
+@pytest.mark.parametrize("kind", adapters.kinds())
 def test_evaluate_prints_the_numbers_training_printed_for_a_checkpoint(tiny_anima, latents_dir, held_out_dir,
                                                                       tmp_path, capsys, kind):
     extra = (f'kind = "{kind}"\n[optimizer]\nlr = {1e-4 if kind == "none" else 1e-2}\n'
@@ -164,7 +165,8 @@ def test_evaluate_prints_the_numbers_training_printed_for_a_checkpoint(tiny_anim
     assert f"the base model: loss {base.loss:.4f}, margin {base.margin:+.4f}" in out
     assert main(["evaluate", str(config), "--cpu", "--checkpoint", str(result.final)]) == 0
     out = capsys.readouterr().out
-    what = {"lora": "LoRA file", "lokr": "LoKr file", "none": "full finetune"}[kind]
+    method = adapters.method(kind)
+    what = "full finetune" if method.trains_base else f"{method.title} file"
     assert f"{what} {result.final.name}: loss {trained.loss:.4f}, margin {trained.margin:+.4f}" in out
 
 

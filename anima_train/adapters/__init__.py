@@ -4,9 +4,11 @@
       base.py        AdapterMethod (the interface) and the Runtime protocol of its torch side; no torch
       inject.py      components, target Linears, inject_adapters, build_param_groups (torch)
       export.py      metadata, safetensors writing, the Qwen3 `_te` LoRA, adapter_state_dict / save_adapter (torch)
-      <method>/      one folder per method: lora/, lokr/, full/ (kind "none"), ...
-        __init__.py  METHOD = AdapterMethod(...): kind, help, config rules, metadata, resume keys (no torch)
-        model.py     peft_config, state_dict (ComfyUI's keys), save_checkpoint (torch, peft)
+      <method>/      one folder per method: lora/, lokr/, loha/, dora/, full/ (kind "none"), ...
+        __init__.py  METHOD = AdapterMethod(...): kind, help, config rules (also on the base: BaseFacts), metadata,
+                     resume keys, trainable parameters per Linear, the file's tensor names (no torch)
+        model.py     peft_config, state_dict (ComfyUI's keys), save_checkpoint, delta (ComfyUI's ΔW of a file's
+                     tensors) (torch, peft)
 
     m = adapters.method(cfg.adapter.kind)        # unknown kind: a UserError naming [adapter] kind and the choices
     m.kind, m.title, m.trains_base, m.describe(cfg.adapter)
@@ -14,10 +16,12 @@
 
 The registry (`METHODS`, kind -> method, in menu order) is built at import by finding every sub-package here that
 defines `METHOD`: adding a method is one new folder. Everything that differs between methods reads it: the config's
-`kind` choices and help (and so docs/config.md and the Train node's menu), the [adapter] rules (`check_config`),
-injection (`inject.py` asks the method for its peft config), the checkpoint file and its metadata (`export.py`,
-`train.write_checkpoint`), the resume-state description (`checkpoints.describe_adapter`) and the folder the node
-publishes to.
+`kind` choices and help (and so docs/config.md and the Train node's menu), the [adapter] rules (`check_config`) and
+the rules on what the run does to the base weights (`check_base`, from config/rules.py), injection (`inject.py`
+asks the method for its peft config), the checkpoint file and its metadata (`export.py`, `train.write_checkpoint`),
+the resume-state description (`checkpoints.describe_adapter`), the folder the node publishes to, `evaluate`'s
+reading of a file (`reading`, the method's `delta`), `plan`'s trainable parameters (`parameters`), the help texts
+that name the methods (`titles`) and the tests that run every method (they iterate METHODS).
 
 Why a frozen dataclass plus a module, not an ABC: a method has no state, only facts (strings, flags, key lists)
 and a few functions; a dataclass makes each of them a named field with a default where one exists, so a new
@@ -36,14 +40,16 @@ with the rank taken from a factor's shape, so each exporter writes the alpha tha
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from typing import Any
 
-from anima_train.adapters.base import ADAPTER_NAME, MODEL_ROLES, AdapterMethod, Rules
+from anima_train.adapters.base import ADAPTER_NAME, MODEL_ROLES, AdapterMethod, BaseFacts, Rules
 from anima_train.errors import UserError
 
-__all__ = ["ADAPTER_NAME", "METHODS", "MODEL_ROLES", "AdapterMethod", "Rules", "by_name", "check_config",
-           "dropout_help", "kind_help", "kinds", "method", "table_help"]
+__all__ = ["ADAPTER_NAME", "METHODS", "MODEL_ROLES", "AdapterMethod", "BaseFacts", "Rules", "base_refusals", "by_name",
+           "check_base", "check_config", "dropout_help", "kind_help", "kinds", "method", "reading", "table_help",
+           "titles"]
 
 
 def _discover() -> dict[str, AdapterMethod]:
@@ -114,6 +120,17 @@ def table_help() -> str:
     return " / ".join(m.title for m in METHODS.values())
 
 
+def titles(adapters_only: bool = False, sep: str = " / ") -> str:
+    """The methods' titles for a help text, e.g. "LoRA / LoKr / LoHa" (adapters_only: without the full finetune)."""
+    return sep.join(m.title for m in METHODS.values() if not (adapters_only and m.trains_base))
+
+
+def reading(names) -> AdapterMethod | None:
+    """The adapter method whose file holds exactly these tensor names after one module's key (None: no method)."""
+    found = [m for m in METHODS.values() if m.reads(names)]
+    return found[0] if len(found) == 1 else None
+
+
 def check_config(adapter: Any, rules: Rules) -> None:
     """The [adapter] rules of every method: each method's own value checks (a bad value is refused whatever the
     kind, like a bound), then what the chosen kind refuses: another method's exclusive key set to a non-default
@@ -137,6 +154,39 @@ def check_config(adapter: Any, rules: Rules) -> None:
                               if m.text_encoder and not m.trains_base)
         rules.error(f"[adapter] train_text_encoder = true is not supported with kind = {rules.toml(chosen.kind)} "
                     f"(the Qwen3 adapter is a LoRA); use {allowed} or set train_text_encoder = false")
+
+
+def check_base(adapter: Any, base: BaseFacts, rules: Rules) -> None:
+    """The chosen method's rules on what the run does to the base weights (base_matmul, quant, swap)."""
+    if rules.ok("kind") and adapter.kind in METHODS:
+        METHODS[adapter.kind].base_rule(adapter, base, rules)
+
+
+class _Refusals:
+    """A Rules that only collects: what a method's base_rule says of facts a run might choose (plan's swap search)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def ok(self, *keys: str) -> bool:
+        return True
+
+    def error(self, message: str, key: str | None = None) -> None:
+        self.messages.append(message)
+
+    @staticmethod
+    def toml(value: Any) -> str:
+        return json.dumps(value)
+
+    def default(self, key: str) -> Any:
+        raise KeyError(key)
+
+
+def base_refusals(adapter: Any, base: BaseFacts) -> list[str]:
+    """What the [adapter] kind's method refuses of these base facts (empty: it trains on such a base)."""
+    rules = _Refusals()
+    METHODS[adapter.kind].base_rule(adapter, base, rules)
+    return rules.messages
 
 
 # The torch side of the package, under the names `anima_train.adapters` has always offered. Resolved on first access

@@ -34,6 +34,16 @@ class Rules(Protocol):
         """The default value of an [adapter] key."""
 
 
+@dataclass(frozen=True)
+class BaseFacts:
+    """What a run does to the frozen base weights an adapter sits on: the facts a method's `base_rule` may refuse on
+    (its `check` sees only [adapter]). Built by the config's rules from [train] and [quant]."""
+
+    matmul: str = "bf16"  # [train] base_matmul: "fp8" replaces a block Linear's weight by FP8 copies and a meta one
+    quant: str = "none"  # [quant] mode: "frozen" keeps the base as SDNQ-quantised weights
+    swap_blocks: int = 0  # [train] swap_blocks as a count ("auto" asks base_rule with 1 and swaps none if refused)
+
+
 class Runtime(Protocol):
     """The torch side of a method: `anima_train.adapters.<name>.model`. Every method provides `state_dict` and
     `save_checkpoint`; a method that injects an adapter (trains_base False) also provides `peft_config`."""
@@ -48,12 +58,26 @@ class Runtime(Protocol):
     def save_checkpoint(self, path: Path, models: dict, cfg: Any, metadata: dict[str, str], dtype: Any) -> Path:
         """One checkpoint of a run at `path` (replacing a file of that name); returns what was written."""
 
+    def delta(self, factors: dict, weight: Any) -> Any:
+        """ΔW that ComfyUI's loader adds to `weight` at strength 1 for one module's tensors of this method's file
+        (`factors`: the names after the module's key, as in AdapterMethod.factors). When the file does not fit the
+        weight, a tensor of the file's own shape (the caller refuses a shape other than the weight's)."""
 
-RUNTIME_FUNCTIONS = ("state_dict", "save_checkpoint")  # and peft_config unless trains_base
+
+RUNTIME_FUNCTIONS = ("state_dict", "save_checkpoint")  # and peft_config and delta unless trains_base
 
 
 def _no_rules(adapter: Any, rules: Rules) -> None:
     return None
+
+
+def _no_base_rules(adapter: Any, base: BaseFacts, rules: Rules) -> None:
+    return None
+
+
+def lora_like_parameters(adapter: Any, in_features: int, out_features: int) -> int:
+    """A LoRA's trainable parameters on one Linear: rank x (in + out)."""
+    return adapter.rank * (in_features + out_features)
 
 
 def _safetensors_name(stem: str, cfg: Any) -> str:
@@ -83,6 +107,15 @@ class AdapterMethod:
     exclusive: dict[str, str] = field(default_factory=dict)
     text_encoder: bool = True  # may the Qwen3 LoRA (train_text_encoder) train beside it
     check: Callable[[Any, Rules], None] = _no_rules  # its value rules, run on every config whatever the kind
+    # its rules on the base model's facts, run when it is the chosen kind (e.g. DoRA needs the base weight)
+    base_rule: Callable[[Any, BaseFacts, Rules], None] = _no_base_rules
+    # trainable parameters on one adapted Linear (adapter, in_features, out_features): what `plan` counts
+    parameters: Callable[[Any, int, int], int] = lora_like_parameters
+    # the tensor names its file holds after a module's key ("lora_up.weight", "alpha", ...), and those of them that
+    # only its file holds: `evaluate` reads a module's tensors as the method whose names include them all and who
+    # needs none that are absent (LoRA and DoRA share lora_up/lora_down/alpha; dora_scale says DoRA)
+    factors: tuple[str, ...] = ()
+    required_factors: tuple[str, ...] = ()
     # safetensors metadata: sd-scripts' ss_network_module, the ModelSpec architecture suffix, default network args
     network_module: str | None = None
     architecture: str = ""
@@ -93,11 +126,16 @@ class AdapterMethod:
     def runtime(self) -> ModuleType:
         """The method's torch side, `anima_train.adapters.<name>.model` (imports torch and peft)."""
         module = importlib.import_module(f"{__package__}.{self.name}.model")
-        wanted = RUNTIME_FUNCTIONS + (() if self.trains_base else ("peft_config",))
+        wanted = RUNTIME_FUNCTIONS + (() if self.trains_base else ("peft_config", "delta"))
         missing = [f for f in wanted if not callable(getattr(module, f, None))]
         if missing:
             raise TypeError(f"{module.__name__} does not implement {', '.join(missing)} (adapters.base.Runtime)")
         return module
+
+    def reads(self, names: Any) -> bool:
+        """Are these the tensor names of one module in this method's file?"""
+        names = set(names)
+        return bool(self.factors) and names <= set(self.factors) and set(self.required_factors) <= names
 
     def describe(self, adapter: Any) -> dict[str, Any]:
         """What this method's trainable tensors depend on, as a resume state records it."""

@@ -33,6 +33,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from anima_train import __version__, adapters
@@ -164,22 +165,27 @@ def parts(transformer, text_conditioner) -> list[tuple[str, torch.nn.Module]]:
             if m is not None]
 
 
-def lora_layers(model, adapter_name: str, what: str):
-    """(module path, A [r,in], B [out,r], scaling, rank) for every peft LoRA layer holding `adapter_name`."""
+def adapted_layers(model, adapter_name: str, what: str, layer_type: type, linear_type: type):
+    """(module path, layer) of every peft `layer_type` layer of `model` holding `adapter_name`. A layer on anything but
+    a Linear (`linear_type`: the method's peft Linear class) is refused: the trainer adapts Linears, and the files'
+    layouts are those of Linears."""
     for name, module in model.named_modules():
-        if not isinstance(module, LoraLayer):
+        if not isinstance(module, layer_type) or adapter_name not in getattr(module, "scaling", {}):
             continue
-        if adapter_name in getattr(module, "lora_embedding_A", {}):
-            raise ValueError(f"{what}.{name}: LoRA on an embedding is not exported (ComfyUI/diffusers layouts "
-                             f"cover Linear layers); leave embeddings out of the adapter's target modules")
-        if adapter_name not in module.lora_A:
-            continue
+        if not isinstance(module, linear_type):
+            raise ValueError(f"{what}.{name}: only adapters on Linear layers are exported (got "
+                             f"{type(module.get_base_layer()).__name__}); leave it out of the target modules")
+        yield module_path(name), module
+
+
+def lora_layers(model, adapter_name: str, what: str):
+    """(module path, A [r,in], B [out,r], scaling, rank) for every peft LoRA layer holding `adapter_name` (the LoRA
+    method's file and the Qwen3 `_te` file). A DoRA layer (or one with lora_bias) is refused: a LoRA file would
+    drop its magnitude."""
+    for name, module in adapted_layers(model, adapter_name, what, LoraLayer, LoraLinear):
         if module.use_dora.get(adapter_name) or module.lora_bias.get(adapter_name):
             raise ValueError(f"{what}.{name}: DoRA / lora_bias adapters cannot be exported as plain LoRA files")
-        if not isinstance(module.lora_A[adapter_name], torch.nn.Linear):
-            raise ValueError(f"{what}.{name}: only LoRA on Linear layers is exported (got "
-                             f"{type(module.lora_A[adapter_name]).__name__})")
-        yield (module_path(name), module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight,
+        yield (name, module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight,
                float(module.scaling[adapter_name]), int(module.r[adapter_name]))
 
 

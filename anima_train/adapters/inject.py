@@ -100,7 +100,7 @@ def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, str, torch.nn.
     """(wrapped module name, parameter name, parameter) of every peft adapter tensor in `model`."""
     out = []
     for mod_name, layer in tuner_layers(model).items():
-        for attr in layer.adapter_layer_names:
+        for attr in dict.fromkeys(layer.adapter_layer_names):  # peft's DoRA appends its magnitude's name again
             sub = getattr(layer, attr, None)
             if sub is None:
                 continue

@@ -267,6 +267,15 @@ def _component_lrs(cfg, p: Problems, ctx, w) -> None:
                           f"Qwen3 LoRA inherits optimizer.lr = {cfg.optimizer.lr}, normally far too high for it")
 
 
+def _adapter_base(cfg, p: Problems, ctx, w) -> None:
+    """The chosen method's rules on the base weights (adapters.BaseFacts): a method's own check sees only [adapter]."""
+    if p.ok("adapter.kind", "train.base_matmul", "quant.mode", "train.swap_blocks"):
+        # swap_blocks = "auto" swaps none for a method that refuses a swap (training/plan.swap_unavailable asks it)
+        swap = cfg.train.swap_blocks if isinstance(cfg.train.swap_blocks, int) else 0
+        facts = adapters.BaseFacts(matmul=cfg.train.base_matmul, quant=cfg.quant.mode, swap_blocks=swap)
+        adapters.check_base(cfg.adapter, facts, _AdapterRules(p, type(cfg.adapter)()))
+
+
 class _AdapterRules:
     """The adapters' view of the problem collector (adapters.Rules): [adapter] key names, our TOML spelling."""
 
@@ -569,6 +578,7 @@ RULES = [
     ("dataset.caption", _caption),
     ("dataset.texture", _texture),
     ("adapter", _adapter),
+    ("", _adapter_base),
     ("", _component_lrs),
     ("", _quant_mode),
     ("quant", _quant_dtype),

@@ -7,8 +7,9 @@ The numbers are the ones training prints (training/validation.py): the `[validat
 or the `fraction` of the dataset its seed holds out), the fixed timesteps and noise, the text-conditioning margin.
 So the checkpoints of one run can be compared and the best one picked.
 
-A checkpoint is applied to the base model as the weights it changes: a LoRA (peft or kohya layout), LoKr or LoHa file
-is merged as its ΔW = what ComfyUI applies, a full-finetune native single file replaces the DiT and the LLM adapter;
+A checkpoint is applied to the base model as the weights it changes: an adapter file (each module's tensors read by
+the adapter method whose file holds them: adapters.reading, the method's `delta`) is merged as what ComfyUI applies,
+a full-finetune native single file replaces the DiT and the LLM adapter;
 a `<stem>_te.safetensors` beside an adapter (the Qwen3 LoRA) is merged too. A file whose modules or shapes are not
 those of the config's model is refused with one line naming the file.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from anima_train import errors
+from anima_train import adapters, errors
 from anima_train.adapters.export import (DIFFUSION_PREFIX, KOHYA_TE_PREFIX, KOHYA_UNET_PREFIX, native_key,
                                          text_encoder_lora_path)
 from anima_train.config import load_config
@@ -29,10 +30,8 @@ from anima_train.model import keymaps
 from anima_train.model.components import DTYPES, load_components
 from anima_train.training.validation import Validation, ValidationSet, describe, validation_items
 
-# the file's tensor names after the module: LoRA (peft, kohya), LoKr, LoHa
-FACTOR_NAMES = ("lora_A.weight", "lora_B.weight", "lora_down.weight", "lora_up.weight", "alpha",
-                "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
-                "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+# the file's tensor names after the module, of every adapter method (longest first: "lora_up.weight" before "weight")
+FACTOR_NAMES = tuple(sorted({f for m in adapters.METHODS.values() for f in m.factors}, key=len, reverse=True))
 
 
 class CheckpointError(errors.UserError):
@@ -42,8 +41,8 @@ class CheckpointError(errors.UserError):
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the run's TOML config (its [validation] table and model_path)")
     parser.add_argument("--checkpoint", metavar="FILE",
-                        help="a LoRA / LoKr / LoHa or full-finetune .safetensors trained for this model; omitted: "
-                             "the base model")
+                        help=f"a {adapters.titles(adapters_only=True)} or full-finetune .safetensors trained for "
+                             "this model; omitted: the base model")
     parser.add_argument("--cpu", action="store_true", help="evaluate on the CPU even when a GPU is visible")
 
 
@@ -123,7 +122,8 @@ def _merge_adapter(tensors: dict, modules: dict, path: Path) -> str:
         factor = next((f for f in FACTOR_NAMES if key.endswith("." + f)), None)
         if factor is None:
             raise CheckpointError(f"--checkpoint {path}: tensor {key!r} is not an adapter factor this trainer "
-                                  f"writes (LoRA, LoKr, LoHa) nor a native full-finetune key")
+                                  f"writes ({adapters.titles(adapters_only=True, sep=', ')}) nor a native "
+                                  f"full-finetune key")
         groups.setdefault(key[: -len(factor) - 1], {})[factor] = value.float()
     kinds = set()
     deltas = []
@@ -132,34 +132,20 @@ def _merge_adapter(tensors: dict, modules: dict, path: Path) -> str:
         if module is None:
             raise CheckpointError(f"--checkpoint {path}: made for another model: it adapts {stem}, which the "
                                   f"model of this config does not have")
-        kind, delta = _delta(factors)
+        method = adapters.reading(factors)
+        if method is None:
+            raise CheckpointError(f"--checkpoint {path}: {stem} holds {', '.join(sorted(factors))}, which is no "
+                                  f"adapter method's set of tensors ({adapters.titles(adapters_only=True, sep=', ')})")
+        delta = method.runtime().delta(factors, module.weight.detach())
         if delta.shape != module.weight.shape:
             raise CheckpointError(f"--checkpoint {path}: made for another model: {stem} changes a "
                                   f"{tuple(delta.shape)} weight, this config's model has {tuple(module.weight.shape)}")
-        kinds.add(kind)
+        kinds.add(method.title)
         deltas.append((module, delta))
     with torch.no_grad():  # only after every module fitted: a refused file changes nothing
         for module, delta in deltas:
             module.weight += delta.to(module.weight.device, module.weight.dtype)
     return "/".join(sorted(kinds)) + " file"
-
-
-def _delta(f: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
-    """ΔW of one module's factors, as ComfyUI applies them."""
-    if "lora_A.weight" in f:
-        return "LoRA", f["lora_B.weight"] @ f["lora_A.weight"]
-    if "lora_down.weight" in f:
-        down = f["lora_down.weight"]
-        scale = f["alpha"].item() / down.shape[0] if "alpha" in f else 1.0
-        return "LoRA", (f["lora_up.weight"] @ down) * scale
-    if "hada_w1_a" in f:
-        scale = f["alpha"].item() / f["hada_w1_b"].shape[0] if "alpha" in f else 1.0
-        return "LoHa", (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]) * scale
-    w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
-    w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
-    dim = f["lokr_w2_b"].shape[0] if "lokr_w2_b" in f else f["lokr_w1_b"].shape[0] if "lokr_w1_b" in f else None
-    scale = f["alpha"].item() / dim if "alpha" in f and dim else 1.0
-    return "LoKr", torch.kron(w1, w2) * scale
 
 
 def _load_full(parts, tensors: dict, path: Path) -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from anima_train import adapters
 from anima_train.config import load_config
 from anima_train.config.schema import Config
 from anima_train.errors import UserError
@@ -170,15 +171,15 @@ def predict_inputs(cfg: Config, shape: ModelShape, swapped: int | None = None,
                         "counts, width and blocks")
     frozen = int(FROZEN_BYTES_BF16 * weight_scale * (shape.dit_parameters + shape.conditioner_parameters)
                  / (ref.dit_parameters + ref.conditioner_parameters))
-    full = cfg.adapter.kind == "none"
+    method = adapters.method(cfg.adapter.kind)
+    full = method.trains_base
     if full:
         trainable, trainable_bytes = frozen // 2 if dtype == 2 else frozen // 4, dtype
         frozen = 0
         estimate.append("full finetune: measured with a LoRA only")
     else:
-        trainable, trainable_bytes = shape.lora_parameters(cfg.adapter.rank), 4
-        if cfg.adapter.kind != "lora":
-            estimate.append(f"{cfg.adapter.kind}: trainable parameters taken as a LoRA's of rank {cfg.adapter.rank}")
+        trainable, trainable_bytes = shape.blocks * sum(method.parameters(cfg.adapter, i, o)
+                                                        for i, o in shape.adapted_linears), 4
     if cfg.quant.mode != "none":
         estimate.append("quantised DiT: weights counted unquantised (the prediction is high)")
     if cfg.optimizer.kind != "adamw":
@@ -236,8 +237,11 @@ def swap_unavailable(cfg: Config, whole_trunk_compiled: bool | None = None) -> s
     t = cfg.train
     whole_trunk = (not t.compile_regional and t.compile != "off") if whole_trunk_compiled is None \
         else whole_trunk_compiled
-    if cfg.adapter.kind == "none":
+    method = adapters.method(cfg.adapter.kind)
+    if method.trains_base:
         return "a full finetune trains the frozen weights"
+    if adapters.base_refusals(cfg.adapter, adapters.BaseFacts(matmul=t.base_matmul, swap_blocks=1)):
+        return f"a {cfg.adapter.kind} needs the base weights on the GPU"
     if cfg.quant.mode != "none":
         return "the base is quantized ([quant] mode)"
     if not t.gradient_checkpointing:
@@ -268,7 +272,7 @@ def make_plan(cfg: Config, budget: int, expandable: bool | None = None, *, look_
         plan.swap_auto, plan.swap_unavailable = True, unavailable
     else:
         plan = _plan_with(cfg, budget, expandable, shape, setting, largest)
-        if not plan.fits and look_for_swap and cfg.adapter.kind != "none" and cfg.quant.mode == "none":
+        if not plan.fits and look_for_swap and swap_unavailable(cfg, whole_trunk_compiled) is None:
             plan.swap_fix = next((count for count in range(plan.inputs.swapped + 1, shape.blocks + 1)
                                   if _plan_with(cfg, budget, expandable, shape, count, largest).fits), None)
     if not plan.fits and look_for_batch:

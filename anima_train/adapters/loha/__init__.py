@@ -8,6 +8,12 @@ refused. [adapter] rank, alpha and dropout (as rank dropout) apply; a fresh LoHa
 
 from anima_train.adapters.base import AdapterMethod
 
+
+def parameters(adapter, in_features: int, out_features: int) -> int:
+    """Two LoRA-shaped pairs: 2 x rank x (in + out)."""
+    return 2 * adapter.rank * (in_features + out_features)
+
+
 METHOD = AdapterMethod(
     name="loha",
     kind="loha",
@@ -21,4 +27,6 @@ METHOD = AdapterMethod(
     network_module="lycoris.kohya",
     architecture="/lycoris",
     network_args={"algo": "loha"},
+    parameters=parameters,
+    factors=("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"),
 )

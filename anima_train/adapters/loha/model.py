@@ -17,7 +17,8 @@ from peft import LoHaConfig
 from peft.tuners.loha import layer as loha_layer
 
 from anima_train.adapters.base import ADAPTER_NAME
-from anima_train.adapters.export import cast, native_key, parts, refuse_kohya, save_adapter_checkpoint
+from anima_train.adapters.export import (adapted_layers, cast, native_key, parts, refuse_kohya,
+                                         save_adapter_checkpoint)
 
 FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 
@@ -33,12 +34,7 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
     refuse_kohya("LoHa", fmt, "hada_*")
     out = {}
     for part, model in parts(transformer, text_conditioner):
-        for name, module in model.named_modules():
-            if not isinstance(module, loha_layer.LoHaLayer) or adapter_name not in module.hada_w1_a:
-                continue
-            if not isinstance(module, loha_layer.Linear):
-                raise ValueError(f"{part}.{name}: only LoHa on Linear layers is exported (got "
-                                 f"{type(module.get_base_layer()).__name__}); leave it out of the target modules")
+        for name, module in adapted_layers(model, adapter_name, part, loha_layer.LoHaLayer, loha_layer.Linear):
             base = native_key(part, name)
             factors = {f: getattr(module, f)[adapter_name].detach().float() for f in FACTORS}
             rank = factors["hada_w1_b"].shape[0]  # ComfyUI's rank for alpha
@@ -51,3 +47,10 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
 
 def save_checkpoint(path: Path, models: dict, cfg, metadata: dict, dtype) -> Path:
     return save_adapter_checkpoint(state_dict, path, models, cfg, metadata, dtype)
+
+
+def delta(factors: dict, weight: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's LoHa ΔW: (w1_a·w1_b) ⊙ (w2_a·w2_b)·alpha/rank (rank = hada_w1_b's first dimension; 1 without alpha)."""
+    f = factors
+    scale = f["alpha"].item() / f["hada_w1_b"].shape[0] if "alpha" in f else 1.0
+    return (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]) * scale

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from peft import LoKrConfig
 from peft.tuners.lokr.layer import LoKrLayer
+from peft.tuners.lokr.layer import Linear as LoKrLinear
 
-from anima_train.adapters.export import cast, native_key, parts, refuse_kohya, save_adapter_checkpoint
+from anima_train.adapters.export import (adapted_layers, cast, native_key, parts, refuse_kohya,
+                                         save_adapter_checkpoint)
 from anima_train.adapters.base import ADAPTER_NAME
 
 FACTORS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
@@ -35,9 +37,7 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
     refuse_kohya("LoKr", fmt, "lokr_*")
     out = {}
     for part, model in parts(transformer, text_conditioner):
-        for name, module in model.named_modules():
-            if not isinstance(module, LoKrLayer) or adapter_name not in module.scaling:
-                continue
+        for name, module in adapted_layers(model, adapter_name, part, LoKrLayer, LoKrLinear):
             factors = {f: getattr(module, f)[adapter_name].detach().float()
                        for f in FACTORS if adapter_name in getattr(module, f)}
             scaling = float(module.scaling[adapter_name])
@@ -57,3 +57,14 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
 
 def save_checkpoint(path: Path, models: dict, cfg, metadata: dict, dtype) -> Path:
     return save_adapter_checkpoint(state_dict, path, models, cfg, metadata, dtype)
+
+
+def delta(factors: dict, weight: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's LoKr ΔW: kron(w1, w2), each factor whole or as a product, times alpha/dim where a factor is
+    decomposed (dim = lokr_w2_b's first dimension, else lokr_w1_b's; 1 otherwise)."""
+    f = factors
+    w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+    w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+    dim = f["lokr_w2_b"].shape[0] if "lokr_w2_b" in f else f["lokr_w1_b"].shape[0] if "lokr_w1_b" in f else None
+    scale = f["alpha"].item() / dim if "alpha" in f and dim else 1.0
+    return torch.kron(w1, w2) * scale

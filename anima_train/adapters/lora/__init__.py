@@ -20,4 +20,5 @@ METHOD = AdapterMethod(
     exclusive={"output_format": "the kohya lora_unet_* layout defines LoRA only (lora_down/lora_up/alpha)"},
     network_module="networks.lora",
     architecture="/lora",
+    factors=("lora_A.weight", "lora_B.weight", "lora_down.weight", "lora_up.weight", "alpha"),
 )

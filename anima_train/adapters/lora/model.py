@@ -51,3 +51,14 @@ def state_dict(transformer, text_conditioner=None, *, fmt: str = "peft", adapter
 
 def save_checkpoint(path: Path, models: dict, cfg, metadata: dict, dtype) -> Path:
     return save_adapter_checkpoint(state_dict, path, models, cfg, metadata, dtype)
+
+
+def delta(factors: dict, weight: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's LoRA ΔW: lora_B·lora_A (the scale folded in), or lora_up·lora_down·alpha/rank (rank =
+    lora_down's first dimension; 1 without alpha)."""
+    f = factors
+    if "lora_A.weight" in f:
+        return f["lora_B.weight"] @ f["lora_A.weight"]
+    down = f["lora_down.weight"]
+    scale = f["alpha"].item() / down.shape[0] if "alpha" in f else 1.0
+    return (f["lora_up.weight"] @ down) * scale
