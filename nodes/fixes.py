@@ -55,11 +55,18 @@ CLAUSES = {
     "flag convert --out": "out_dir",
     "flag cache --allow-missing-captions": f', or turn on allow_missing_captions on "{CACHE}" to cache them anyway',
     "flag train --allow-missing-captions": "",
+    "flag train --skip-unreadable": "",
+    # the dataset's folder and tiers, said as the node that shows the message takes them (a dict: by that node)
+    "name dataset": {TRAINING_CONFIG: "dataset_path", TRAIN: f"dataset_path ({TRAINING_CONFIG})",
+                     CACHE: "dataset_dir", AUDIT: "dataset_dir", "": "the dataset folder"},
+    "name resolution": {TRAINING_CONFIG: "resolution", TRAIN: f"resolution ({TRAINING_CONFIG})",
+                        CACHE: "resolutions", AUDIT: "resolutions", "": "the resolution"},
 }
 # The widgets CLAUSES names, per node id: checked against the nodes' schemas.
 WIDGETS_NAMED = {"AnimaTrainConvert": ["anima", "qwen", "vae", "tokenizers", "out_dir"],
-                 "AnimaTrainAudit": ["resolutions", "model_path"],
-                 "AnimaTrainCache": ["dry_run", "allow_missing_captions"], "AnimaTrainConfig": ["source", "model_path"]}
+                 "AnimaTrainAudit": ["resolutions", "model_path", "dataset_dir"],
+                 "AnimaTrainCache": ["dry_run", "allow_missing_captions", "dataset_dir", "resolutions"],
+                 "AnimaTrainConfig": ["source", "model_path", "dataset_path", "resolution"]}
 
 
 @functools.cache
@@ -97,6 +104,12 @@ def _key(match: re.Match, here: str, extra: Collection[str]) -> str:
     return said if here == TRAINING_CONFIG else f"{said} ({TRAINING_CONFIG})"
 
 
+def _clause(what: str, here: str) -> str:
+    """The words of the reference `what` on the node `here` (the reference's own name where none are known)."""
+    clause = CLAUSES.get(what, what)
+    return clause.get(here, clause[""]) if isinstance(clause, dict) else clause
+
+
 def extra_keys(extra_toml: str | None) -> set[str]:
     """The dotted keys an extra_toml text sets: they win over their widgets, so a fix names them there."""
     try:
@@ -117,7 +130,7 @@ def render(text: str, here: str | None = None, extra: Collection[str] = (), shor
     """`text` for a ComfyUI user: its references as widgets and nodes (`here`: the node that shows it, whose name
     goes without saying; `extra`: the dotted keys extra_toml sets, which win over their widgets), its first line
     at most FIRST_LINE characters (unless not `short`)."""
-    text = TOKEN.sub(lambda m: CLAUSES.get(m.group(1), m.group(1)), text)
+    text = TOKEN.sub(lambda m: _clause(m.group(1), here or ""), text)
     text = _key_pattern().sub(lambda m: _key(m, here or "", extra), text)
     return short_first_line(text) if short else text
 

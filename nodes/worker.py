@@ -64,7 +64,13 @@ CTRL_BREAK_EVENT = getattr(signal, "CTRL_BREAK_EVENT", 1)
 
 
 class WorkerError(RuntimeError):
-    """The worker failed; the message carries its own error text and the tail of its log."""
+    """The worker failed; the message carries its own error text and the tail of its log.
+
+    ComfyUI names a node's exception beside its message (the error's exception_type: module + "." + qualified name,
+    the module left out for builtins), so this class is named in words there, not as a python path."""
+
+    __module__ = "builtins"
+    __qualname__ = "Anima trainer"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -442,13 +448,14 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
 def failure_message(result: JobResult, what: str) -> str:
     """The worker's own error (its `error` event), then the tail of its log, then where the full log is.
 
-    A user error (exit status 2, anima_train.errors: a refused run folder, a bad path, ...) is the whole story: it
-    leads the text as "<what> did not start: <message>" (or "stopped:" after the first step), with no exit status,
-    and the log lines that only repeat it are left out."""
+    A user error (exit status 2, anima_train.errors: a refused run folder, a bad path, a data verdict, ...) is the
+    whole story: its own first line (what is wrong and the fix: the one line a node's popup shows) leads the text,
+    then "<what> did not start" (or "stopped" after the first step), with no exit status, and the log lines that
+    only repeat it are left out."""
     error = result.last("error") or {}
     message = str(error.get("message") or "") or _said_error(result)
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
-        parts = [f"{what} {'stopped' if result.last('start') else 'did not start'}: {message}"]
+        parts = [message, f"{what} {'stopped' if result.last('start') else 'did not start'}"]
     else:
         parts = [f"{what} failed (worker exit status {result.returncode})"] + ([message] if message else [])
     said = {line.strip() for line in message.splitlines() if line.strip()}

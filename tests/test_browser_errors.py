@@ -83,3 +83,47 @@ def test_a_config_error_is_reported_once_on_the_node(comfy, case, tmp_path):
     assert "<config text>" not in errors[0]["details"]
     # ComfyUI's console: printed once
     assert log.read_text().count(needle) - logged_before == 1, log.read_text()[-3000:]
+
+
+def test_a_data_verdict_of_the_train_node_leads_its_error(tiny_anima, tmp_path_factory, tmp_path):
+    """A refusal of the Train node's worker (images without captions: the trainer's data verdict, after the config
+    passed) as the frontend shows it: the verdict and its fix on the message's first line, in widgets (not "training
+    X did not start" with the fix below it), and no python path for the exception (it was nodes.worker.WorkerError)."""
+    from anima_train.model.tiny import make_synthetic_dataset
+
+    tools = comfy_browser.browser_tools()
+    base = comfy_browser.base_folder(tmp_path_factory.mktemp("comfy_base"))
+    dataset = base / "input" / "uncaptioned"
+    make_synthetic_dataset(dataset, n=3, sizes=[(64, 64)])
+    for caption in dataset.glob("*.txt"):
+        caption.unlink()
+    substitute = {"model_path": str(tiny_anima.diffusers_dir), "dataset_path": str(dataset), "resolution": 64,
+                  "source": "encode", "run_name": "cat", "num_workers": 0}
+    allowed = {"ANIMA_TRAIN_ALLOWED_DIRS": str(tiny_anima.diffusers_dir)}
+    with comfy_browser.serve(base, "AnimaTrainTrain", env=allowed) as (url, _):
+        cfg = {"url": url, "chromium": tools["chromium"], "userDataDir": str(tmp_path / "profile"),
+               "outDir": str(tmp_path), "substitute": substitute, "typed": {}, "waitFor": "execution_error",
+               "waitMs": 240000}
+        run = subprocess.run([tools["node"], str(DRIVER), json.dumps(cfg)], capture_output=True, text=True,
+                             timeout=400)
+    server_log = (base / "server.log").read_text()[-3000:]
+    assert run.returncode == 0, (run.stderr[-3000:], server_log)
+    seen = json.loads((tmp_path / "result.json").read_text())
+    errors = [e["detail"] for e in seen["events"] if e["type"] == "execution_error"]
+    assert len(errors) == 1, (seen["events"], seen["run"]["queued"], server_log)
+    (error,) = errors
+    assert error["node_type"] == "AnimaTrainTrain", error
+    assert error["exception_type"] == "Anima trainer", error  # ComfyUI's name for the class: words
+    first = error["exception_message"].splitlines()[0]
+    assert first.startswith("3 image(s) have no caption file in dataset_path (Anima: Training config): write a "
+                            "<stem>.txt"), error["exception_message"]
+    assert len(first) <= 120, first
+    assert "\ntraining cat did not start\n" in error["exception_message"], error["exception_message"]
+    # what the page shows: the verdict, no class or command. The Errors panel's "ComfyUI Error Report" ends in
+    # ComfyUI's stack trace of every failed node (its own frames, then the pack's): for a bug report, not read here.
+    details, _, _ = seen["afterDetails"].partition("## Stack Trace")
+    assert "Exception Type:** Anima trainer" in details or "Exception Type: Anima trainer" in details, details[-2000:]
+    for text in (seen["overlay"], details):
+        assert "have no caption file in dataset_path" in text, text[-2000:]
+        for shell in ("WorkerError", "nodes.worker", "anima-train", "--allow"):
+            assert shell not in text, (shell, text[-2000:])

@@ -152,7 +152,7 @@ def test_audit_cache_and_convert_say_their_widgets(node_env, tiny_anima):
     bare = _images(node_env.tmp / "bare", captions=False)
     uncaptioned = _shown(lambda: nd.AnimaTrainCache.execute(dataset_dir=str(bare), resolutions="64", dry_run=True))
     assert "have no caption file" in uncaptioned, uncaptioned  # the child refused the captions
-    _check("cache captions", uncaptioned, ("caching",))
+    _check("cache captions", uncaptioned, ("dataset_dir",))
     assert 'allow_missing_captions on "Anima: Cache latents"' in uncaptioned, uncaptioned
 
     missing = _shown(lambda: nd.AnimaTrainCache.execute(dataset_dir=str(data / "nope"), resolutions="64"))
@@ -230,3 +230,84 @@ def test_the_shell_keeps_its_words(monkeypatch):
     assert "\u27e6run convert\u27e7" in str(refused.value) and "anima-train" not in str(refused.value)
     monkeypatch.setenv(fixes.REFS_ENV, "refs")
     assert fixes.ref("run cache", "x") == "\u27e6run cache\u27e7"
+
+
+def _no_images(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("not an image\n")
+    return folder
+
+
+def _uncaptioned(folder: Path) -> Path:
+    return _images(folder, captions=False)
+
+
+def _bad_caption(folder: Path) -> Path:
+    _images(folder)
+    next(folder.glob("*.txt")).write_bytes(b"a cat, \xff\xfe tags\n")
+    return folder
+
+
+def _bad_image(folder: Path) -> Path:
+    _images(folder)
+    next(folder.glob("*.png")).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)  # a PNG's signature, then nothing
+    return folder
+
+
+def _thin_image(folder: Path) -> Path:
+    from PIL import Image
+
+    _images(folder)
+    Image.new("RGB", (4, 400), "white").save(folder / "thin.png")
+    (folder / "thin.txt").write_text("a line\n")
+    return folder
+
+
+def _zero_repeats(folder: Path) -> Path:
+    _images(folder)
+    _images(folder / "0_cats")
+    return folder
+
+
+# The trainer's data verdicts a Train node meets (the worker's own refusals, after the Training config's gate passed):
+# (what the folder holds, the source widget, a phrase that proves the worker got that far, the widgets or nodes its
+# first line names, the fix its first line says)
+DATA_VERDICTS = {
+    "no images": (_no_images, "encode", "no images", ("dataset_path",), "give a folder of"),
+    "no captions": (_uncaptioned, "encode", "have no caption file", ("dataset_path",), "write a <stem>.txt"),
+    "caption not UTF-8": (_bad_caption, "encode", "not UTF-8", ("dataset_path",), "re-save each as UTF-8"),
+    "unreadable image": (_bad_image, "encode", "cannot be read", ("dataset_path",), "fix or delete them"),
+    "no caches": (_images, "images", "no valid latent cache", ('"Anima: Cache latents"',), "dry_run off"),
+    "unbucketable": (_thin_image, "encode", "cannot be bucketed", ("dataset_path",), "delete or crop them"),
+    "zero repeats": (_zero_repeats, "encode", "repeats", ("dataset_path",), "to 1_cats"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DATA_VERDICTS))
+def test_the_train_nodes_data_verdicts_lead_with_their_fix(node_env, tiny_anima, case):
+    """A data verdict of the trainer, relayed by the Train node from its worker (a real child): its first line is
+    the verdict and its fix in widgets and nodes (within the popup's 120 characters), not "training X did not
+    start" with the fix cut off below it; no shell text anywhere; the class ComfyUI shows is no python path."""
+    from nodes import worker
+
+    nt = node_env.nt
+    build, source, reached, names, fix = DATA_VERDICTS[case]
+    data = build(node_env.tmp / "data")
+    config = nt.AnimaTrainConfig.execute(**_widgets(nt, model_path=str(tiny_anima.diffusers_dir),
+                                                    dataset_path=str(data), resolution=64, source=source,
+                                                    run_name="cat")).values[0]
+    nt.AnimaTrainTrain.hidden = type("H", (), {"unique_id": "5"})()
+    try:
+        with pytest.raises(worker.WorkerError) as refused:
+            nt.AnimaTrainTrain.execute(config=config)
+    finally:
+        del nt.AnimaTrainTrain.hidden
+    text = str(refused.value)
+    assert reached in text, text  # the worker's own verdict, not an earlier refusal
+    _check(case, text, names)
+    assert fix in text.splitlines()[0], text  # the fix itself, not only its widget, is on the popup's line
+    assert not text.startswith("training"), text  # the verdict leads; the run's name and the log come after it
+    assert "did not start" in text and "full log: " in text, text
+    shown_type = refused.type.__qualname__ if refused.type.__module__ == "builtins" else \
+        f"{refused.type.__module__}.{refused.type.__qualname__}"  # how ComfyUI names the exception on the node
+    assert not SHELL.search(shown_type) and "." not in shown_type and "_" not in shown_type, shown_type

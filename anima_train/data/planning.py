@@ -16,7 +16,7 @@ from anima_train.data.buckets import (BUCKET_KEYS, DATASET_DEFAULTS, BucketError
     make_bucketers, plan_tiers, tier_counts, tier_report)
 from anima_train.data.cache_files import (CACHE_FORMAT, CacheUnreadable, cache_damage, cache_path, read_cache_metadata,
     wxh)
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset, the_resolution
 from anima_train.data.identity import file_change, file_identity
 from anima_train.data.scan import Scan
 from anima_train.data.sources import Source
@@ -123,8 +123,8 @@ def plan_sources(sources: Sequence[Source], settings: BucketSettings, *, drop_un
     unbucketable = [(kept[i], why) for i, why in bad]
     if unbucketable and not drop_unbucketable:
         shown = "\n".join(f"  {s.image or s.stem}: {why}" for s, why in unbucketable[:50])
-        raise DatasetError(f"{len(unbucketable)} source(s) cannot be bucketed with these settings:\n{shown}\n"
-                           f"delete or crop them, or lower bucket_reso_steps / raise the resolution")
+        raise DatasetError(f"{len(unbucketable)} source(s) in {the_dataset()} cannot be bucketed: delete or crop them, "
+                           f"or raise {the_resolution()}\n{shown}\n(or lower bucket_reso_steps)")
     if bad:  # re-index onto the kept-and-bucketable list
         good = [i for i in range(len(kept)) if i not in {j for j, _ in bad}]
         remap = {old: new for new, old in enumerate(good)}
@@ -319,7 +319,14 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
             reason = f"were made with {made_with(check, latest, settings, vae_id)}"
         by_reason[reason].append(f"{src.stem.name} (tier {e.tier}, {wxh(e.plan.bucket)})")
     n = len(check.missing)
-    lines = [f"{n} (source, tier) pair(s) have no valid latent cache for the current settings:"]
+    folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
+    tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
+                   for e, _ in check.missing})
+    fix = cache_command(tops, settings, model=model, config=config, allow_missing_captions=allow_missing_captions)
+    # the fix first: the caches' reasons and files below it
+    lines = [f"{n} (source, tier) pair(s) have no valid latent cache; fix: "
+             f"{ref('run cache', f're-run `{fix}` (it re-encodes stale and damaged caches)')}, or set the config "
+             f"back to the settings the caches were made with"]
     for reason, items in by_reason.items():
         shown = ", ".join(items[:4]) + (f" and {len(items) - 4} more" if len(items) > 4 else "")
         lines.append(f"  caches for {shown} {reason}")
@@ -328,12 +335,6 @@ def stale_cache_error(scan: Scan, plan: Plan, check: CacheCheck, settings: Bucke
         lines += [f"    {d}" for d in damaged[:10]]
         if len(damaged) > 10:
             lines.append(f"    ... and {len(damaged) - 10} more")
-    folders = sorted({scan.folders[plan.sources[e.source].folder].path for e, _ in check.missing})
-    tops = sorted({Path(scan.subsets[scan.folders[plan.sources[e.source].folder].subset].path)
-                   for e, _ in check.missing})
-    fix = cache_command(tops, settings, model=model, config=config, allow_missing_captions=allow_missing_captions)
-    lines.append(f"fix: {ref('run cache', f're-run `{fix}` (it re-encodes stale and damaged caches)')}, or set the "
-                 f"config back to the settings the caches were made with")
     if any(f.mode == "latents" for f in scan.folders):
         lines.append("(the images are gone from " + ", ".join(map(str, folders[:3]))
                      + ": restore them to re-cache, or set the settings back)")

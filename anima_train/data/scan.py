@@ -10,7 +10,7 @@ from pathlib import Path
 
 from anima_train.config import MAX_REPEATS
 from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset
 
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
@@ -106,9 +106,13 @@ def scan_folders(subsets) -> Scan:
                 continue
             n = int(m["n"])
             if n < 1:
-                raise DatasetError(f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
+                raise DatasetError(f"rename folder {name} in {the_dataset()} to 1_{m['name']}: an N_name folder needs "
+                                   f"N >= 1 repeats\n"
+                                   f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
             if n * int(sub.num_repeats) > MAX_REPEATS:
-                raise DatasetError(f"{root / name}: {n} x num_repeats {sub.num_repeats} = {n * int(sub.num_repeats)} "
+                raise DatasetError(f"rename folder {name} in {the_dataset()} with a smaller N: it repeats its images "
+                                   f"more than {MAX_REPEATS} times\n"
+                                   f"{root / name}: {n} x num_repeats {sub.num_repeats} = {n * int(sub.num_repeats)} "
                                    f"repeats is more than {MAX_REPEATS}; rename the folder with a smaller N")
             sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))
             _list_folder(sub_folder)
@@ -118,7 +122,8 @@ def scan_folders(subsets) -> Scan:
         if not mine:
             also = (f" ({len(unread)} image(s) in a format it does not read, e.g. {unread[0].name}: convert them to "
                     f"PNG)" if unread else "")
-            raise DatasetError(f"dataset folder {root} holds no images ({' '.join(IMAGE_EXTENSIONS)}) and no "
+            raise DatasetError(f"no images in {the_dataset()}: give a folder of {' '.join(IMAGE_EXTENSIONS)} "
+                               f"images\ndataset folder {root} holds no images ({' '.join(IMAGE_EXTENSIONS)}) and no "
                                f"*{CACHE_TAIL} caches{also}: check the path")
         folders += mine
     _refuse_twice_seen(folders)

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 from anima_train.data.cache_files import parse_wxh
 from anima_train.data.captions import CaptionError, read_caption_files
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset
 from anima_train.data.images import decoded_size, header_size
 from anima_train.data.scan import Scan
 from anima_train.errors import UserError
@@ -73,10 +73,15 @@ def find_undecodable(paths: Iterable[Path]) -> list[tuple[Path, str]]:
 
 
 def read_failure(e: Exception) -> str:
+    """Why an image cannot be read, in words (no exception class: a node shows this text as it is)."""
     text = str(e)
     if "truncated" in text.lower():
         return "truncated: the file ends early (an interrupted download or copy)"
-    return f"{type(e).__name__}: {text}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if "cannot identify image file" in text:  # Pillow's words for bytes of no format it reads
+        return "not an image Pillow can decode (damaged, or another format under an image's name)"
+    return text or "unreadable"
 
 
 class UnreadableImages(DatasetError):
@@ -85,9 +90,10 @@ class UnreadableImages(DatasetError):
     def __init__(self, bad: Sequence[tuple[Path, str]]):
         shown = "\n".join(f"  {p}  ({why})" for p, why in bad[:50])
         more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
-        super().__init__(f"{len(bad)} image(s) cannot be read:\n{shown}{more}\nfix or delete them (re-download or "
-                         f"re-export them), or skip them (--skip-unreadable on the command line, skip_unreadable=True "
-                         f"in code)")
+        skip = ref("flag train --skip-unreadable", ", or skip them (--skip-unreadable on the command line, "
+                                                   "skip_unreadable=True in code)")
+        super().__init__(f"{len(bad)} image(s) cannot be read in {the_dataset()}: fix or delete them (re-download or "
+                         f"re-export them){skip}\n{shown}{more}")
         self.bad = list(bad)
 
 
@@ -120,14 +126,14 @@ def refuse_missing_captions(missing: Sequence[Path], what: str = "image",
         shown = "\n".join(f"  {p}" for p in missing[:50])
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""
         escape = ref(f"flag {command} --allow-missing-captions", f", or pass --allow-missing-captions to {escape}")
-        raise DatasetError(f"{len(missing)} {what}(s) have no caption file:\n{shown}{more}\nwrite a <stem>.txt "
-                           f"for each (tags), delete the {what}s{escape}")
+        raise DatasetError(f"{len(missing)} {what}(s) have no caption file in {the_dataset()}: write a <stem>.txt "
+                           f"(tags) for each, or delete the {what}s{escape}\n{shown}{more}")
 
 
 def refuse_unreadable_captions(sources: Sequence[Source]) -> None:
     """Read every caption now (tags and NL), so that a bad file stops the run before training, not at the step
     that first draws it; all bad files are listed at once."""
-    bad = []
+    bad, encoding = [], 0
     for s in sources:
         try:
             read_caption_files(s.stem)
@@ -135,10 +141,12 @@ def refuse_unreadable_captions(sources: Sequence[Source]) -> None:
             continue  # missing captions are refuse_missing_captions' business
         except CaptionError as e:
             bad.append(f"{e.path} {e.problem}: re-save it as UTF-8 (in most editors: Save As, encoding UTF-8)")
+            encoding += 1
         except (UserError, OSError) as e:  # a folder, no read permission: the reader policy's own fix
             bad.append(str(e))
     if bad:
         shown = "\n".join(f"  {line}" for line in bad[:50])
         more = f"\n  ... and {len(bad) - 50} more" if len(bad) > 50 else ""
-        raise DatasetError(f"{len(bad)} caption file(s) cannot be read:\n{shown}{more}\nfix each as said, then start "
-                           f"the run again")
+        fix = "re-save each as UTF-8" if encoding == len(bad) else "fix each as said below"
+        raise DatasetError(f"{len(bad)} caption file(s) cannot be read in {the_dataset()}: {fix}, then run "
+                           f"again\n{shown}{more}")

@@ -1,9 +1,10 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_errors.py.
-//   node config_error.cjs '<json: {url, chromium, userDataDir, outDir, substitute, waitMs}>'
+//   node config_error.cjs '<json: {url, chromium, userDataDir, outDir, substitute, typed, waitFor, waitMs}>'
 // Builds the graph a user starts with (Training config -> Train), sets the config's `substitute` widget values (a
 // bad config), queues it with the Run button's own code (app.queuePrompt) and reports what a user then sees: the
 // page's text with the error overlay, the page's text after its "View details" (the Errors panel), the nodes the
-// canvas marks as failing, and the queue's response. Writes <outDir>/result.json and page.png; asserts nothing.
+// canvas marks as failing, the queue's response and the server's events (`events`). Writes <outDir>/result.json
+// and page.png; asserts nothing.
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -52,6 +53,7 @@ async function main() {
       const { app } = window.comfyAPI.app;
       const { api } = window.comfyAPI.api;
       const events = [];
+      window.__animaEvents = events;  // read again below: an execution error comes after the queue's answer
       for (const type of ["execution_start", "execution_error"]) {
         api.addEventListener(type, (e) => events.push({ type, detail: e.detail }));
       }
@@ -65,6 +67,13 @@ async function main() {
       try { await app.queuePrompt(0, 1); } catch (e) { queued.push({ thrown: String(e) }); }
       return { queued, events, graph };
     });
+    // `waitFor`: an event the server sends while the graph runs (execution_error: a node that failed running)
+    if (cfg.waitFor) {
+      await page.waitForFunction((type) => window.__animaEvents.some((e) => e.type === type), cfg.waitFor,
+        { timeout: cfg.waitMs ?? 20000, polling: 250 }).catch(() => {});
+      await page.waitForTimeout(1500);
+    }
+    result.events = await page.evaluate(() => window.__animaEvents);
     // the overlay that counts the errors ("1 error found" / "N errors found"), or what is there after waitMs
     await page.waitForFunction(() => /errors? found/.test(document.body.innerText), null,
       { timeout: cfg.waitMs ?? 20000, polling: 250 }).catch(() => {});
