@@ -160,6 +160,25 @@ def short_first_line(text: str, width: int = FIRST_LINE) -> str:
     return "\n".join([head, tail] + ([rest] if rest else [])) if tail else text
 
 
+OUR_PACKAGES = ("anima_train", "anchor", "nodes")
+SHOWN_TYPE = "Anima trainer"
+
+
+@functools.cache
+def _in_words(cls: type) -> type:
+    return type(cls.__name__, (cls,), {"__module__": "builtins", "__qualname__": SHOWN_TYPE, "__doc__": cls.__doc__})
+
+
+def named_in_words(cls: type) -> type:
+    """The class a node raises our own error as: a subclass of it (every `except` and isinstance still holds) that
+    ComfyUI names "Anima trainer" beside the message. ComfyUI shows an exception's type as module + "." + qualified
+    name (the module left out for builtins), which for our errors was a python path
+    (`anima_train.model.components.ModelRepoError`); other libraries' errors keep their names."""
+    if cls.__module__ == "builtins" or cls.__module__.split(".")[0] not in OUR_PACKAGES:
+        return cls
+    return _in_words(cls)
+
+
 def shown_on(node: str) -> Callable:
     """Decorator of a node's method: the library it calls writes references (anima_train.fixes.writing_refs), and
     the error it raises says them as `render` does (the same exception, its text changed: ComfyUI shows str())."""
@@ -173,6 +192,8 @@ def shown_on(node: str) -> Callable:
                 except Exception as exc:
                     if exc.args and str(exc) == exc.args[0]:  # a message (not an errno's, not a KeyError's repr)
                         exc.args = (render(exc.args[0], node), *exc.args[1:])
+                    if named_in_words(type(exc)) is not type(exc):  # a static (builtin) class cannot be reassigned
+                        exc.__class__ = named_in_words(type(exc))
                     raise
 
         return shown

@@ -311,3 +311,29 @@ def test_the_train_nodes_data_verdicts_lead_with_their_fix(node_env, tiny_anima,
     shown_type = refused.type.__qualname__ if refused.type.__module__ == "builtins" else \
         f"{refused.type.__module__}.{refused.type.__qualname__}"  # how ComfyUI names the exception on the node
     assert not SHELL.search(shown_type) and "." not in shown_type and "_" not in shown_type, shown_type
+
+
+def test_our_errors_raised_on_a_node_are_named_in_words_and_stay_what_they_were():
+    """ComfyUI shows module.qualname beside the message: no python path for the pack's own errors (Load, Encode and
+    the other nodes that raise in ComfyUI's process), and every except clause still catches them."""
+    from anima_train.model.components import ModelRepoError
+    from nodes import fixes as node_fixes
+
+    def shown(cls) -> str:  # how ComfyUI names the exception on the node
+        return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+    @node_fixes.shown_on(node_fixes.TRAIN)
+    def load():
+        raise ModelRepoError("the repo at /x is not a converted Anima repo")
+
+    with pytest.raises(ModelRepoError) as refused:
+        load()
+    assert shown(refused.type) == "Anima trainer" and isinstance(refused.value, ModelRepoError)
+
+    @node_fixes.shown_on(node_fixes.TRAIN)
+    def other():
+        raise ValueError("a library's own error")
+
+    with pytest.raises(ValueError) as kept:
+        other()
+    assert shown(kept.type) == "ValueError"
