@@ -115,6 +115,8 @@ def run_both(args, work: Path) -> None:
             out = work / side / name
             toml = re.sub(r'output_dir = "[^"]*"', f'output_dir = "{out.as_posix()}"', demo)
             toml = re.sub(r"max_steps = \d+", "max_steps = 8", toml)
+            # enough epochs for 8 steps (the demo's config trains 1 epoch): the resumed run starts from step 4's state
+            toml = re.sub(r"(?m)^epochs = \d+.*\n", "", toml).replace("[train]\n", "[train]\nepochs = 100\n", 1)
             toml = re.sub(r'run_name = "[^"]*"', f'run_name = "{name}"', toml)
             toml = toml.replace("[train]\n", "[train]\nsave_every_steps = 4\nsave_optimizer_state = true\n", 1)
             out.mkdir(parents=True)
