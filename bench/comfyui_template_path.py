@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from nodes.worker import ALLOC_VARIABLES, COMFY_ALLOCATOR  # noqa: E402
 from tests.test_comfyui_pack import (TRAIN_TEMPLATE, Messages, _free_port, _get, _post, finished,  # noqa: E402
                                      load_workflow, progress_events, set_widgets, to_api, PACK_NAME)
 
@@ -277,14 +278,12 @@ def main():
             for how in hows if variant == variants[0] else hows[:1]:  # later variants: the first environment only
                 if how == "comfy-env":  # what the worker had, less the parent watch (its parent is not ComfyUI)
                     cli_env = {k: v for k, v in worker_env_seen.items() if k != "ANIMA_TRAIN_PARENT_PID"}
-                elif how == "comfy-alloc":  # a shell's, plus the allocator ComfyUI sets for itself (and gave
-                    # the worker until nodes/worker.without_comfy_allocator)
-                    cli_env = {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+                elif how in ("plain", "comfy-alloc"):  # a shell's; comfy-alloc adds the allocator ComfyUI sets for
+                    # itself (and gave the worker until nodes/worker.without_comfy_allocator)
+                    cli_env = {k: v for k, v in env.items() if k not in ALLOC_VARIABLES}
                     cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
-                    cli_env["PYTORCH_ALLOC_CONF"] = "backend:cudaMallocAsync"
-                elif how == "plain":
-                    cli_env = {k: v for k, v in env.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
-                    cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+                    if how == "comfy-alloc":
+                        cli_env["PYTORCH_ALLOC_CONF"] = COMFY_ALLOCATOR
                 else:
                     raise SystemExit(f"--cli: unknown {how!r}")
                 _post(port, "/free", {"unload_models": True, "free_memory": True})
