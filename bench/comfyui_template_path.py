@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.bench_train_gpu import steady_seconds  # noqa: E402  (the bench's statistic, not a copy)
 from nodes.worker import ALLOC_VARIABLES, COMFY_ALLOCATOR  # noqa: E402
 from tests.test_comfyui_pack import (TRAIN_TEMPLATE, Messages, _free_port, _get, _post, finished,  # noqa: E402
                                      load_workflow, progress_events, set_widgets, to_api, PACK_NAME)
@@ -58,10 +59,8 @@ def step_stats(events: list[dict], started: float) -> dict:
     if len(deltas) < 4:
         return {"steps": len(times), "s_per_step": None}
     med = statistics.median(deltas[3:])
-    steady = next((i for i in range(len(deltas) - 4) if all(abs(d - med) <= 0.1 * med for d in deltas[i:i + 5])),
-                  None)
     return {"steps": len(times), "s_per_step": round(med, 4), "first_step_s": round(times[0] - started, 1),
-            "steady_s": round(times[steady] - started, 1) if steady is not None else None,
+            "steady_s": steady_seconds(times, started),
             "wall_to_last_step_s": round(times[-1] - started, 1)}
 
 
