@@ -397,8 +397,8 @@ def test_the_swap_blocks_widget_stands_for_auto_at_zero(comfy_env, dataset):
     port = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}["swap_blocks"]
     assert port.kind == "INT" and port.options["default"] == 0 and "[0 here = auto]" in port.options["tooltip"]
     values = widgets(nt, "x", dataset)
-    assert parse_config(nt.config_toml(dict(values, swap_blocks=0))).train.swap_blocks == "auto"
-    assert parse_config(nt.config_toml(dict(values, swap_blocks=3))).train.swap_blocks == 3
+    assert parse_config(comfy_env.tc.config_toml(dict(values, swap_blocks=0))).train.swap_blocks == "auto"
+    assert parse_config(comfy_env.tc.config_toml(dict(values, swap_blocks=3))).train.swap_blocks == 3
 
 
 def test_train_shows_the_validation_summary_and_its_verdict(comfy_env, tiny_anima, dataset):
