@@ -707,3 +707,23 @@ def test_every_data_refusal_is_walked_or_out_of_reach():
     stale = [entry for entry in [*walked, *NOT_FROM_A_NODE] if not any(_matches(entry, s) for s in sites)]
     assert not stale, f"entries that name no raise site: {stale}"
     assert all(NOT_FROM_A_NODE.values())
+
+
+def test_a_cache_data_verdict_leads_the_cache_nodes_message(tmp_path):
+    """`cache` exits 4 for images it cannot decode (a verdict on the data, not a crash): the Cache node's message
+    leads with that verdict and its fix, as for exit 2, not "caching failed (worker exit status 4)" above a log
+    line that starts with the shell's `anima-train cache: error:`."""
+    from anima_train.errors import DATA_VERDICT_EXIT
+    from anima_train.fixes import OPEN, CLOSE
+    from nodes import fixes, worker
+
+    log = tmp_path / "cache.log"
+    log.write_text(f"==== cache 2026-01-01\nimages   3 in 1 folder(s)\n"
+                   f"anima-train cache: error: 1 image(s) cannot be read in {OPEN}name dataset{CLOSE}: fix or delete "
+                   f"them (re-download or re-export them)\n  {tmp_path}/a.png  (truncated)\n")
+    result = worker.JobResult(returncode=DATA_VERDICT_EXIT, log_path=log)
+    text = fixes.render(worker.failure_message(result, "caching"), fixes.CACHE)
+    _check("cache verdict", text, ("dataset_dir",))
+    assert text.splitlines()[0] == "1 image(s) cannot be read in dataset_dir: fix or delete them (re-download or " \
+                                   "re-export them)", text
+    assert "exit status" not in text and f"{tmp_path}/a.png" in text, text
