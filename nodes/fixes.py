@@ -53,6 +53,10 @@ CLAUSES = {
     "flag convert --vae": "vae",
     "flag convert --tokenizers": "tokenizers",
     "flag convert --out": "out_dir",
+    "flag cache --resolution": f'set resolutions on "{CACHE}" or connect a training config',
+    "flag cache --model": f'set model_path on "{CACHE}" to a converted repo (made by "{CONVERT}")',
+    "name --resolution": "resolutions",  # the widget of the one flag Cache and Audit pass (named where refused)
+    "run one process": {TRAIN: "set gpus to 1", "": f'set gpus to 1 on "{TRAIN}"'},
     "flag cache --allow-missing-captions": f', or turn on allow_missing_captions on "{CACHE}" to cache them anyway',
     "flag train --allow-missing-captions": "",
     "flag train --skip-unreadable": "",
@@ -65,7 +69,8 @@ CLAUSES = {
 # The widgets CLAUSES names, per node id: checked against the nodes' schemas.
 WIDGETS_NAMED = {"AnimaTrainConvert": ["anima", "qwen", "vae", "tokenizers", "out_dir"],
                  "AnimaTrainAudit": ["resolutions", "model_path", "dataset_dir"],
-                 "AnimaTrainCache": ["dry_run", "allow_missing_captions", "dataset_dir", "resolutions"],
+                 "AnimaTrainCache": ["dry_run", "allow_missing_captions", "dataset_dir", "resolutions", "model_path"],
+                 "AnimaTrainTrain": ["gpus"],
                  "AnimaTrainConfig": ["source", "model_path", "dataset_path", "resolution"]}
 
 

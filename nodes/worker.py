@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from anima_train.errors import USER_ERROR_EXIT
+from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
 from anima_train.fixes import REFS_ENV
 from anima_train.system import third_party_noise
 from anima_train.system.parent_watch import PARENT_PID_ENV
@@ -451,11 +451,15 @@ def failure_message(result: JobResult, what: str) -> str:
     A user error (exit status 2, anima_train.errors: a refused run folder, a bad path, a data verdict, ...) is the
     whole story: its own first line (what is wrong and the fix: the one line a node's popup shows) leads the text,
     then "<what> did not start" (or "stopped" after the first step), with no exit status, and the log lines that
-    only repeat it are left out."""
+    only repeat it are left out. So is a data verdict of `cache` (exit status 4: images it cannot decode), which
+    is the same kind of message: without this its node led with "caching failed (worker exit status 4)" and showed
+    the verdict only as the log's `anima-train cache: error:` line."""
     error = result.last("error") or {}
     message = str(error.get("message") or "") or _said_error(result)
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
         parts = [message, f"{what} {'stopped' if result.last('start') else 'did not start'}"]
+    elif message and not error.get("traceback") and result.returncode == DATA_VERDICT_EXIT:
+        parts = [message, f"{what} ended on this verdict on the data"]
     else:
         parts = [f"{what} failed (worker exit status {result.returncode})"] + ([message] if message else [])
     said = {line.strip() for line in message.splitlines() if line.strip()}
@@ -474,8 +478,8 @@ _USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: (error: )?(?!warning: )")
 
 def _said_error(result: JobResult) -> str:
     """A user error the command printed on stderr (a command without events: convert, cache, audit): from its last
-    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2."""
-    if result.returncode != USER_ERROR_EXIT:
+    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2 (or 4, a data verdict)."""
+    if result.returncode not in (USER_ERROR_EXIT, DATA_VERDICT_EXIT):
         return ""
     lines = log_tail(result.log_path, lines=200).splitlines()
     at = next((i for i in range(len(lines) - 1, -1, -1) if _USER_ERROR_PREFIX.match(lines[i])), None)

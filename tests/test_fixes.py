@@ -337,3 +337,393 @@ def test_our_errors_raised_on_a_node_are_named_in_words_and_stay_what_they_were(
     with pytest.raises(ValueError) as kept:
         other()
     assert shown(kept.type) == "ValueError"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The walk of every data refusal: each `raise` of a user error in anima_train/data/*.py is reached below from the
+# node that shows it (in this process: the library call its worker makes, fast), or said here to be out of a
+# node's reach and why. A raise site added without either fails test_every_data_refusal_is_walked_or_out_of_reach.
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "anima_train" / "data"
+
+
+def _raise_sites() -> list[tuple[str, str, int, int, str]]:
+    """(file, function qualname, first line, last line, source) of every `raise` of a user error (a UserError
+    subclass, or a function annotated to return one: planning.stale_cache_error) in anima_train/data/*.py."""
+    import ast
+    import importlib
+    import inspect
+    import typing
+
+    from anima_train.errors import UserError
+
+    def ours(obj) -> bool:
+        if inspect.isclass(obj):
+            return issubclass(obj, UserError)
+        if inspect.isfunction(obj):
+            returned = typing.get_type_hints(obj).get("return")
+            return inspect.isclass(returned) and issubclass(returned, UserError)
+        return False
+
+    sites = []
+    for file in sorted(DATA_DIR.glob("*.py")):
+        module = importlib.import_module(f"anima_train.data.{file.stem}")
+        source = file.read_text()
+
+        def walk(node, names: tuple[str, ...]) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    walk(child, (*names, child.name))
+                    continue
+                if isinstance(child, ast.Raise) and child.exc is not None:
+                    called = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
+                    if isinstance(called, ast.Name) and ours(getattr(module, called.id, None)):
+                        sites.append((file.name, ".".join(names), child.lineno, child.end_lineno,
+                                      ast.get_source_segment(source, child)))
+                walk(child, names)
+
+        walk(ast.parse(source), ())
+    return sites
+
+
+def _matches(entry: tuple[str, str, str], site) -> bool:
+    """An entry (file, function, a phrase of the raise statement) names this site."""
+    file, function, phrase = entry
+    return site[0] == file and site[1] == function and phrase in site[4]
+
+
+# The raise sites no node reaches, and why (the gate that refuses first, the widget that cannot give the value, the
+# flag no node passes, or a bug of ours); each entry is (file, function, a phrase of the raise statement).
+NOT_FROM_A_NODE = {
+    ("scan.py", "scan_folders", "does not exist"):
+        "the Training config's gate checks every folder (test_several_config_problems_are_shown_together_each_once), "
+        "Cache and Audit check dataset_dir before the worker starts (test_audit_cache_and_convert_say_their_widgets)",
+    ("scan.py", "resolve_modes", "use one of"):
+        "the Training config's gate refuses an unknown source (a choice widget; the config's choices rule)",
+    ("dataset.py", "build_training_data", "texture [[curriculum]] phase needs"):
+        "the Training config's gate refuses a texture phase without source = encode (config rules); only a Config "
+        "changed in code gets here (test_texture)",
+    ("dataset.py", "bucket_batch_sizes", "has no entry for tier"):
+        "the Training config's gate requires batch_size's keys to equal the tiers (config rules: _batch_size_tiers)",
+    ("dataset.py", "build_training_data", "left out as unreadable"):
+        "only --skip-unreadable (the CLI's flag; no node passes it) leaves every image out as unreadable",
+    ("dataset.py", "load_pixels", ""):
+        "the scan decoded the image already: only a file changed while the run goes on, or a bucketing bug of ours",
+    ("cache_files.py", "load_latents", ""):
+        "the scan read and checked the cache already: only a file replaced while the run goes on",
+    ("captions.py", "read_caption_file", ""):
+        "every caption is read by sources.refuse_unreadable_captions first, which lists these texts under its own "
+        "first line (walked: 'caption not UTF-8'); a caption changed while the run goes on is its only other way",
+    ("planning.py", "BucketSettings.bucketers", ""):
+        "the config's [dataset] rules refuse the bucket settings Bucketer refuses: the Training config's gate for "
+        "Train, refuse_what_the_config_refuses for Cache and Audit (walked: 'tier below the step')",
+    ("planning.py", "plan_sources", "raise DatasetError(str(e))"):
+        "plan_tiers refuses an unknown tier_collapse or a bucket over 2048 px, which the config's rules refuse first",
+    ("buckets.py", "Bucketer.__init__", ""): "caught and said by planning.BucketSettings.bucketers (listed there)",
+    ("buckets.py", "Bucketer._shrunk_size", ""): "caught by planning.plan_tiers_checked: an unbucketable source "
+                                                 "(walked: 'unbucketable')",
+    ("buckets.py", "Bucketer.select", ""): "caught by planning.plan_tiers_checked: an unbucketable source "
+                                           "(walked: 'unbucketable')",
+    ("buckets.py", "verify_max_resolution", ""): "caught by planning.plan_sources (listed there)",
+    ("buckets.py", "plan_tiers", ""): "caught by planning.plan_sources (listed there)",
+    ("buckets.py", "area_percentiles", ""): "the audit refuses a dataset with no sized source before it asks for "
+                                            "percentiles (walked: 'nothing to audit')",
+    ("latent_cache.py", "resolve_dataset_args", "raise DatasetError(str(e))"):
+        "the config Cache and Audit get is the Training config's output, which passed the same load_config",
+    ("latent_cache.py", "resolve_dataset_args", "no dataset folder"):
+        "nodes_dataset.dataset_args refuses an empty dataset_dir without a config first; a config has a folder",
+    ("latent_cache.py", "resolve_dataset_args", "every tier must be > 0"):
+        "nodes_dataset.parse_resolutions refuses a tier <= 0 first; a config's tiers passed its gate",
+    ("latent_cache.py", "_device", "--device"): "the Cache node passes no --device (the CLI's flag only)",
+    ("latent_cache.py", "_run", "--batch-size must be"): "the batch_size widget's minimum is 1 (ComfyUI refuses less)",
+}
+
+
+def _broken_link(folder: Path) -> Path:
+    _images(folder)
+    (folder / "gone.png").symlink_to(folder / "nowhere.png")
+    return folder
+
+
+def _shared_stem(folder: Path) -> Path:
+    from PIL import Image
+
+    _images(folder)
+    Image.new("RGB", (64, 64), "white").save(folder / "img_0000.webp")  # beside img_0000.png: one stem, two images
+    return folder
+
+
+def _too_many_repeats(folder: Path) -> Path:
+    _images(folder)
+    return _images(folder / "99999_cats").parent
+
+
+def _linked_into_itself(folder: Path) -> Path:
+    _images(folder)
+    (folder / "3_again").symlink_to(folder)  # every image reached twice
+    return folder
+
+
+def _caches_only(folder: Path) -> Path:
+    from anima_train.data.synthetic import make_synthetic_latents
+
+    make_synthetic_latents(folder, n=3)  # no original_size: one tier only
+    return folder
+
+
+def _images_and_caches_only(folder: Path) -> Path:
+    _images(folder)
+    _caches_only(folder / "1_cached")
+    return folder
+
+
+def _caption_is_a_folder(folder: Path) -> Path:
+    _images(folder)
+    (folder / "img_0000.txt").unlink()
+    (folder / "img_0000.txt").mkdir()
+    return folder
+
+
+def _foreign_cache(folder: Path) -> Path:
+    _images(folder)
+    (folder / "img_0000_0064x0064_anima.safetensors").write_bytes(b"my own notes, not a cache")
+    return folder
+
+
+def _foreign_cache_only(folder: Path) -> Path:
+    _caches_only(folder)
+    (folder / "zzz_0128x0128_anima.safetensors").write_bytes(b"my own notes, not a cache")
+    (folder / "zzz.txt").write_text("a line\n")
+    return folder
+
+
+def _truncated_cache(folder: Path) -> Path:
+    from anima_train.data.cache_files import CACHE_FORMAT
+    from safetensors.torch import save_file
+    import torch
+
+    _caches_only(folder)
+    cache = next(folder.glob("*_anima.safetensors"))
+    save_file({"latents": torch.zeros(16, 1, 16, 16)}, str(cache), metadata={"format": CACHE_FORMAT})
+    cache.write_bytes(cache.read_bytes()[:-100])  # ours by its header, its tensor cut short
+    return folder
+
+
+def _two_unsized_caches(folder: Path) -> Path:
+    import shutil
+
+    _caches_only(folder)
+    first = sorted(folder.glob("*_anima.safetensors"))[0]
+    shutil.copy(first, first.with_name(first.name.replace("0128x0128", "0064x0064")))
+    return folder
+
+
+def _damaged_unsized_cache(folder: Path) -> Path:
+    from safetensors.torch import save_file
+    import torch
+
+    _caches_only(folder)
+    save_file({"latents": torch.zeros(16, 1, 8, 8)}, str(sorted(folder.glob("*_anima.safetensors"))[0]))
+    return folder
+
+
+def _truncated_png(folder: Path) -> Path:
+    _images(folder)
+    png = next(folder.glob("*.png"))
+    png.write_bytes(png.read_bytes()[:-len(png.read_bytes()) // 2])  # its header intact, its pixels cut short
+    return folder
+
+
+def _tiny_images(folder: Path) -> Path:
+    from anima_train.model.tiny import make_synthetic_dataset
+
+    make_synthetic_dataset(folder, n=3, sizes=[(32, 32)])
+    return folder
+
+
+TEXTURE = ('[dataset.texture]\ncanvases = [[64, 64]]\ntrigger = "texture"\n[[curriculum]]\nat = 0.0\n'
+           '[[curriculum]]\nat = 0.5\nmode = "texture"\n')
+
+
+# Each case: the node that shows it ("train": its worker's build_training_data, "train node": the node's own
+# execute, "cache"/"audit": the node with its worker's command run in this process), the folder, the widgets, the
+# raise site it reaches (file, function, a phrase of the raise), the widgets or nodes its first line names, and
+# the fix that first line says.
+WALK = {
+    "no images": ("train", _no_images, {}, ("scan.py", "scan_folders", "no images"),
+                  ("dataset_path",), "give a folder of"),
+    "broken link": ("train", _broken_link, {}, ("scan.py", "_entries", "symbolic link"),
+                    ("dataset_path",), "remove it"),
+    "shared stem": ("train", _shared_stem, {}, ("scan.py", "_list_folder", "share the stem"),
+                    ("dataset_path",), "rename or remove one"),
+    "zero repeats": ("train", _zero_repeats, {}, ("scan.py", "scan_folders", "N >= 1"),
+                     ("dataset_path",), "to 1_cats"),
+    "over max repeats": ("train", _too_many_repeats, {}, ("scan.py", "scan_folders", "smaller N"),
+                         ("dataset_path",), "with a smaller N"),
+    "two paths to one image": ("train", _linked_into_itself, {}, ("scan.py", "_refuse_twice_seen", ""),
+                               ("dataset_path",), "remove the link"),
+    "caches but no images": ("train", _caches_only, {"source": "images"},
+                             ("scan.py", "resolve_modes", "has caches but no images"), ("source",), '"latents"'),
+    "mixed source modes": ("train", _images_and_caches_only, {"source": "auto"},
+                           ("scan.py", "resolve_modes", "different source modes"), ("source",), '"latents"'),
+    "unreadable image": ("train", _bad_image, {"source": "encode"}, ("sources.py", "image_sources", ""),
+                         ("dataset_path",), "fix or delete them"),
+    "caption is a folder": ("train", _caption_is_a_folder, {"source": "encode"},
+                            ("sources.py", "refuse_missing_captions", "fix each as said"), ("dataset_path",), "fix"),
+    "no captions": ("train", _uncaptioned, {"source": "encode"},
+                    ("sources.py", "refuse_missing_captions", "have no caption file"), ("dataset_path",),
+                    "write a <stem>.txt"),
+    "caption not UTF-8": ("train", _bad_caption, {"source": "encode"},
+                          ("sources.py", "refuse_unreadable_captions", ""), ("dataset_path",),
+                          "re-save each as UTF-8"),
+    "unbucketable": ("train", _thin_image, {"source": "encode"}, ("planning.py", "plan_sources", "cannot be bucketed"),
+                     ("dataset_path",), "delete or crop them"),
+    "no caches": ("train", _images, {"source": "images"}, ("dataset.py", "build_training_data", "stale_cache_error"),
+                  ('"Anima: Cache latents"',), "dry_run off"),
+    "undecodable, no cache": ("train", _truncated_png, {"source": "images"},
+                              ("dataset.py", "build_training_data", "UnreadableImages"), ("dataset_path",),
+                              "fix or delete them"),
+    "all below min_source_area": ("train", _tiny_images, {"extra_toml": "[dataset]\nmin_source_area = 0.5\n"},
+                                  ("dataset.py", "build_training_data", "drops every image"), ("min_source_area",),
+                                  "lower"),
+    "the validation fraction": ("train", _images, {"extra_toml": "[validation]\nfraction = 0.9\n"},
+                                ("dataset.py", "held_out_stems", ""), ("fraction",), "lower it"),
+    "not our cache": ("train", _foreign_cache_only, {"source": "latents"},
+                      ("cache_files.py", "read_cache_metadata", ""), ("dataset_path",), "move or rename it"),
+    "truncated cache": ("train", _truncated_cache, {"source": "latents"},
+                        ("cache_files.py", "read_cache_metadata", ""), ('"Anima: Cache latents"',), "delete it"),
+    "unsized caches, two tiers": ("train", _caches_only,
+                                  {"source": "latents", "extra_toml": "[dataset]\nresolutions = [64, 128]\n"},
+                                  ("dataset.py", "_latents_entries", "cannot be attributed"), ("resolution",),
+                                  "to one tier"),
+    "two unsized caches of a stem": ("train", _two_unsized_caches, {"source": "latents"},
+                                     ("dataset.py", "_latents_entries", "keep one of"), ("dataset_path",),
+                                     "keep one"),
+    "damaged unsized cache": ("train", _damaged_unsized_cache, {"source": "latents"},
+                              ("dataset.py", "_latents_entries", "is damaged"), ("dataset_path",), "delete it"),
+    "texture on two GPUs": ("train node", _images, {"source": "encode", "extra_toml": TEXTURE},
+                            ("texture.py", "refuse_multi_process", ""), ("gpus",), "gpus"),
+    "cache: no tier": ("cache", _images, {"resolutions": ""}, ("latent_cache.py", "resolve_dataset_args", "tier(s)"),
+                       ("resolutions",), "set resolutions"),
+    "cache: tier below the step": ("cache", _images, {"resolutions": "32"},
+                                   ("latent_cache.py", "refuse_what_the_config_refuses", ""), ("resolutions",),
+                                   "raise the tier"),
+    "cache: foreign cache files": ("cache", _foreign_cache, {"resolutions": "64"},
+                                   ("latent_cache.py", "refuse_foreign_files", ""), ("dataset_dir",),
+                                   "move or rename them"),
+    "cache: caches only": ("cache", _caches_only, {"resolutions": "64"},
+                           ("latent_cache.py", "_run", "no images to cache"), ("dataset_dir",), "give the folder"),
+    "cache: undecodable": ("cache", _truncated_png, {"resolutions": "64"},
+                           ("latent_cache.py", "_run", "UnreadableImages"), ("dataset_dir",), "fix or delete them"),
+    "cache: no VAE": ("cache", _images, {"resolutions": "64", "dry_run": False, "model_path": "no_vae"},
+                      ("latent_cache.py", "load_vae", ""), ("model_path",), "set model_path"),
+    "audit: nothing to audit": ("audit", _caches_only, {}, ("audit.py", "audit", "nothing to audit"),
+                                ("dataset_dir",), "give the folder"),
+}
+
+
+def _in_process(args: list[str], what: str, **_):
+    """run_cli's stand-in: the worker's command (`cache ...`, `audit ...`) parsed by its own parser and run here,
+    its error raised instead of printed (the node shows the error's text either way)."""
+    import argparse
+
+    from anima_train.data import audit, latent_cache
+
+    parser = argparse.ArgumentParser()
+    {"cache": latent_cache, "audit": audit}[args[0]].add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    {"cache": latent_cache._run, "audit": audit.audit}[args[0]](parsed)
+    raise AssertionError(f"{what} refused nothing: {args}")
+
+
+def _refused(node_env, tiny_anima, monkeypatch, case) -> tuple[str, BaseException]:
+    """Play `case` into its refusal: (the text its node shows, the exception)."""
+    from anima_train.config import parse_config
+    from anima_train.data.dataset import build_training_data
+    from anima_train.fixes import writing_refs
+    from nodes import fixes
+
+    node, build, widgets, *_ = WALK[case]
+    nt, nd = node_env.nt, node_env.nd
+    data = build(node_env.tmp / "data")
+    if node in ("cache", "audit"):
+        monkeypatch.setattr(nd, "run_cli", _in_process)
+        (node_env.tmp / "models" / "no_vae").mkdir(parents=True, exist_ok=True)
+        cls, here = (nd.AnimaTrainCache, fixes.CACHE) if node == "cache" else (nd.AnimaTrainAudit, fixes.AUDIT)
+        with pytest.raises(Exception) as refused:  # noqa: PT011 (each refusal raises its own kind)
+            cls.execute(**dict({"dataset_dir": str(data)}, **widgets))
+        return fixes.render(str(refused.value), here), refused.value
+    values = _widgets(nt, model_path=str(tiny_anima.diffusers_dir), dataset_path=str(data), resolution=64,
+                      run_name="cat", **widgets)
+    assert nt.AnimaTrainConfig.validate_inputs(**values) is True  # past the gate: the trainer's own verdict
+    config = nt.AnimaTrainConfig.execute(**values).values[0]
+    with pytest.raises(Exception) as refused:  # noqa: PT011
+        if node == "train node":
+            nt.AnimaTrainTrain.hidden = type("H", (), {"unique_id": "5"})()
+            try:
+                nt.AnimaTrainTrain.execute(config=config, gpus=2)
+            finally:
+                del nt.AnimaTrainTrain.hidden
+        else:
+            cfg = parse_config(config["toml"])
+            with writing_refs():  # as the worker writes it (its environment says so)
+                build_training_data(cfg, cfg.train.model_path)
+    return fixes.render(str(refused.value), fixes.TRAIN), refused.value
+
+
+def _raised_at(exc: BaseException, sites) -> tuple | None:
+    """The raise site under anima_train/data that raised `exc` (its traceback's last frame there on a raise)."""
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if Path(frame.filename).parent == DATA_DIR:
+            for site in sites:
+                if Path(frame.filename).name == site[0] and site[2] <= frame.lineno <= site[3]:
+                    return site
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(WALK))
+def test_each_data_refusal_leads_with_its_fix_on_its_node(node_env, tiny_anima, monkeypatch, case):
+    """The refusal as its node shows it: raised where the case says, no shell text, a first line within the popup's
+    120 characters that names the widget or node to change and says the fix."""
+    *_, at, names, fix = WALK[case]
+    text, exc = _refused(node_env, tiny_anima, monkeypatch, case)
+    site = _raised_at(exc, _raise_sites())
+    assert site is not None and _matches(at, site), f"{case}: raised at {site and site[:3]}, not {at}:\n{text}"
+    _check(case, text, names)
+    assert fix in text.splitlines()[0], f"{case}: the first line does not say {fix!r}:\n{text}"
+
+
+def test_every_data_refusal_is_walked_or_out_of_reach():
+    """Every raise of a user error in anima_train/data is a case of the walk above or in NOT_FROM_A_NODE with the
+    reason; every entry of both names a raise that exists (a removed one goes from the tables too)."""
+    sites = _raise_sites()
+    walked = [case[3] for case in WALK.values()]
+    unclaimed = [f"{file}:{first} in {function}: {text.splitlines()[0]}"
+                 for file, function, first, _, text in sites
+                 if not any(_matches(entry, (file, function, first, _, text)) for entry in [*walked, *NOT_FROM_A_NODE])]
+    assert not unclaimed, "raise sites neither walked from a node nor said to be out of reach:\n" + "\n".join(unclaimed)
+    stale = [entry for entry in [*walked, *NOT_FROM_A_NODE] if not any(_matches(entry, s) for s in sites)]
+    assert not stale, f"entries that name no raise site: {stale}"
+    assert all(NOT_FROM_A_NODE.values())
+
+
+def test_a_cache_data_verdict_leads_the_cache_nodes_message(tmp_path):
+    """`cache` exits 4 for images it cannot decode (a verdict on the data, not a crash): the Cache node's message
+    leads with that verdict and its fix, as for exit 2, not "caching failed (worker exit status 4)" above a log
+    line that starts with the shell's `anima-train cache: error:`."""
+    from anima_train.errors import DATA_VERDICT_EXIT
+    from anima_train.fixes import OPEN, CLOSE
+    from nodes import fixes, worker
+
+    log = tmp_path / "cache.log"
+    log.write_text(f"==== cache 2026-01-01\nimages   3 in 1 folder(s)\n"
+                   f"anima-train cache: error: 1 image(s) cannot be read in {OPEN}name dataset{CLOSE}: fix or delete "
+                   f"them (re-download or re-export them)\n  {tmp_path}/a.png  (truncated)\n")
+    result = worker.JobResult(returncode=DATA_VERDICT_EXIT, log_path=log)
+    text = fixes.render(worker.failure_message(result, "caching"), fixes.CACHE)
+    _check("cache verdict", text, ("dataset_dir",))
+    assert text.splitlines()[0] == "1 image(s) cannot be read in dataset_dir: fix or delete them (re-download or " \
+                                   "re-export them)", text
+    assert "exit status" not in text and f"{tmp_path}/a.png" in text, text

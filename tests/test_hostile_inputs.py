@@ -381,7 +381,7 @@ CASES = [_symlink_loop, _huge_repeat_folder, _huge_rank, _events_folder, _events
 
 # data verdicts that lead with their fix and give the details (the folder) on the lines after: the fix they say first
 FIX_FIRST = {_empty_folder: "give a folder of", _captions_only_folder: "give a folder of",
-             _huge_repeat_folder: "with a smaller N"}
+             _huge_repeat_folder: "with a smaller N", _symlink_loop: "remove it"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__.strip("_"))

@@ -184,6 +184,8 @@ def test_cache_never_writes_over_a_file_it_did_not_write(work, flags):
     err = out.stderr
     assert out.returncode == errors.USER_ERROR_EXIT, f"exit {out.returncode}\n{err[-3000:]}"
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("anima-train cache: error: "), err[-3000:]
+    # the verdict and its fix on one line (a node's popup shows it alone), the file on the next: nothing else
+    assert len(lines) == 2 and lines[0].startswith("anima-train cache: error: "), err[-3000:]
+    assert "move or rename them" in lines[0] and str(caches[0].relative_to(work)) in lines[1], err
     assert str(caches[0].relative_to(work)) in err and "move or rename" in err and "delete" not in err, err
     assert folder_digests(work / "base") == before

@@ -744,7 +744,7 @@ def test_a_texture_curriculum_goes_in_extra_toml_and_two_gpus_are_refused_before
     cfg = parse_config(config["toml"])
     assert [p.mode for p in cfg.curriculum] == ["fullres", "texture"] and cfg.dataset.texture.trigger == "tex"
     assert cfg.dataset.texture.canvases == [[64, 64], [64, 64], [128, 64]] and cfg.dataset.source == "encode"
-    with pytest.raises(TextureError, match="on 2 processes is refused: run it on one process"):
+    with pytest.raises(TextureError, match="on 2 processes is refused: set gpus to 1"):
         _train(env, config, gpus=2)
     assert env.spawned == []  # refused on the node, before a worker (and accelerate launch) started
     _train(env, config, gpus=1)

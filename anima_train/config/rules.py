@@ -59,8 +59,8 @@ def _tiers(d, p: Problems, ctx, w) -> None:
         if too_small:  # no bucket (sides are multiples of bucket_reso_steps) fits such a tier's area
             key = "resolutions" if d.resolutions is not None else "resolution"
             p.error(f"[dataset] {key}: tier(s) {as_toml(too_small)} are below bucket_reso_steps = "
-                    f"{d.bucket_reso_steps} (the bucket side step), so no image can be bucketed; raise the tier "
-                    f"(e.g. 1024) or lower bucket_reso_steps", f"dataset.{key}")
+                    f"{d.bucket_reso_steps}: raise the tier (e.g. 1024) or lower bucket_reso_steps; no image can be "
+                    f"bucketed (bucket sides are multiples of it)", f"dataset.{key}")
 
 
 def _tiers_ok(p: Problems) -> bool:

@@ -28,7 +28,7 @@ from anima_train.data.buckets import BUCKET_KEYS, audit_report, make_bucketers, 
 from anima_train.data.latent_cache import add_dataset_arguments, flag_overrides, resolve_dataset_args
 from anima_train.data.cache_files import (CacheUnreadable, cache_bucket, cache_damage, cache_path, parse_wxh,
     read_cache_metadata, vae_identity)
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset
 from anima_train.data.planning import (IMAGE_CHANGED, IMAGE_UNRECORDED, BucketSettings, cache_command, check_caches,
     made_with, plan_sources, plan_tiers_checked, plan_warnings, settings_record)
 from anima_train.data.scan import scan_folders
@@ -128,7 +128,8 @@ def audit(args) -> tuple[list[str], bool]:
     sources = image_srcs + [s for s in cache_only if s.size is not None]
     unsized = [s for s in cache_only if s.size is None]
     if not sources:
-        raise DatasetError("nothing to audit: no readable images and no caches with an original_size")
+        raise DatasetError(f"nothing to audit in {the_dataset()}: give the folder of your images\nno readable images "
+                           f"and no caches with an original_size in " + ", ".join(str(s.path) for s in subsets))
 
     areas = [s.size[0] * s.size[1] for s in sources]
     sizes = [s.size for s in sources]

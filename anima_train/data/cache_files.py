@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset
 from anima_train.fixes import ref
 
 
@@ -38,10 +38,11 @@ class CacheUnreadable(DatasetError):
     """A latent cache whose safetensors header cannot be read (truncated, not safetensors)."""
 
     def __init__(self, path: Path, reason: str):
-        super().__init__(f"latent cache {path} cannot be read ({reason}): delete it and "
-                         + ref("run cache", "re-run anima-train cache") if written_as_cache(path) else
-                         f"{path} has a latent cache's name but is not a cache anima-train wrote ({reason}): move "
-                         f"or rename it")
+        super().__init__("a latent cache cannot be read: delete it and "
+                         + ref("run cache", "re-run anima-train cache") + f"\nlatent cache {path} cannot be read "
+                         f"({reason})" if written_as_cache(path) else
+                         f"a file in {the_dataset()} has a latent cache's name but is no cache: move or rename it\n"
+                         f"{path} was not written by {ref('name cache', 'anima-train cache')} ({reason})")
         self.path, self.reason = path, reason
 
 

@@ -45,7 +45,7 @@ from anima_train.data.buckets import BucketPlan, crop_ltrb, tier_counts, tier_re
 from anima_train.data.cache_files import (cache_bucket, cache_damage, load_latents, read_cache_metadata, vae_identity,
     wxh)
 from anima_train.data.captions import build_caption, read_caption_files
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset, the_resolution
 from anima_train.data.images import open_image
 from anima_train.data.planning import (BucketSettings, CacheCheck, Entry, Plan, check_caches, plan_sources,
     plan_warnings, stale_cache_error)
@@ -243,17 +243,20 @@ def _latents_entries(scan: Scan, settings: BucketSettings, vae_id: str | None,
         paths = scan.folders[s.folder].caches[s.stem.name]
         if len(settings.tiers) > 1:
             raise DatasetError(
-                f"caches for {s.stem} carry no original_size, so they cannot be attributed to one of the tiers "
-                f"{list(settings.tiers)}: " + ref("run cache", "re-cache from the images with anima-train cache")
-                + ", or use one resolution")
+                f"caches without original_size fit no one of several tiers: set {the_resolution()} to one tier, or "
+                + ref("run cache", "re-cache from the images with anima-train cache")
+                + f"\ncaches for {s.stem} carry no original_size, so they cannot be attributed to one of the tiers "
+                  f"{list(settings.tiers)}")
         if len(paths) > 1:
-            raise DatasetError(f"{len(paths)} caches for {s.stem} carry no original_size and only one can be used "
-                               f"per source: keep one of {', '.join(p.name for p in paths)}")
+            raise DatasetError(f"{len(paths)} caches of one image in {the_dataset()} lack original_size: keep one of "
+                               f"them\n{len(paths)} caches for {s.stem} carry no original_size and only one can be "
+                               f"used per source: keep one of {', '.join(p.name for p in paths)}")
         bucket = cache_bucket(paths[0])
         if why := cache_damage(check.metadata[paths[0]], bucket):
-            raise DatasetError(f"latent cache {paths[0]} is damaged: {why}; delete it (its image is gone, so it "
-                               f"cannot be re-encoded) or restore the image and "
-                               + ref("run cache", "re-run anima-train cache"))
+            raise DatasetError(f"a latent cache in {the_dataset()} is damaged: delete it, or restore its image and "
+                               + ref("run cache", "re-run anima-train cache")
+                               + f"\nlatent cache {paths[0]} is damaged: {why} (its image is gone, so it cannot be "
+                                 f"re-encoded)")
         bplan = BucketPlan(bucket, bucket, bucket, crop_ltrb(bucket, bucket), (0, 0))
         plan.sources.append(s)
         extra.append(Entry(len(plan.sources) - 1, settings.tiers[0], bplan, False, paths[0]))
@@ -345,7 +348,12 @@ def build_training_data(cfg, model_path=None, *, skip_unreadable: bool = False,
     else:
         entries = plan.entries
     if not entries:
-        raise DatasetError("the dataset has no usable entries after scanning (all dropped or unreadable)")
+        if plan.dropped_small:
+            raise DatasetError(f"[dataset] min_source_area = {settings.min_source_area} drops every image: lower it, "
+                               f"or add larger images\n{len(plan.dropped_small)} source(s) in {the_dataset()} are "
+                               f"smaller than {settings.min_source_area} x {min(settings.tiers)}^2 px")
+        raise DatasetError(f"no usable image in {the_dataset()}: every one was left out as unreadable; fix them "
+                           f"(the warnings name them)")
     entries, held_out = _split_off(cfg, plan, scan, entries)
 
     # expand repeats into dataset items
@@ -385,8 +393,9 @@ def held_out_stems(stems: Sequence[str], fraction: float, seed: int) -> set[str]
     names = sorted(set(stems))
     k = max(2, round(fraction * len(names)))
     if len(names) - k < 1:
-        raise DatasetError(f"[validation] fraction = {fraction} holds out {k} of the dataset's {len(names)} image(s) "
-                           f"(at least 2 for the caption margin), leaving none to train on: add images, or use "
+        raise DatasetError(f"[validation] fraction = {fraction} leaves no image to train on: lower it, or add "
+                           f"images\n[validation] fraction = {fraction} holds out {k} of the dataset's {len(names)} "
+                           f"image(s) (at least 2 for the caption margin), leaving none to train on; or use "
                            f"[validation] folder = a separate held-out folder")
     return set(random.Random(seed).sample(names, k))
 

@@ -30,7 +30,7 @@ from anima_train.errors import DATA_VERDICT_EXIT, USER_ERROR_EXIT
 from anima_train.fixes import ref
 from anima_train.data.cache_files import cache_path, vae_identity, written_as_cache
 from anima_train.data.dataset import encode_latents, load_pixels
-from anima_train.data.errors import DatasetError
+from anima_train.data.errors import DatasetError, the_dataset
 from anima_train.data.planning import (IMAGE_CHANGED, IMAGE_UNRECORDED, BucketSettings, check_caches, plan_metadata,
     plan_sources, plan_warnings)
 from anima_train.data.scan import scan_folders
@@ -101,7 +101,9 @@ def resolve_dataset_args(args, *, need_tiers: bool = True, with_validation: bool
     subsets = _once_each(subsets)
     tiers_given = bool(args.resolution or args.config)
     if need_tiers and not tiers_given:
-        raise DatasetError("give the tier(s) with --resolution R [R ...] (or --config): caches are made per tier")
+        raise DatasetError("no tier given: " + ref("flag cache --resolution",
+                                                   "give the tier(s) with --resolution R [R ...] (or --config)")
+                           + ": caches are made per tier")
     return subsets, settings, args.model or model_path, tiers_given
 
 
@@ -118,9 +120,11 @@ def refuse_what_the_config_refuses(settings: BucketSettings, flags: dict) -> Non
     except ConfigError as e:
         message = str(e)
         for key, flag in FLAGS.items():
+            # --resolution is the one flag a node passes (its resolutions widget): named so that the node says it
+            said = ref("name --resolution", "--resolution") if flag == "resolution" else f"--{flag}"
             for name in (("resolution", "resolutions") if key == "tiers" else (key,)) if key in flags else ():
-                message = message.replace(f"[dataset] {name} = ", f"--{flag} ").replace(f"[dataset] {name}: ",
-                                                                                      f"--{flag}: ")
+                message = message.replace(f"[dataset] {name} = ", f"{said} ").replace(f"[dataset] {name}: ",
+                                                                                    f"{said}: ")
         raise DatasetError(message) from None
 
 
@@ -183,7 +187,8 @@ def load_vae(model_path, device: str, dtype: str):
 
     vae_dir = Path(model_path) / "vae"
     if not vae_dir.is_dir():
-        raise DatasetError(f"no VAE at {vae_dir}: pass --model /path/to/anima-diffusers (the converted repo)")
+        raise DatasetError("no VAE: " + ref("flag cache --model", "pass --model /path/to/anima-diffusers (the "
+                                                                  "converted repo)") + f"\nno VAE at {vae_dir}")
     vae = AutoencoderKLQwenImage.from_pretrained(str(model_path), subfolder="vae", torch_dtype=resolve_dtype(dtype))
     return vae.to(device).eval().requires_grad_(False)
 
@@ -213,9 +218,9 @@ def refuse_foreign_files(paths: list[Path]) -> None:
     foreign = sorted({p for p in paths if os.path.lexists(p) and not (p.is_file() and written_as_cache(p))})
     if foreign:
         shown = ", ".join(str(p) for p in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise DatasetError(f"{len(foreign)} file(s) have a latent cache's name but were not written by "
-                           f"{ref('name cache', 'anima-train cache')}, which will not write over them: {shown}; "
-                           f"move or rename them")
+        raise DatasetError(f"{len(foreign)} file(s) in {the_dataset()} have a latent cache's name but were not written "
+                           f"by {ref('name cache', 'anima-train cache')}: move or rename them\n{shown} (never written "
+                           f"over)")
 
 
 def _device(name: str | None) -> str:
@@ -257,7 +262,8 @@ def _run(args) -> int:
         f.mode = "images" if f.images else "latents"
     sources, bad = image_sources(scan, skip_unreadable=args.skip_unreadable)
     if not sources:
-        raise DatasetError("no readable images to cache in " + ", ".join(str(s.path) for s in subsets))
+        raise DatasetError(f"no images to cache in {the_dataset()}: give the folder of your images (it holds only "
+                           f"caches or unreadable images)\n" + ", ".join(str(s.path) for s in subsets))
     missing = missing_captions(scan, sources)
     if not args.allow_missing_captions:
         refuse_missing_captions(missing, escape="cache them anyway (training then needs the same flag)",

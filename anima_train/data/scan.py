@@ -11,6 +11,7 @@ from pathlib import Path
 from anima_train.config import MAX_REPEATS
 from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL
 from anima_train.data.errors import DatasetError, the_dataset
+from anima_train.fixes import ref
 
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # what sd-scripts accepts
@@ -60,8 +61,9 @@ def _entries(path: Path, want_dirs: bool) -> list[str]:
                 if not kind and not want_dirs and e.is_symlink() and e.name.lower().endswith(_READ_EXTENSIONS):
                     os.stat(e.path)  # a link to nothing is no file: an image (caption, cache) link is said, not skipped
             except OSError as exc:
-                raise DatasetError(f"{path / e.name}: a symbolic link that cannot be followed ({exc.strerror}): "
-                                   f"remove it or point it at a real file or folder") from None
+                raise DatasetError(f"a link in {the_dataset()} is broken: remove it or point it at a real file or "
+                                   f"folder\n{path / e.name}: a symbolic link that cannot be followed "
+                                   f"({exc.strerror})") from None
             if kind:
                 names.append(e.name)
     return sorted(names)
@@ -83,8 +85,8 @@ def _list_folder(folder: Folder) -> None:
             stem = name.rsplit(".", 1)[0]
             if stem in folder.images:
                 raise DatasetError(
-                    f"{folder.images[stem].name} and {name} in {folder.path} share the stem {stem!r}, so they would "
-                    f"share one caption and one cache: rename or remove one of them")
+                    f"two images in {the_dataset()} share the stem {stem!r}: rename or remove one of them\n"
+                    f"{folder.images[stem].name} and {name} in {folder.path} would share one caption and one cache")
             folder.images[stem] = folder.path / name
 
 
@@ -148,9 +150,9 @@ def _refuse_twice_seen(folders: list[Folder]) -> None:
     if twice:
         shown = "\n".join(f"  {p} is {first}" for p, first in twice[:10])
         more = f"\n  ... and {len(twice) - 10} more" if len(twice) > 10 else ""
-        raise DatasetError(f"{len(twice)} image file(s) are reached by two paths (a symbolic or hard link), so each "
-                           f"would train as two sources:\n{shown}{more}\nremove the link (to weight a folder, "
-                           f"name it N_name or set num_repeats)")
+        raise DatasetError(f"{len(twice)} image file(s) in {the_dataset()} are reached by two paths: remove the link\n"
+                           f"each would train as two sources (a symbolic or hard link):\n{shown}{more}\n(to weight "
+                           f"a folder, name it N_name or set num_repeats)")
 
 
 def resolve_modes(scan: Scan, source: str) -> str:
@@ -162,8 +164,9 @@ def resolve_modes(scan: Scan, source: str) -> str:
             f.mode = "images" if f.images else "latents"
         elif source in ("images", "encode") and not f.images:
             raise DatasetError(
-                f'{f.path} has caches but no images, and source = "{source}" buckets from images: set '
-                f'source = "latents" (or "auto") to train on the caches')
+                f'caches but no images in {the_dataset()}: set [dataset] source = "latents"\n'
+                f'{f.path} has caches but no images, and source = "{source}" buckets from images: "latents" (or '
+                f'"auto") trains on the caches')
         else:
             f.mode = source
     modes = {f.mode for f in scan.folders}
@@ -173,7 +176,8 @@ def resolve_modes(scan: Scan, source: str) -> str:
             what = f"{len(f.images)} images" if f.images else f"{sum(map(len, f.caches.values()))} caches, no images"
             lines.append(f"  subset {f.subset} {f.path}: {f.mode} ({what})")
         raise DatasetError(
-            "the dataset folders resolve to different source modes, but a batch must be all latents from one "
-            "kind of source:\n" + "\n".join(lines) + '\nfix: set [dataset] source = "latents" to train on the '
-            "caches everywhere (cache the image folders first with anima-train cache), or restore the images")
+            f'mixed source modes: set [dataset] source = "latents" after {ref("name cache", "`anima-train cache`")} '
+            "on the image folders\nthe dataset folders resolve to different source modes, but a batch must be all "
+            "latents from one kind of source:\n" + "\n".join(lines) + "\n(or restore the images of the folders "
+            "that hold caches only)")
     return modes.pop()

@@ -119,9 +119,10 @@ def refuse_missing_captions(missing: Sequence[Path], what: str = "image",
                             escape: str = "train them on an empty caption", command: str = "train") -> None:
     """Refuse uncaptioned sources, naming them and the ways out; `escape` = what --allow-missing-captions does in
     `command`."""
-    there = [why_unreadable(p, "a caption file") for p in missing if os.path.lexists(p)]  # a folder named <stem>.txt
-    if there:
-        raise DatasetError("\n".join(why for why in there if why))
+    there = [why for p in missing if os.path.lexists(p) and (why := why_unreadable(p, "a caption file"))]
+    if there:  # a folder named <stem>.txt, ...: each with its own fix, below the line that says so
+        raise DatasetError(f"{len(there)} caption file(s) in {the_dataset()} cannot be read: fix each as said "
+                           f"below\n" + "\n".join(there))
     if missing:
         shown = "\n".join(f"  {p}" for p in missing[:50])
         more = f"\n  ... and {len(missing) - 50} more" if len(missing) > 50 else ""

@@ -45,6 +45,7 @@ from PIL import Image
 
 from anima_train.config.schema import active_phase
 from anima_train.errors import UserError
+from anima_train.fixes import ref
 from anima_train.data.images import open_image
 
 VAE_FACTOR = 8  # image px per latent cell
@@ -52,8 +53,8 @@ MIN_MASK_SIDE = 4  # latent px: the supervised region is never smaller than this
 MAX_POSITIONS = 64  # crop positions per axis the energy draw chooses among
 
 MULTI_PROCESS_REFUSAL = (
-    "a texture-mode [[curriculum]] phase on {n} processes is refused: run it on one process (one GPU). Texture "
-    "mode under DDP produced visibly broken anatomy in the seed trainer's runs (two runs were lost before the "
+    "a texture-mode [[curriculum]] phase on {n} processes is refused: {fix}\nTexture mode under DDP produced "
+    "visibly broken anatomy in the seed trainer's runs (two runs were lost before the "
     "cause was found: the DDP run, not the crop cascade, did the damage), and a warning at startup scrolls away "
     "unread, so this is a hard stop. To re-test a fix deliberately, set [train] allow_multi_gpu_texture = true and "
     "compare against a single-GPU control at matched steps. DDP stays the right tool for fullres training: remove "
@@ -72,7 +73,8 @@ def refuse_multi_process(cfg, processes: int) -> None:
     """A texture phase on more than one process is a startup error unless allow_multi_gpu_texture
     (docs/training.md#several-processes)."""
     if processes > 1 and texture_phases(cfg) and not cfg.train.allow_multi_gpu_texture:
-        raise TextureError(MULTI_PROCESS_REFUSAL.format(n=processes))
+        raise TextureError(MULTI_PROCESS_REFUSAL.format(n=processes, fix=ref("run one process",
+                                                                              "run it on one process (one GPU).")))
 
 
 # ----------------------------------------------------------------------------------------------------------
