@@ -19,18 +19,16 @@ const COLOURS = {
   validation: "#f2e34c", // yellow: apart from the EMA orange and the loss blue on the dark chart
 };
 
-// The loss's terms, by the name the `step` event carries each under (anima_train/training/flow.py LOSS_TERMS), with
-// the colour of their line; the trainer reports them only when the loss has two or more (null otherwise).
-const LOSS_PARTS = [
-  ["mse", "rgba(90,205,130,0.6)"],
-  ["hf", "rgba(215,110,225,0.85)"],
-];
+// The colours of the loss's terms, in the order a run first reports them. The terms come by name in the `step`
+// event's "terms" (the loss function's names, anima_train/training/flow.py LOSS_TERMS), only when the loss has two or
+// more: the chart draws whatever terms a run reports, so a new term needs nothing here.
+const TERM_COLOURS = ["rgba(90,205,130,0.6)", "rgba(215,110,225,0.85)", "rgba(90,200,220,0.75)", "rgba(230,120,110,0.8)"];
 
 export function newRun() {
   return {
     phase: "idle", // idle | queued | preparing | running | cancelling | done | cancelled | error
     steps: [], loss: [], ema: [],
-    parts: Object.fromEntries(LOSS_PARTS.map(([name]) => [name, []])), // a series per loss term, by name
+    parts: {}, // a series per loss term, by name, in the order the run first reported them (one value per step)
     emaAcc: 0, emaCount: 0,
     valSteps: [], valLoss: [], valMargin: [], // [validation]: the held-out loss and caption margin ("validation")
     total: null, epochs: null, stepsPerEpoch: null, processes: null, resumedStep: 0, chartFrom: null, device: "",
@@ -50,18 +48,28 @@ function addPoint(run, ev) {
   run.steps.push(ev.step);
   run.loss.push(ev.loss);
   run.ema.push(run.emaAcc / (1 - Math.pow(EMA_BETA, run.emaCount)));
-  for (const [name] of LOSS_PARTS) run.parts[name].push(finite(ev[name]) ? ev[name] : NaN);
+  const terms = termsOf(ev);
+  for (const name of Object.keys(terms)) { // a term first seen now: NaN for the steps before it
+    if (!run.parts[name]) run.parts[name] = new Array(run.steps.length - 1).fill(NaN);
+  }
+  for (const [name, series] of Object.entries(run.parts)) series.push(finite(terms[name]) ? terms[name] : NaN);
   if (run.steps.length > MAX_POINTS) {
     const half = (series) => series.filter((_, i) => i % 2 === 1);
     for (const k of ["steps", "loss", "ema"]) run[k] = half(run[k]);
-    for (const [name] of LOSS_PARTS) run.parts[name] = half(run.parts[name]);
+    for (const name of Object.keys(run.parts)) run.parts[name] = half(run.parts[name]);
   }
 }
 
-// The loss terms this run reports (those with a value), in LOSS_PARTS order: [name, colour, series]
+// A step event's loss terms, {name: value}, the finite ones only
+function termsOf(ev) {
+  const terms = ev && typeof ev.terms === "object" && ev.terms !== null ? ev.terms : {};
+  return Object.fromEntries(Object.entries(terms).filter(([, value]) => finite(value)));
+}
+
+// The loss terms this run reports (those with a value), in the order it first reported them: [name, colour, series]
 function reportedParts(run) {
-  return LOSS_PARTS.filter(([name]) => run.parts[name].some(finite))
-    .map(([name, colour]) => [name, colour, run.parts[name]]);
+  return Object.entries(run.parts).map(([name, series], i) => [name, TERM_COLOURS[i % TERM_COLOURS.length], series])
+    .filter(([, , series]) => series.some(finite));
 }
 
 const SHOWN_WARNINGS = 5; // more are summarised in one line (the node's result text and the log list them all)
@@ -277,7 +285,7 @@ function mainStatusLines(run) {
     const parts = [`training step ${ev.step} of ${finite(total) ? total : "?"}${pct}`];
     if (finite(ev.epoch)) parts.push(`epoch ${ev.epoch}${finite(run.epochs) ? "/" + run.epochs : ""}`);
     let loss = `loss ${fmtLoss(ev.loss)}`;
-    const terms = LOSS_PARTS.filter(([name]) => finite(ev[name])).map(([name]) => `${name} ${fmtLoss(ev[name])}`);
+    const terms = Object.entries(termsOf(ev)).map(([name, value]) => `${name} ${fmtLoss(value)}`);
     if (terms.length) loss += ` (${terms.join(" + ")})`;
     parts.push(loss);
     if (run.ema.length) parts.push(`EMA ${fmtLoss(run.ema[run.ema.length - 1])}`);

@@ -148,7 +148,7 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     assert mid["yellow"] > 100, mid  # [validation]: the held-out loss, a second line with a dot per evaluation
     status = mid["status"]
     for part in (f"training step {last['step']} of {last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
-                 f"mse {last['mse']:.4f} + hf {last['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
+                 f"mse {last['terms']['mse']:.4f} + hf {last['terms']['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
                  f"{last['s_per_step']:.2f} s/it", f"ETA {format_duration(last['eta_s'])}",
                  "peak VRAM 11.6/11.4 GB", "saved step 100: /runs/x/anima-step00100.safetensors"):
         assert part in status, f"{part!r} not in status {status!r}"
@@ -172,6 +172,10 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     assert no_hf["orange"] > 150 and no_hf["blue"] > 100 and no_hf["green"] == 0 and no_hf["magenta"] == 0, no_hf
     assert no_hf["yellow"] == 0  # no [validation]: no second line
     assert "training step 30 of 50" in no_hf["status"] and "(mse" not in no_hf["status"]
+
+    new_term = r["newTerm"]  # a term named only by the step events: its own line and its name (issue 44)
+    assert new_term["green"] > 150 and new_term["magenta"] > 50, new_term
+    assert "(mse " in new_term["status"] and " + edge " in new_term["status"], new_term
 
     error = r["error"]
     assert error["phase"] == "error" and "error: RuntimeError: CUDA out of memory" in error["status"]

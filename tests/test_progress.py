@@ -67,7 +67,7 @@ def test_events_stream_and_off_mode(tmp_path):
     prog.close()
     recs = [json.loads(line) for line in events.read_text().splitlines()]
     assert [r["event"] for r in recs] == ["start", "step", "message"]
-    assert recs[1]["loss"] == 0.0712 and recs[1]["hf"] == 0.1 and recs[1]["total"] == 10
+    assert recs[1]["loss"] == 0.0712 and recs[1]["terms"] == {"mse": 0.5, "hf": 0.1} and recs[1]["total"] == 10
     assert out.getvalue() == "saved x\n"  # off: no step line, messages still print
 
 
@@ -134,7 +134,7 @@ def test_a_loss_term_is_reported_under_its_own_name_from_the_readout_to_tensorbo
     prog.step(step)
     prog.close()
     record = json.loads(events.read_text())
-    assert (record["mse"], record["edge"], record["ot"]) == (1.0, 0.5, 0.75)
+    assert (record["terms"], record["ot"]) == ({"mse": 1.0, "edge": 0.5}, 0.75)  # the terms by their own names
 
     logged = []
     tracker = tracking.Tracker.__new__(tracking.Tracker)

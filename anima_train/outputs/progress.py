@@ -14,7 +14,8 @@ Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the
   {"event": "start", "total", "steps_per_epoch", "epochs" (as many as the steps reach), "processes", "run_dir",
   "device" ("cpu", "cuda"), "resumed_step", "first_loss_step", "losses" (a resumed run's before it: the node's
   chart draws the whole run)} {"event": "status", "message": ...} {"event": "step", "step", "total", "epoch", "loss",
-  the loss's terms by name ("mse", "hf": training/flow.py LOSS_TERMS; null when not reported), "ot", "lr": [...],
+  "terms": {name: value} (the loss's terms as the loss function names them, training/flow.py LOSS_TERMS; only those
+  reported, {} when the loss has one term: it is the loss), "ot", "lr": [...],
   "s_per_step", "eta_s", "peak_gb": [...], "phase": {"index", "count", "mode", "t_range", "lr_mul"} (with a
   curriculum only)} {"event": "message", "text"}
   {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}
@@ -79,7 +80,7 @@ class StepStats:
     epoch: int  # 1-based
     loss: float
     lrs: list[float]
-    # the loss's terms by name (training/flow.py LOSS_TERMS), each a `step` event key; None where not reported
+    # the loss's terms by name (training/flow.py LOSS_TERMS), the `step` event's "terms"; None where not reported
     # (a run whose loss has one term reports none: it is the loss)
     terms: dict[str, float | None] = field(default_factory=dict)
     ot: float | None = None  # fraction of noise rows moved, only with use_ot
@@ -225,7 +226,8 @@ class Progress:
             self._anchor = (time.perf_counter(), stats.step)
         s_per_step = self.seconds_per_step(stats.step)
         eta = self.eta_seconds(stats.step)
-        self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, **stats.terms,
+        terms = {name: value for name, value in stats.terms.items() if value is not None}
+        self.event("step", step=stats.step, total=self.total, epoch=stats.epoch, loss=stats.loss, terms=terms,
                    ot=stats.ot, lr=stats.lrs, s_per_step=s_per_step, eta_s=eta, peak_gb=stats.peak_gb,
                    **({"phase": stats.phase} if stats.phase else {}))
         if not report or self.mode == "off":

@@ -11,8 +11,10 @@ const { launch, openPage, waitForPack, newBlankWorkflow } = require("./comfy_pag
 
 const cfg = JSON.parse(process.argv[2]);
 
-// in the page: the synthetic run. Loss decays with noise; hf is present (the mse+hf loss) unless withHf is false.
-function syntheticSteps(total, upto, withHf) {
+// in the page: the synthetic run. Loss decays with noise; its terms (the step event's "terms") are mse and `second`
+// (the hf term unless named otherwise: a term the chart has no word of), or none when `second` is null.
+function syntheticSteps(total, upto, second = "hf") {
+  const withHf = second !== null;
   const events = [];
   let seed = 7;
   const rand = () => ((seed = (seed * 16807) % 2147483647) / 2147483647);
@@ -21,7 +23,7 @@ function syntheticSteps(total, upto, withHf) {
     const hf = withHf ? 0.012 + 0.02 * Math.exp(-step / 60) + 0.004 * (rand() - 0.5) : null;
     events.push({
       event: "step", step, total, epoch: 1 + Math.floor((step - 1) / 40), loss: mse + (hf ?? 0),
-      mse: withHf ? mse : null, hf, ot: null, lr: [1e-4 * Math.min(1, step / 20), 1e-4 * Math.min(1, step / 20), 5e-5],
+      terms: withHf ? { mse, [second]: hf } : {}, ot: null, lr: [1e-4 * Math.min(1, step / 20), 1e-4 * Math.min(1, step / 20), 5e-5],
       s_per_step: 1.84, eta_s: 1.84 * (total - step), peak_gb: [11.6, 11.4],
     });
   }
@@ -115,7 +117,7 @@ async function main() {
     // 1. a run with the hf loss: status, start, 120 of 300 steps, a checkpoint
     const id = String(result.nodeId);
     const total = 300;
-    const steps = syntheticSteps(total, 120, true).map((e) => ({ node: id, ...e }));
+    const steps = syntheticSteps(total, 120).map((e) => ({ node: id, ...e }));
     // the first part goes the real way: the server's send_sync -> websocket -> api -> our listener
     const relay = (events) => page.evaluate(async ({ url, evs }) => {
       const r = await fetch(url, { method: "POST", body: JSON.stringify(evs) });
@@ -188,9 +190,16 @@ async function main() {
                   resumed_step: 0 }]);
     await settle();
     result.reset = await measure();
-    await send(syntheticSteps(50, 30, false).map((e) => ({ node: id, ...e })));
+    await send(syntheticSteps(50, 30, null).map((e) => ({ node: id, ...e })));
     await settle();
     result.noHf = await measure();
+
+    // 3b. a loss with a term the chart was never told of ("edge"): drawn and named as the event names it
+    await send([{ node: id, event: "start", total: 50, steps_per_epoch: 50, epochs: 1, processes: 1, run_dir: "/runs/z",
+                  resumed_step: 0 }]);
+    await send(syntheticSteps(50, 30, "edge").map((e) => ({ node: id, ...e })));
+    await settle();
+    result.newTerm = await measure();
 
     // 4. an error
     await send([{ node: id, event: "error", message: "RuntimeError: CUDA out of memory", traceback: "Traceback ..." }]);
