@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anima_train.training import recompute
-from anima_train.training.recompute import GIB, plan_unchecked, predicted_peak
+from anima_train.training import memory_plan, recompute
+from anima_train.training.memory_plan import GIB, Budget, StepMemory, plan_memory
 from anima_train.training.compiling import COMPILE_MIN_STEPS, resolve_compile
 from anima_train.training.train import train
 from tests.test_train import make_cfg
@@ -57,6 +57,17 @@ def test_auto_recomputes_every_block_off_cuda():
     assert recompute.parse_setting(False, "all", 28, CUDA) == 0
 
 
+def plan_unchecked(*, n_blocks, act, peak, steady, scale, budget, start=None, expandable=False):
+    """(blocks kept, predicted peak) of the memory plan without Qwen3 and whole-block recompute."""
+    plan = plan_memory(StepMemory(act=act, peak=peak, steady=steady, start=start, scale=scale),
+                       Budget(budget, expandable), n_blocks=n_blocks)
+    return plan.keep, plan.predicted
+
+
+def usable_of(budget: int) -> int:
+    return budget - max(int(budget * memory_plan.MARGIN_FRACTION), memory_plan.MARGIN_BYTES)
+
+
 def test_plan_keeps_as_many_blocks_as_fit():
     # 24 GiB card: 5.5 GiB allocated before the first step, its peak 10 GiB, steady 6 GiB after it (the optimizer
     # state came in its optimizer step), a block keeps 1 GiB at the measured batch: a later step with every block
@@ -64,7 +75,7 @@ def test_plan_keeps_as_many_blocks_as_fit():
     # already holds one block's recomputed activations, in the backward of the last block), each further one 1 GiB.
     keep, peak = plan_unchecked(n_blocks=28, act=1 * GIB, peak=10 * GIB, steady=6 * GIB, scale=1.0, budget=24 * GIB,
                                 start=int(5.5 * GIB))
-    usable = 24 * GIB - max(int(24 * GIB * recompute.MARGIN_FRACTION), recompute.MARGIN_BYTES)
+    usable = usable_of(24 * GIB)
     assert keep == 1 + (usable - int(10.5 * GIB)) // GIB and peak == int(10.5 * GIB) + (keep - 1) * GIB
     assert peak <= usable < peak + GIB
     # a batch twice as large somewhere in the epoch: the step's growth and block activations double
@@ -150,7 +161,7 @@ def test_auto_plan_after_the_first_step(monkeypatch):
     said = []
     parked = Parked(GIB)
     plan_checkpointing(plan, 4096 * 8, parked, torch.device("cuda"), said.append)
-    usable = 24 * GIB - max(int(24 * GIB * recompute.MARGIN_FRACTION), recompute.MARGIN_BYTES)
+    usable = usable_of(24 * GIB)
     # a later all-checkpointed step with Qwen3 resident: 6 + 1 + (10 - 5.5) = 11.5 GiB
     keep = 1 + (usable - int(11.5 * GIB)) // GIB
     assert plan.recomputed == 28 - keep and plan.measure is None and plan.retries == 0
@@ -243,13 +254,13 @@ def test_predicted_peaks_cover_every_measured_one(monkeypatch):
     most 0.2 GiB over (the first step's one-off allocations, e.g. cuBLAS workspaces, are counted twice)."""
     for start, peak0, steady, act, kept, resident, measured in H200_RUNS:
         qwen = QWEN3_GIB if resident else 0.0
-        predicted = predicted_peak(recompute.step_base(start=int((start + qwen) * GIB),
-                                                           peak=int((peak0 + qwen) * GIB),
-                                                           steady=int((steady + qwen) * GIB), scale=1.0),
-                                   int(act * GIB), kept) / GIB
+        step = StepMemory(act=int(act * GIB), start=int((start + qwen) * GIB), peak=int((peak0 + qwen) * GIB),
+                          steady=int((steady + qwen) * GIB))
+        predicted = step.peak_keeping(kept) / GIB
         assert measured <= predicted <= measured + 0.2, (start, peak0, kept, resident, measured, predicted)
-    assert predicted_peak(10 * GIB, GIB, 0) == predicted_peak(10 * GIB, GIB, 1) == 10 * GIB
-    assert predicted_peak(10 * GIB, GIB, 3) == 12 * GIB
+    step = StepMemory(act=GIB, peak=10 * GIB, steady=10 * GIB)  # the all-recomputed peak: 10 GiB
+    assert step.peak_keeping(0) == step.peak_keeping(1) == 10 * GIB
+    assert step.peak_keeping(3) == 12 * GIB
 
 
 def test_a_first_step_that_peaks_in_its_optimizer_step_is_not_counted_twice(monkeypatch):
@@ -260,16 +271,20 @@ def test_a_first_step_that_peaks_in_its_optimizer_step_is_not_counted_twice(monk
     larger of its backward and the first optimizer step's peak. (GiB, made up in that shape: 8 before the step, 13
     at the end of the backward, 16 in the optimizer step, 12 after it.)"""
     g = GIB
-    old = recompute.step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0)
+
+    def step_base(**kw):
+        return StepMemory(act=g, **kw).base()
+
+    old = step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0)
     assert old == 20 * g  # what the planner charged without the backward's own peak
-    assert recompute.step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0, backward_peak=13 * g) == 17 * g
+    assert step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0, backward_peak=13 * g) == 17 * g
     # at twice the tokens the backward grows, the optimizer step does not
-    assert recompute.step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=2.0, backward_peak=13 * g) == 22 * g
-    assert recompute.step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0, backward_peak=15.5 * g) == 19.5 * g
+    assert step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=2.0, backward_peak=13 * g) == 22 * g
+    assert step_base(start=8 * g, peak=16 * g, steady=12 * g, scale=1.0, backward_peak=15.5 * g) == 19.5 * g
     # a peak in the backward (a LoRA: backward_peak == peak) keeps the old rule: H200_RUNS are unchanged
     for start, peak0, steady, *_ in H200_RUNS:
         args = dict(start=int(start * g), peak=int(peak0 * g), steady=int(steady * g), scale=1.0)
-        assert recompute.step_base(**args, backward_peak=int(peak0 * g)) == recompute.step_base(**args)
+        assert step_base(**args, backward_peak=int(peak0 * g)) == step_base(**args)
     # the auto plan after such a first step keeps 3 more blocks (a block keeps 1 GiB) under the same peak
     from anima_train.training import memory
     from anima_train.training.memory import plan_checkpointing
@@ -445,22 +460,23 @@ def test_in_graph_recompute_is_charged_its_extra_and_given_up_where_only_whole_b
     """recompute = "graph": the plan charges the backward graph's extra (half a block's activations) while any block
     recomputes; where that does not fit beside the all-recomputed step but whole-block recompute does, the plan
     keeps whole-block recompute rather than not fitting."""
-    from anima_train.training.memory import decide_plan
+    def decide_plan(*, peak, budget, in_graph=False):
+        plan = plan_memory(StepMemory(act=2 * GIB, peak=peak, steady=6 * GIB, start=5 * GIB), Budget(budget, True),
+                           n_blocks=28, in_graph=in_graph)
+        return plan.resident, plan.keep, plan.predicted, plan.in_graph
 
-    kw = dict(n_blocks=28, act=2 * GIB, steady=6 * GIB, start=5 * GIB, scale=1.0, expandable=True,
-              parked_bytes=0)
-    block = decide_plan(peak=10 * GIB, budget=24 * GIB, **kw)
-    graph = decide_plan(peak=10 * GIB, budget=24 * GIB, in_graph=True, **kw)
+    block = decide_plan(peak=10 * GIB, budget=24 * GIB)
+    graph = decide_plan(peak=10 * GIB, budget=24 * GIB, in_graph=True)
     assert graph[3] and not block[3]
     # usable 22.8 GiB, base 11 GiB: whole blocks keep 1 + 5 = 6 (peak 21); in-graph base 12 keeps 1 + 5 = 6 too
     # (peak 22), its extra under the usable budget
     assert block[1:3] == (6, 21 * GIB) and graph[1:3] == (6, 22 * GIB)
     # all-recomputed base 22.5 GiB: whole-block recompute fits 22.8 usable, in-graph (23.5) does not: given up
-    tight = decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, in_graph=True, **kw)
-    assert tight == decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, **kw)[:3] + (False,)
+    tight = decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, in_graph=True)
+    assert tight == decide_plan(peak=int(21.5 * GIB), budget=24 * GIB)[:3] + (False,)
     assert tight[1] == 1
     # every block kept: nothing recomputes, nothing extra
-    roomy = decide_plan(peak=10 * GIB, budget=140 * GIB, in_graph=True, **kw)
+    roomy = decide_plan(peak=10 * GIB, budget=140 * GIB, in_graph=True)
     assert roomy[1:3] == (28, 11 * GIB + 27 * 2 * GIB)
 
 

@@ -1,5 +1,5 @@
 """Memory of the training step: how many DiT blocks recompute their activations (planned after the first step under
-checkpoint_blocks = "auto"; the mechanism is training/recompute.py), the CUDA allocator's expandable segments, the
+checkpoint_blocks = "auto" by training/memory_plan.py; the mechanism is training/recompute.py), the CUDA allocator's expandable segments, the
 frozen Qwen3 parked in host memory between steps, and host<->device copies that do not stall the GPU. Whether to
 torch.compile is training/compiling.py.
 
@@ -19,6 +19,7 @@ import torch
 
 from anima_train.outputs.progress import PLAN_PREFIX
 from anima_train.training import recompute
+from anima_train.training.memory_plan import GIB, Budget, StepMemory, plan_memory
 
 
 class ParkedWeights:
@@ -95,9 +96,9 @@ class HostCopy:
 
 
 def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> None:
-    """checkpoint_blocks = "auto", after the first optimizer step: first keep the frozen Qwen3 on the GPU if it fits
-    beside the all-checkpointed step (`parked` becomes resident, for every holder of it), then keep the activations
-    of as many blocks as the rest holds.
+    """checkpoint_blocks = "auto", after the first optimizer step: the memory plan (training/memory_plan.py) of what
+    that step measured, applied: the parked Qwen3 stays on the GPU if the plan says so (`parked` becomes resident,
+    for every holder of it), and the blocks beyond the kept ones recompute.
 
     Qwen3 gets the room first: parked, its 1.1 GiB of weights are copied in before every step's encode, on the GPU's
     critical path (about 20-45 ms over PCIe), while one more kept block saves only its recompute (about 3-12 ms at
@@ -105,58 +106,27 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     blocks kept ran 0.1985 s/image, the seed with Qwen3 resident and every block recomputed 0.1742."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
-    keepable = n - block_ckpt.floor  # the swapped blocks always recompute
     steady, peak, budget = recompute.memory_now(device)
-    scale = max(1.0, largest_tokens / max(measure.tokens, 1))
+    step = StepMemory(act=measure.act, peak=peak, steady=steady, start=measure.start,
+                      backward_peak=measure.backward_peak, scale=max(1.0, largest_tokens / max(measure.tokens, 1)))
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
-    resident, keep, predicted, in_graph = decide_plan(
-        n_blocks=keepable, act=measure.act, peak=peak, steady=steady, start=measure.start, scale=scale,
-        budget=budget, expandable=expandable_segments_on(), parked_bytes=host, backward_peak=measure.backward_peak,
-        in_graph=block_ckpt.in_graph is not None)
+    plan = plan_memory(step, Budget(budget, expandable_segments_on()), n_blocks=n - block_ckpt.floor,
+                       parked_bytes=host, in_graph=block_ckpt.in_graph is not None)  # the swapped blocks recompute
+    keep = plan.keep
     block_ckpt.set_recomputed(n - keep)
     where = ""
     if block_ckpt.in_graph is not None:
-        if in_graph:
+        if plan.in_graph:
             where = " inside the compiled graph"
         else:  # its backward holds more than whole-block recompute, and only that fits
             block_ckpt.in_graph = None
             where = ' whole (recompute = "graph" would not fit)'
-    if resident:
+    if plan.resident:
         parked.stay_on_device()  # the previewer holds the same object: it must not park it again
     block_ckpt.retries = alloc_retries(device)  # from now on a step that makes the allocator retry relieves it
-    gib = recompute.GIB
     say(f"{PLAN_PREFIX} {n - keep} of {n} blocks recompute{where if keep < n else ''} (a block keeps "
-        f"{measure.act * scale / gib:.2f} GiB at the largest batch; predicted peak {predicted / gib:.1f} of "
-        f"{budget / gib:.1f} GiB)" + ("; Qwen3 stays on the GPU" if resident else ""))
-
-
-def decide_plan(*, n_blocks: int, act: int, peak: int, steady: int, start: int | None, scale: float, budget: int,
-                expandable: bool, parked_bytes: int, backward_peak: int | None = None,
-                in_graph: bool = False) -> tuple[bool, int, int, bool]:
-    """(Qwen3 resident, blocks that keep their activations, predicted peak, recompute inside the compiled graph)
-    from the first step's measurements (or their static prediction: training/plan.py). `parked_bytes` = the parked
-    Qwen3's weights (0: nothing parks); `in_graph` = recompute = "graph" is on.
-
-    The in-graph recompute first: it is kept if every block recomputing that way fits (else the blocks recompute
-    whole: that fits where it does not). Then Qwen3 goes on the GPU if that all-recomputed step fits beside it; then
-    the blocks share what is left."""
-    def plus(value, add=parked_bytes):
-        return None if value is None else value + add
-
-    def fits(add: int, extra: int) -> bool:
-        return recompute.fits(peak=peak + add, steady=steady + add, scale=scale, budget=budget,
-                              expandable=expandable, start=plus(start, add),
-                              backward_peak=plus(backward_peak, add), extra=extra)
-
-    extra = recompute.in_graph_extra(max(int(act * scale), 1))
-    in_graph = in_graph and fits(0, extra)
-    resident = parked_bytes > 0 and fits(parked_bytes, extra if in_graph else 0)
-    if resident:
-        steady, peak, start, backward_peak = steady + parked_bytes, peak + parked_bytes, plus(start), plus(backward_peak)
-    keep, predicted = recompute.plan_unchecked(n_blocks=n_blocks, act=act, peak=peak, steady=steady, scale=scale,
-                                               budget=budget, expandable=expandable, start=start,
-                                               backward_peak=backward_peak, in_graph=in_graph)
-    return resident, keep, predicted, in_graph
+        f"{step.per_block / GIB:.2f} GiB at the largest batch; predicted peak {plan.predicted / GIB:.1f} of "
+        f"{budget / GIB:.1f} GiB)" + ("; Qwen3 stays on the GPU" if plan.resident else ""))
 
 
 def alloc_retries(device) -> int:

@@ -15,6 +15,7 @@ from anima_train.model.components import load_components
 from anima_train.model.quant import dit_tokens, quantize_models
 from anima_train.training import recompute
 from anima_train.training.memory import ParkedWeights
+from anima_train.training.memory_plan import GIB
 from anima_train.training.weight_swap import WeightSwap
 
 
@@ -70,7 +71,7 @@ def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say
     swap = None
     if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
         swap = WeightSwap(blocks[:swap_blocks], device)
-        say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / recompute.GIB:.2f} "
+        say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / GIB:.2f} "
             f"GiB of frozen weights in host memory, copied in one block at a time (they always recompute)")
         for module in (transformer, conditioner, text_encoder):
             module.to(device)

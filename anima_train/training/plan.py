@@ -1,6 +1,6 @@
 """`anima-train plan CFG [--vram GiB]`: the memory plan a run would choose, predicted from the config alone (no GPU,
 no weights loaded), with the same decision functions the runtime's "auto" plan uses after its first step
-(`memory.decide_plan` over `recompute.plan_unchecked` / `fits` / `margin`).
+(training/memory_plan.py).
 
 The runtime measures four things on its first step (memory before it, its peak, the steady memory after it, one
 block's activations); here each is a small model of the config, calibrated on the full-size H200 runs committed in
@@ -45,10 +45,10 @@ from anima_train.config.schema import Config
 from anima_train.errors import UserError
 from anima_train.model import tiny
 from anima_train.model.shape import ModelShape, declared_shape, shape_of
-from anima_train.training import memory, recompute, weight_swap
+from anima_train.training import recompute, weight_swap
+from anima_train.training.memory_plan import GIB, Budget, StepMemory, margin, plan_memory
 from anima_train.training.preflight import block_count_problems
 
-GIB = recompute.GIB
 
 TOKEN_PIXELS = 16  # the VAE's 8x and the DiT's 2x2 patches: one token per 16x16 pixels
 
@@ -294,23 +294,17 @@ def _plan_with(cfg: Config, budget: int, expandable: bool, shape: ModelShape, sw
     inputs = predict_inputs(cfg, shape, swapped, largest)
     setting = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks, n_blocks,
                                       torch.device("cuda"))
-    usable = budget - recompute.margin(budget, expandable)
     # "auto" compiles a long run on CUDA, which plans are for
     in_graph = recompute.in_graph_applies(cfg.train, compiled=cfg.train.compile != "off")
-    if setting is None:
-        resident, keep, predicted, in_graph = memory.decide_plan(  # the swapped blocks always recompute whole
-            n_blocks=n_blocks - inputs.swapped, act=inputs.act, peak=inputs.peak, steady=inputs.steady,
-            start=inputs.start, scale=1.0, budget=budget, expandable=expandable, parked_bytes=inputs.qwen3,
-            in_graph=in_graph)
-    else:  # a fixed count: the runtime makes no plan and Qwen3 stays parked
-        resident, keep = False, min(n_blocks - setting, n_blocks - inputs.swapped)
-        base = recompute.step_base(start=inputs.start, peak=inputs.peak, steady=inputs.steady, scale=1.0)
-        in_graph = in_graph and keep < n_blocks - inputs.swapped
-        base += recompute.in_graph_extra(inputs.act) if in_graph else 0
-        predicted = recompute.predicted_peak(base, inputs.act, keep)
-    return Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - keep,
-                resident=resident, predicted=predicted, fits=predicted <= usable, auto=setting is None,
-                expandable=expandable, in_graph=in_graph and keep < n_blocks - inputs.swapped,
+    # the runtime's plan of the predicted first step; a fixed count is kept as it is (the runtime makes no plan and
+    # Qwen3 stays parked); the swapped blocks always recompute whole
+    chosen = plan_memory(StepMemory(act=inputs.act, peak=inputs.peak, steady=inputs.steady, start=inputs.start),
+                         Budget(budget, expandable), n_blocks=n_blocks - inputs.swapped, parked_bytes=inputs.qwen3,
+                         in_graph=in_graph,
+                         keep=None if setting is None else min(n_blocks - setting, n_blocks - inputs.swapped))
+    return Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - chosen.keep,
+                resident=chosen.resident, predicted=chosen.predicted, fits=chosen.fits, auto=setting is None,
+                expandable=expandable, in_graph=chosen.in_graph and chosen.keep < n_blocks - inputs.swapped,
                 base_matmul=cfg.train.base_matmul)
 
 
@@ -348,7 +342,7 @@ def weights_text(plan: Plan) -> str:
 def peak_text(plan: Plan) -> str:
     """The predicted peak against the budget, with the margin the plan keeps free: '7.1 of 8.0 GiB, with 0.5 GiB
     kept free ...: 0.4 GiB to spare'."""
-    kept = recompute.margin(plan.budget, plan.expandable)
+    kept = margin(plan.budget, plan.expandable)
     room = plan.budget - kept - plan.predicted
     return (f"{plan.predicted / GIB:.1f} of {plan.budget / GIB:.1f} GiB, with {kept / GIB:.1f} GiB kept free "
             f"(allocator{' fragmentation' if not plan.expandable else ''}, GPU libraries' workspaces): "

@@ -10,7 +10,7 @@ checkpoints all 28 blocks or none. Here `train.checkpoint_blocks` picks how many
   and measures, with the real shapes, dtype, adapter and compile mode: the activations one block holds for its
   backward (the memory a block's recompute allocates and keeps), the memory allocated before the step, the step's
   peak and the steady memory after the step (weights, gradients' end state, optimizer state). From then on
-  `plan_unchecked` decides. Off CUDA, "all".
+  the memory plan (training/memory_plan.py) decides. Off CUDA, "all".
 
 How a block recomputes is `train.recompute`:
 
@@ -21,7 +21,7 @@ How a block recomputes is `train.recompute`:
   torch.compile's `activation_memory_budget` = 0, whose backward recomputes inside itself only what the gradients
   need, fused with the backward kernels, instead of torch.utils.checkpoint re-running every kernel of the forward
   through Python. On an H200 under 8 GiB (LoRA r32 b2, 1024x1024, one call) the step ran 0.1538 s/image against
-  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (IN_GRAPH_EXTRA).
+  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (memory_plan.IN_GRAPH_EXTRA).
   That graph is cut elsewhere than the kept blocks' graph, and its fused kernels would round bf16 results at other
   places (the losses moved by up to 0.0012 over those 12 steps); compiled runs emulate eager's casts
   (compiling.round_like_eager), and the two train to the same bits on the tiny model (tests/test_checkpointing.py;
@@ -32,34 +32,12 @@ How a block recomputes is `train.recompute`:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch._functorch.config as functorch_config
 from torch.utils.checkpoint import checkpoint
-
-GIB = 2**30
-# Left free under the budget: allocator fragmentation, cuDNN/cuBLAS workspaces, the loss and the output tensors.
-MARGIN_FRACTION = 0.08
-MARGIN_BYTES = 1 * GIB
-# With expandable segments the allocator reserved 0.36-0.46 GiB over the allocated peak (H200, LoRA b2/b4 under
-# 8 and 12 GiB caps; fixed segments: 1.25 GiB): a smaller margin holds.
-EXPANDABLE_MARGIN_FRACTION = 0.05
-EXPANDABLE_MARGIN_BYTES = GIB // 2
-# recompute = "graph": what its backward holds while it recomputes beyond whole-block recompute, in blocks'
-# activations (H200, LoRA r32, every block or all but one recomputed: +0.27 GiB at b2 for 0.706 per block, +0.63 at
-# b4 for 1.41, caps_2026-12-02b C1 and C2; +1.14 at b8 for 2.82, recompute_graph_2026-12-04 B2). Charged on top of
-# the kept blocks', which it need not be: their backward frees theirs before the in-graph blocks' runs (B1).
-IN_GRAPH_EXTRA = 0.5
-
-
-def margin(budget: int, expandable: bool) -> int:
-    """Bytes left free under the budget."""
-    if expandable:
-        return max(int(budget * EXPANDABLE_MARGIN_FRACTION), EXPANDABLE_MARGIN_BYTES)
-    return max(int(budget * MARGIN_FRACTION), MARGIN_BYTES)
 
 @dataclass
 class Measure:
@@ -72,7 +50,7 @@ class Measure:
     backward_peak: int | None = None  # the step's peak before its optimizer step; None off CUDA
 
     def before_optimizer_step(self, device: torch.device) -> None:
-        """The gradients are complete: the peak so far is the forward/backward's (see step_base)."""
+        """The gradients are complete: the peak so far is the forward/backward's (see memory_plan.StepMemory.base)."""
         if device.type == "cuda":
             self.backward_peak = torch.cuda.max_memory_allocated(device)
 
@@ -177,70 +155,3 @@ def memory_now(device: torch.device) -> tuple[int, int, int]:
     fraction = get_fraction(index) if get_fraction is not None else 1.0
     budget = min(int(total * fraction), free + torch.cuda.memory_reserved(index))
     return torch.cuda.memory_allocated(index), torch.cuda.max_memory_allocated(index), budget
-
-
-def step_base(*, start: int | None, peak: int, steady: int, scale: float, backward_peak: int | None = None) -> int:
-    """The peak of a later step with every block recomputed, at `scale` x the measured tokens x batch.
-
-    The first step grew from `start` (allocated before it) to `peak`; it ends at `steady`, which holds what that
-    step allocated for good after its peak (AdamW's state: 0.34 GiB for a LoRA r32, made by the first optimizer
-    step). Every later step starts from `steady` and grows as much, so its peak is steady + (peak - start), not the
-    first step's peak: at 8 GiB b2 on the H200 the first step peaked at 6.27 GiB (4.15 before it, 4.56 after) and
-    the next ones at 6.6-6.68. The growth is activations and gradients: it scales with tokens x batch. Without a
-    start (older callers) the steady memory stands in for it.
-
-    That holds while the peak is in the backward (a LoRA: its optimizer state is small). A full finetune's first
-    step peaks in its optimizer step instead, where the new optimizer state and the gradients are alive together;
-    the state is then in `steady` as well, so steady + (peak - start) counts it twice (an H200 under 24 GiB, full
-    finetune b4 with 8-bit state: predicted 22.8 GiB with 27 of 28 blocks recomputed, measured 17.24). Given the
-    peak before the optimizer step (`backward_peak`, lower than `peak` then), a later step peaks at the larger of
-    its backward, steady + (backward_peak - start) scaled, and its optimizer step, which holds what the first one
-    held (the state, now old, the gradients, the same temporaries: none of it grows with tokens)."""
-    start = steady if start is None else start
-    if backward_peak is None or backward_peak >= peak:
-        return steady + int(max(peak - start, 0) * scale)
-    return max(steady + int(max(backward_peak - start, 0) * scale), peak)
-
-
-def in_graph_extra(per_block: int) -> int:
-    """recompute = "graph": bytes its recomputing backward holds at the step's peak beyond whole-block recompute."""
-    return int(IN_GRAPH_EXTRA * per_block)
-
-
-def plan_unchecked(*, n_blocks: int, act: int, peak: int, steady: int, scale: float, budget: int,
-                   expandable: bool = False, start: int | None = None,
-                   backward_peak: int | None = None, in_graph: bool = False) -> tuple[int, int]:
-    """(blocks that may keep their activations, predicted peak in bytes) for the largest batch.
-
-    The all-checkpointed peak of a later step is `step_base`; its growth and a block's activations grow linearly
-    with tokens x batch (`scale` = the largest batch's tokens over the measured step's). That peak comes in the
-    backward of the last block, while its recomputed activations are alive, so keeping that block's activations
-    (the kept blocks are the last ones) adds nothing to it; each further kept block adds its activations (all kept
-    ones are alive when backward starts). Measured on an H200, 1024x1024 LoRA r32 (tests/test_checkpointing.py,
-    H200_RUNS): with the first step's growth charged, this predicts every measured peak 0.05-0.13 GiB high.
-
-    `in_graph` (recompute = "graph"): while any block recomputes, the peak holds in_graph_extra() more; with every
-    block kept nothing recomputes, and nothing is added."""
-    usable = budget - margin(budget, expandable)
-    base = step_base(start=start, peak=peak, steady=steady, scale=scale, backward_peak=backward_peak)
-    per_block = max(int(act * scale), 1)
-    if base > usable:
-        return 0, base
-    keep = min(n_blocks, 1 + math.floor((usable - base) / per_block))
-    if in_graph and keep < n_blocks:
-        base += in_graph_extra(per_block)
-        keep = min(n_blocks, 1 + math.floor((usable - base) / per_block)) if base <= usable else 0
-    return keep, predicted_peak(base, per_block, keep)
-
-
-def predicted_peak(base: int, per_block: int, keep: int) -> int:
-    """The step's peak with the last `keep` blocks keeping their activations (see plan_unchecked)."""
-    return base + max(keep - 1, 0) * per_block
-
-
-def fits(*, peak: int, steady: int, scale: float, budget: int, expandable: bool = False,
-         start: int | None = None, backward_peak: int | None = None, extra: int = 0) -> bool:
-    """The all-checkpointed step at the largest batch, plus `extra` bytes at its peak, fits under the budget (with
-    the margin)."""
-    return step_base(start=start, peak=peak, steady=steady, scale=scale,
-                     backward_peak=backward_peak) + extra <= budget - margin(budget, expandable)

@@ -23,6 +23,7 @@ from anima_train.config.schema import Config
 from anima_train.model.shape import declared_shape
 from anima_train.outputs.progress import SWAP_PREFIX
 from anima_train.training import memory, plan, recompute
+from anima_train.training.memory_plan import GIB
 
 
 def card_budget(device: torch.device) -> int | None:
@@ -50,7 +51,7 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
     batch = batch_sizes if isinstance(batch_sizes, int) else max(batch_sizes.values())
     chosen = plan.make_plan(cfg, budget, memory.expandable_segments_on(), shape=declared_shape(cfg.train.model_path),
                             largest=(largest_tokens, batch), whole_trunk_compiled=whole_trunk_compiled)
-    count, gib = chosen.inputs.swapped, recompute.GIB
+    count, gib = chosen.inputs.swapped, GIB
     peak = f"predicted peak {plan.peak_text(chosen)}"
     if count == 0:
         say(f"{SWAP_PREFIX} none: the model fits on the GPU ({peak})")
