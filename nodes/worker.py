@@ -452,8 +452,7 @@ def failure_message(result: JobResult, what: str) -> str:
     whole story: its own first line (what is wrong and the fix: the one line a node's popup shows) leads the text,
     then "<what> did not start" (or "stopped" after the first step), with no exit status, and the log lines that
     only repeat it are left out. So is a data verdict of `cache` (exit status 4: images it cannot decode), which
-    is the same kind of message: without this its node led with "caching failed (worker exit status 4)" and showed
-    the verdict only as the log's `anima-train cache: error:` line."""
+    is the same kind of message: the verdict leads, not the exit status."""
     error = result.last("error") or {}
     message = str(error.get("message") or "") or _said_error(result)
     if message and not error.get("traceback") and result.returncode == USER_ERROR_EXIT:
@@ -478,7 +477,8 @@ _USER_ERROR_PREFIX = re.compile(r"^anima-train [\w-]+: (error: )?(?!warning: )")
 
 def _said_error(result: JobResult) -> str:
     """A user error the command printed on stderr (a command without events: convert, cache, audit): from its last
-    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2 (or 4, a data verdict)."""
+    `anima-train CMD: error: ` line to the end of the log; "" when it printed none or did not exit with status 2
+    (or 4, a data verdict)."""
     if result.returncode not in (USER_ERROR_EXIT, DATA_VERDICT_EXIT):
         return ""
     lines = log_tail(result.log_path, lines=200).splitlines()
