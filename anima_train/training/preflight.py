@@ -21,8 +21,7 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
     """One message per unusable path of `cfg`. `saving` = the run will write into output_dir; `skip(value)` is
     True for a value not known yet (a ComfyUI input linked from another node); `refused`: dotted keys whose values
     the config's own check refused (left to its message)."""
-    # lazy: torch (~4.6 s, through resume_state and components): `anima-train config` checks paths without it
-    from anima_train.outputs import resume_state
+    # lazy: torch (~4.6 s, through components): `anima-train config` checks paths without it
     from anima_train.model.components import ModelRepoError, check_weights
     from anima_train.model.shape import declared_blocks
 
@@ -50,6 +49,9 @@ def path_problems(cfg: Config, *, saving: bool = True, skip: Callable[[str], boo
         problems += _output_problems(Path(cfg.train.output_dir).expanduser(), cfg.run_stem)
     resume = cfg.train.resume_from
     if resume is not None and not skip(resume) and "train.resume_from" not in refused:
+        # lazy: resume_state reads checkpoints (torch, peft: seconds), which only a resume needs
+        from anima_train.outputs import resume_state
+
         try:
             state = resume_state.resolve_resume(resume)  # its state.json is read and checked there
             info = resume_state.read_state(state)

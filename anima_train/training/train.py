@@ -1,7 +1,5 @@
-"""`anima-train train cfg.toml`: one training run, top to bottom.
-
-    anima-train train cfg.toml [--max-steps N] [--no-save] [--dry-run] [--events PATH|-]
-    accelerate launch --num_processes 2 -m anima_train train cfg.toml
+"""One training run, top to bottom (the `anima-train train` command, its arguments and config gate, is
+training/train_command.py).
 
 `_train` sets the run up (refusals, data, model, optimizer, resume), `_loop` is the loop, `_step` one optimizer
 step's micro-batch; saving (training/saving.py), the resume state (outputs/resume_state.py), stop requests
@@ -29,7 +27,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader
 
 from anima_train import errors
-from anima_train.config import Config, copy_config_verbatim, load_config
+from anima_train.config import Config, copy_config_verbatim
 from anima_train.data.batches import EpochKeys, steps_per_epoch
 from anima_train.data.dataset import build_training_data, collate, encode_latents
 from anima_train.data.texture import check_batch_phase, refuse_multi_process
@@ -55,37 +53,6 @@ from anima_train.system.device import to_device
 from anima_train.training.schedules import build_scheduler
 from anima_train.training.stopping import StopRequests, with_resume_line
 from anima_train.training.validation import Validation, ValidationSet, validation_items
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("config", help="the run's TOML config")
-    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (overrides the config)")
-    parser.add_argument("--no-save", action="store_true", help="write no checkpoint, config copy or state")
-    parser.add_argument("--dry-run", action="store_true", help="build everything, run one step, save nothing, exit")
-    parser.add_argument("--events", metavar="PATH|-", help="append JSON-lines progress events to PATH (- = stdout)")
-    parser.add_argument("--skip-unreadable", action="store_true", help="skip unreadable images instead of refusing")
-    parser.add_argument("--allow-missing-captions", action="store_true",
-                        help="train images without a <stem>.txt on an empty caption instead of refusing")
-    parser.add_argument("--cpu", action="store_true", help="train on the CPU even when a GPU is visible")
-    parser.add_argument("--stop-file", metavar="PATH",
-                        help="stop gracefully (checkpoint + state, then exit) as soon as PATH exists; refused if "
-                             "PATH exists already at start")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="when output_dir/run_name holds an earlier run of that name, delete its checkpoints, "
-                             "-state folders and config copy first (listed as they go) instead of refusing")
-
-
-def run(args) -> int:
-    if args.max_steps is not None and args.max_steps < 1:
-        raise errors.UserError(f"--max-steps {args.max_steps}: must be at least 1")
-    # the paths' problems in one message with the values' (the run checks them again before it loads the model)
-    cfg = load_config(args.config, also=preflight.path_check(saving=not (args.no_save or args.dry_run)))
-    if args.max_steps is not None:
-        cfg.train.max_steps = args.max_steps
-    train(cfg, dry_run=args.dry_run, no_save=args.no_save or args.dry_run, events=args.events,
-          skip_unreadable=args.skip_unreadable, cpu=args.cpu, stop_file=args.stop_file, overwrite=args.overwrite,
-          allow_missing_captions=args.allow_missing_captions)
-    return 0
 
 
 def _precision_note() -> str | None:
