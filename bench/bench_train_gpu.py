@@ -231,6 +231,8 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
                # from train() being called, as the seed's from its Trainer being built: model loading included
                first_step_s=round(times[0] - t0_wall, 1) if times else None,
                steady_s=steady_seconds(times, t0_wall), wall_s=round(wall, 1),
+               start_s=next((round(r["time"] - t0_wall, 1) for r in stamps if r["event"] == "start"), None),
+               first_deltas=[round(b - a, 2) for a, b in zip(times[:5], times[1:6])],
                loss_first=round(result.losses[0], 4), loss_last=round(result.losses[-1], 4),
                losses=[round(loss, 4) for loss in result.losses],
                **allocator_stats())
@@ -243,10 +245,33 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
     if rounds:
         rec.update(preview_rounds=len(rounds), preview_s=[r["seconds"] for r in rounds],
                    allocated_gib_after_round=[r.get("gpu_allocated_gib") for r in rounds])
+    if COMPILE_REPORT["on"]:
+        rec["compile"] = compile_report()
     print(json.dumps(rec), flush=True)
     del result
     torch.cuda.empty_cache()
     return rec
+
+
+COMPILE_REPORT = {"on": False}  # --compile-report
+
+
+def compile_report() -> dict:
+    """torch.compile's own account of this process so far: frames compiled, recompiles, graph breaks, and seconds per
+    phase (Dynamo's trace, AOT autograd, Inductor), then reset, so each run reports its own."""
+    import torch._dynamo.utils as dynamo_utils
+
+    counters = {group: dict(values) for group, values in dynamo_utils.counters.items()
+                if group in ("stats", "frames", "recompiles", "graph_break", "inductor", "aot_autograd")}
+    try:
+        headers, values = dynamo_utils.compile_times(repr="csv", aggregate=True)
+        times = {h: round(float(v), 1) for h, v in zip(headers, values) if float(v) >= 0.1}
+    except Exception as exc:  # noqa: BLE001 (a private API that moves between torch versions)
+        times = {"error": str(exc)[:200]}
+    dynamo_utils.counters.clear()
+    getattr(dynamo_utils, "compilation_time_metrics", {}).clear()
+    return {"counters": {g: dict(sorted(v.items(), key=lambda kv: -kv[1])[:12]) for g, v in counters.items()},
+            "seconds": dict(sorted(times.items(), key=lambda kv: -kv[1])[:15])}
 
 
 CALL = os.environ.get("BENCH_CALL", "")  # one id per GPU call: rows of different calls are never compared
@@ -435,6 +460,8 @@ def main() -> int:
                     help="set a torch config before our runs (experiments), e.g. "
                          "torch._functorch.config.activation_memory_budget=0.5 or "
                          "torch._inductor.config.coordinate_descent_tuning=True")
+    ap.add_argument("--compile-report", action="store_true",
+                    help="add torch.compile's counters and seconds per phase to each of our rows")
     ap.add_argument("--diag", action="store_true", help="print memory and allocator counters every micro-step")
     ap.add_argument("--previews", type=int, default=0, metavar="N",
                     help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
@@ -450,6 +477,7 @@ def main() -> int:
         split_name(n)
     if args.diag:
         install_diag()
+    COMPILE_REPORT["on"] = args.compile_report
     for item in args.torch_set:
         set_torch_config(item)
     if args.cap_gib:

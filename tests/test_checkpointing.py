@@ -611,3 +611,105 @@ def test_in_graph_recompute_trains_bf16_to_the_bits_of_whole_blocks(tiny_anima, 
     graph, block = runs["graph"], runs["block"]
     assert graph.losses == block.losses
     assert graph.trainable_digest and graph.trainable_digest == block.trainable_digest
+
+
+@pytest.mark.slow
+def test_a_whole_block_recompute_runs_the_graph_its_forward_compiled():
+    """torch.utils.checkpoint recomputes a block on autograd's device thread, whose intra-op thread count is 1 by
+    then (the DataLoader's pin-memory thread set it), while the forward ran on the main thread's count: Dynamo's
+    guard on the count failed and the block compiled again (on an H100 2 of the first step's 4 block graphs). On the
+    CPU the backward runs on the thread that calls it, so here that thread's count is 1 as the device thread's is.
+    The recompute runs the graph the forward compiled: one graph. Fails without BlockCheckpointing.threads (2)."""
+    import threading
+
+    import torch._dynamo.utils as dynamo_utils
+
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.compiler.reset()
+        dynamo_utils.counters.clear()
+        block = torch.nn.Linear(8, 8)
+        block.compile(mode="default")
+        ckpt = recompute.BlockCheckpointing([block])
+        ckpt.set_recomputed(1)
+        out = ckpt(block, torch.randn(4, 8, requires_grad=True))
+        failed = []
+
+        def backward():  # as autograd's device thread, once the pin-memory thread has set the count to 1
+            try:
+                torch.set_num_threads(1)
+                out.square().sum().backward()
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                failed.append(exc)
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        thread.join()
+        assert not failed, failed
+        assert block.weight.grad is not None
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["recompiles"])
+    finally:
+        torch.set_num_threads(original)
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_the_measured_first_step_recomputes_as_the_run_will_and_measures_its_kept_block(monkeypatch, in_graph):
+    """checkpoint_blocks = "auto": the first step keeps the last block and reads what its forward leaves allocated
+    (its activations), and the other blocks recompute the way the plan will have them (Measure.in_graph: inside the
+    compiled graph, else torch.utils.checkpoint), so that step compiles the graphs the later ones run. Before, every
+    block recomputed through torch.utils.checkpoint on that step and the in-graph function compiled at step 2."""
+    checkpointed = _count_recomputes(monkeypatch)
+    through_graph = []
+
+    def graph(block, *args):
+        through_graph.append(block)
+        return block(*args)
+
+    allocated = iter([5 * GIB, 5 * GIB + 300])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    blocks = [torch.nn.Linear(4, 4) for _ in range(4)]
+    ckpt = recompute.BlockCheckpointing(blocks, in_graph=graph)
+    ckpt.set_recomputed(len(blocks) - 1)  # as models.build_model sets it for "auto"
+    ckpt.measure = recompute.Measure(tokens=0, in_graph=in_graph)
+    x = torch.randn(2, 4, requires_grad=True)
+    for block in blocks:
+        x = ckpt(block, x)
+    x.sum().backward()
+    assert ckpt.measure.act == 300
+    assert through_graph == (blocks[:-1] if in_graph else [])
+    assert len(checkpointed) == (0 if in_graph else 3)
+
+
+@pytest.mark.slow
+def test_every_block_of_a_compiled_run_runs_one_graph():
+    """The first block's input needs no gradient and every later block's does: Dynamo guards on requires_grad, and
+    the first block compiled a graph of its own (one more compile per way a block runs, ~25 s cold each on an
+    H100). Compiled runs ask for that gradient (BlockCheckpointing.uniform_inputs): kept or recomputed whole, every
+    block runs one graph, and the weights' gradients are those of the run that did not ask. Fails without (2)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)]
+    x = torch.randn(4, 8)
+
+    def grads(uniform: bool, recomputed: int) -> list[torch.Tensor]:
+        ckpt = recompute.BlockCheckpointing(blocks, uniform_inputs=uniform)
+        ckpt.set_recomputed(recomputed)
+        h = x
+        for block in blocks:
+            h = ckpt(block, h)
+        h.square().sum().backward()
+        out = [b[0].weight.grad.clone() for b in blocks]
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        return out
+
+    eager = grads(False, 0)
+    for block in blocks:
+        block.compile(mode="default")
+    for recomputed in (0, 3):
+        torch.compiler.reset()
+        dynamo_utils.counters.clear()
+        compiled = grads(True, recomputed)
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, (recomputed, dict(dynamo_utils.counters["stats"]))
+        assert all(torch.allclose(c, e, rtol=1e-5, atol=1e-6) for c, e in zip(compiled, eager))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from anima_train.config import parse_config
 from anima_train.model import tiny
@@ -409,3 +410,20 @@ def test_cli_shows_the_margin_it_keeps_and_the_batch_that_would_fit(tmp_path, co
     one.write_text(train_table() + 'batch_size = 1\n')
     out = anima_train(tmp_path, str(one), "--vram", "2").stdout
     assert "DOES NOT FIT" in out and "a smaller batch" not in out
+
+
+@pytest.mark.parametrize("batch, cap, swapped, in_graph", [
+    (8, 24, 0, True),  # 25 of 28 recompute in the graph (bench/results/first_step_2026-12-06: the run's plan)
+    (1, 6, 3, False),  # in the graph would not fit beside 3 swapped blocks: the run recomputed whole
+    (1, 80, 0, False),  # every block keeps: a whole block's recompute runs the kept blocks' graph
+])
+def test_the_first_step_recomputes_as_the_static_plan_says_the_run_will(monkeypatch, batch, cap, swapped, in_graph):
+    """checkpoint_blocks = "auto": the measured first step recomputes the way the run goes on, so that it compiles
+    the graphs the later steps run (issue 45: a second compile at step 2, 38.7 s cold on an H100 at 24 GiB b8)."""
+    from anima_train.training import memory, swap_plan
+
+    monkeypatch.setattr(swap_plan, "card_budget", lambda device: cap * GIB)
+    monkeypatch.setitem(memory._EXPANDABLE, "set", True)
+    cfg = parse_config(train_table() + f"batch_size = {batch}\n")
+    assert swap_plan.first_step_in_graph(cfg, torch.device("cuda"), largest_tokens=4096 * batch,
+                                         swapped=swapped) is in_graph

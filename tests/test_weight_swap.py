@@ -79,6 +79,24 @@ def test_compiled_blocks_swap_outside_their_graph(tiny_anima, latents_dir, tmp_p
     assert runs[0] == runs[2]
 
 
+@pytest.mark.slow
+def test_a_compiled_run_compiles_the_block_once_whichever_blocks_swap(tiny_anima, latents_dir, tmp_path):
+    """Dynamo guards on a block's type, and a swapped block has the swapping class: the swapped and the resident
+    blocks compiled a graph each (on an H100 under 6 GiB, one more compile of ~17 s). Every block of a trunk that
+    swaps takes the class (WeightSwap.others), so a run with block 0 swapped (recomputed whole) and block 1 kept
+    compiles as many graphs as the resident run, and trains to its bits. Fails without `others` (one more graph)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    runs = {}
+    for swap in (0, 1):
+        torch.compiler.reset()
+        dynamo_utils.counters.clear()
+        result = _run(tiny_anima, latents_dir, tmp_path / str(swap), checkpoint_blocks="1", swap_blocks=swap,
+                      compile='"default"', recompute='"block"')
+        runs[swap] = (dynamo_utils.counters["stats"]["unique_graphs"], result.losses, result.trainable_digest)
+    assert runs[1] == runs[0]
+
+
 def test_validation_without_gradients_runs_the_swapped_blocks_too(tiny_anima, latents_dir, tmp_path, monkeypatch):
     """Validation runs the DiT under no_grad, where diffusers calls each block directly (no checkpoint function):
     the swapped blocks' own __call__ still brings their weights in, and the losses are the resident run's."""

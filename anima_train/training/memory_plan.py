@@ -48,16 +48,19 @@ class Budget:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What the first all-checkpointed step held, in bytes: `act` = the activations one block keeps for its
-    backward, `start` = allocated before the step, `peak` = its peak, `backward_peak` = its peak before the
-    optimizer step, `steady` = allocated after it; `scale` = the largest batch's tokens x batch over the measured
-    step's (activations and the step's growth scale with it). `start` and `backward_peak` are None off CUDA."""
+    """What the first step held with every block recomputed but the last (which adds nothing to its peak), in
+    bytes: `act` = the activations one block keeps for its backward, `start` = allocated before the step, `peak` =
+    its peak, `backward_peak` = its peak before the optimizer step, `steady` = allocated after it; `scale` = the
+    largest batch's tokens x batch over the measured step's (activations and the step's growth scale with it).
+    `start` and `backward_peak` are None off CUDA. `in_graph`: that step recomputed inside the compiled graph, so
+    its peak holds what that backward holds beyond whole-block recompute."""
     act: int
     peak: int
     steady: int
     start: int | None = None
     backward_peak: int | None = None
     scale: float = 1.0
+    in_graph: bool = False
 
     @property
     def per_block(self) -> int:
@@ -95,8 +98,10 @@ class StepMemory:
 
     def in_graph_extra(self) -> int:
         """recompute = "graph": bytes its recomputing backward holds at the step's peak beyond whole-block
-        recompute."""
-        return int(IN_GRAPH_EXTRA * self.per_block)
+        recompute, where the measured peak lacks them. A step measured in the graph holds them already; a whole-block
+        plan made from it keeps them charged, since what whole blocks would save is an estimate and the measured peak
+        is not."""
+        return 0 if self.in_graph else int(IN_GRAPH_EXTRA * self.per_block)
 
     def peak_keeping(self, keep: int, in_graph: bool = False) -> int:
         """The step's peak with the last `keep` blocks keeping their activations. The all-checkpointed peak comes in

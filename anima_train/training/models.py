@@ -70,7 +70,7 @@ def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say
             f"[train] base_matmul = \"fp8\")")
     swap = None
     if swapping:  # the swapped blocks' frozen weights stay in host memory; the rest goes to the device
-        swap = WeightSwap(blocks[:swap_blocks], device)
+        swap = WeightSwap(blocks[:swap_blocks], device, others=blocks[swap_blocks:])
         say(f"memory   {len(swap.blocks)} of {len(blocks)} DiT blocks swapped: {swap.host_bytes / GIB:.2f} "
             f"GiB of frozen weights in host memory, copied in one block at a time (they always recompute)")
         for module in (transformer, conditioner, text_encoder):
@@ -86,7 +86,8 @@ def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say
     recomputed = recompute.parse_setting(cfg.train.gradient_checkpointing, cfg.train.checkpoint_blocks,
                                             len(blocks), device)
     block_ckpt = recompute.BlockCheckpointing(blocks, floor=len(swap.blocks) if swap is not None else 0)
-    block_ckpt.set_recomputed(len(blocks) if recomputed is None else recomputed)
+    # "auto": the first step keeps the last block, whose activations it measures (recompute.py)
+    block_ckpt.set_recomputed(len(blocks) - 1 if recomputed is None else recomputed)
     if recomputed is None:
         block_ckpt.measure = recompute.Measure(tokens=0)
     if block_ckpt.recomputed:

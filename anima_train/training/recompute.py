@@ -6,11 +6,12 @@ checkpoints all 28 blocks or none. Here `train.checkpoint_blocks` picks how many
 
 - an integer k: the first k blocks recompute, the rest keep their activations;
 - "all": every block (the seed's `gradient_checkpointing = true`);
-- "auto" (default): on CUDA, the fewest that fit. The first optimizer step runs with every block checkpointed
-  and measures, with the real shapes, dtype, adapter and compile mode: the activations one block holds for its
-  backward (the memory a block's recompute allocates and keeps), the memory allocated before the step, the step's
-  peak and the steady memory after the step (weights, gradients' end state, optimizer state). From then on
-  the memory plan (training/memory_plan.py) decides. Off CUDA, "all".
+- "auto" (default): on CUDA, the fewest that fit. The first optimizer step runs with every block but the last
+  recomputed and measures, with the real shapes, dtype, adapter and compile mode: the activations the last (kept)
+  block holds for its backward, the memory allocated before the step, the step's peak and the steady memory after
+  the step (weights, gradients' end state, optimizer state). From then on the memory plan (training/memory_plan.py)
+  decides. Keeping the last block adds nothing to that step's peak (memory_plan.StepMemory.peak_keeping). Off CUDA,
+  "all".
 
 How a block recomputes is `train.recompute`:
 
@@ -25,9 +26,16 @@ How a block recomputes is `train.recompute`:
   That graph is cut elsewhere than the kept blocks' graph, and its fused kernels would round bf16 results at other
   places (the losses moved by up to 0.0012 over those 12 steps); compiled runs emulate eager's casts
   (compiling.round_like_eager), and the two train to the same bits on the tiny model (tests/test_checkpointing.py;
-  on an H200 the losses within 2e-5 to 6e-5). Swapped blocks (training/weight_swap.py)
-  and the first, measured step of "auto" still use torch.utils.checkpoint. Eager runs and a whole-trunk compile
-  (compile_regional = false) have no compiled block to swap in: there "graph" is "block".
+  on an H200 the losses within 2e-5 to 6e-5). Swapped blocks (training/weight_swap.py) still use
+  torch.utils.checkpoint. Eager runs and a whole-trunk compile (compile_regional = false) have no compiled block to
+  swap in: there "graph" is "block".
+
+The first step of "auto" recomputes the way the run will go on (`Measure.in_graph`, from the static plan of
+training/plan.py), so it compiles the graphs the later steps run and no step after it compiles again: in the graph
+where the static plan recomputes some block there, whole otherwise. A whole block's recompute runs the block's own
+compiled graph, the one a kept block runs, once the backward's thread counts threads as the forward's does
+(BlockCheckpointing.threads). Where the measured plan disagrees with the static one, the next step compiles what it
+switches to.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ class Measure:
     steady: int = 0
     start: int | None = None  # allocated when the step began (its first micro-batch); None off CUDA
     backward_peak: int | None = None  # the step's peak before its optimizer step; None off CUDA
+    in_graph: bool = False  # the measured step's blocks recompute inside the compiled graph (its peak holds that)
 
     def before_optimizer_step(self, device: torch.device) -> None:
         """The gradients are complete: the peak so far is the forward/backward's (see memory_plan.StepMemory.base)."""
@@ -72,30 +81,41 @@ class BlockCheckpointing:
     retries: int | None = None  # the allocator's retry count when the auto plan was made (then watched)
     floor: int = 0  # blocks that recompute whatever the plan says (the swapped ones: training/weight_swap.py)
     in_graph: Callable | None = None  # recompute = "graph": in_graph_recompute(); None = torch.utils.checkpoint
+    # Dynamo guards each compiled graph on torch.get_num_threads(). torch.utils.checkpoint recomputes a block on
+    # autograd's device thread, whose count is taken from the process-wide one when the thread first asks, and the
+    # DataLoader's pin-memory thread has set that to 1 by then: the main thread forwards with its own (16 on an
+    # H100 host), so every recompute failed the guard and compiled the block twice more (2 of the first step's 4
+    # block graphs, bench/results/first_step_2026-12-06). The recompute runs with the forward's count.
+    threads: int = field(default_factory=torch.get_num_threads)
+    # Compiled runs: the first block's input asks for its gradient, as every later block's input does. Dynamo
+    # guards on requires_grad, so the first block had a graph of its own, for each way a block runs (kept, in the
+    # graph): one more compile each, ~25 s cold at 1024² b8 on an H100 (bench/results/first_step_2026-12-06). The
+    # cost: that input's gradient, the first block's three projections run backward once more (~0.3 % of a step).
+    uniform_inputs: bool = False
 
     def __call__(self, block, *args):
+        if self.uniform_inputs and not args[0].requires_grad:
+            args = (args[0].detach().requires_grad_(),) + args[1:]
         if id(block) not in self.recompute:
-            return block(*args)
-        if self.measure is not None:
-            return checkpoint(self._measured(block), *args, use_reentrant=False)
-        if self.in_graph is not None and block not in self.blocks[:self.floor]:
+            return block(*args) if self.measure is None else self._kept_and_measured(block, *args)
+        if self.in_graph is not None and block not in self.blocks[:self.floor] \
+                and (self.measure is None or self.measure.in_graph):
             return self.in_graph(block, *args)
-        return checkpoint(block.__call__, *args, use_reentrant=False)
+        return checkpoint(self._whole, block, *args, use_reentrant=False)
 
-    def _measured(self, block):
-        # Runs outside the compiled region (checkpoint calls it eagerly, in forward and again in backward). In the
-        # forward it keeps only its output; in the backward's recompute it keeps what the block's backward needs:
-        # the largest growth seen is one block's activations.
-        measure = self.measure
+    def _whole(self, block, *args):
+        if torch.get_num_threads() != self.threads:  # the backward's recompute (see `threads`)
+            torch.set_num_threads(self.threads)
+        return block(*args)
 
-        def run(*args):
-            before = torch.cuda.memory_allocated()
-            try:
-                return block(*args)
-            finally:  # also when the recompute stops early (torch raises through here once it has what it needs)
-                measure.act = max(measure.act, torch.cuda.memory_allocated() - before)
-
-        return run
+    def _kept_and_measured(self, block, *args):
+        # The measured step's kept block: what its forward leaves allocated is what it holds for its backward (and
+        # its output, which the next block keeps as its input either way), as the compiled graph saves it. Its
+        # forward runs outside any compiled region (the blocks are compiled one by one), so the reading is exact.
+        before = torch.cuda.memory_allocated()
+        out = block(*args)
+        self.measure.act = max(self.measure.act, torch.cuda.memory_allocated() - before)
+        return out
 
     def set_recomputed(self, count: int) -> None:
         """The first `count` blocks recompute (which ones does not matter for memory: all are alike), and never

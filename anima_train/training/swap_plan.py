@@ -16,6 +16,8 @@ where the weights wait, never a number (tests/test_swap_plan.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from anima_train import fixes
@@ -47,10 +49,8 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
     if why := plan.swap_unavailable(cfg, whole_trunk_compiled):
         say(f"{SWAP_PREFIX} none (no block can swap: {why})")
         return 0
-    batch_sizes = cfg.train.batch_size
-    batch = batch_sizes if isinstance(batch_sizes, int) else max(batch_sizes.values())
     chosen = plan.make_plan(cfg, budget, memory.expandable_segments_on(), shape=declared_shape(cfg.train.model_path),
-                            largest=(largest_tokens, batch), whole_trunk_compiled=whole_trunk_compiled)
+                            largest=(largest_tokens, largest_batch(cfg)), whole_trunk_compiled=whole_trunk_compiled)
     count, gib = chosen.inputs.swapped, GIB
     peak = f"predicted peak {plan.peak_text(chosen)}"
     if count == 0:
@@ -65,3 +65,25 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
                 else "lower [train] batch_size or [dataset] resolution")
              + fixes.ref("run plan", "; `anima-train plan CONFIG --vram GiB` shows the whole plan"))
     return count
+
+
+def largest_batch(cfg: Config) -> int:
+    batch_sizes = cfg.train.batch_size
+    return batch_sizes if isinstance(batch_sizes, int) else max(batch_sizes.values())
+
+
+def first_step_in_graph(cfg: Config, device: torch.device, *, largest_tokens: int, swapped: int) -> bool:
+    """checkpoint_blocks = "auto" with the in-graph recompute on: whether the measured first step recomputes inside
+    the compiled graph. As the static plan of this run predicts the measured one will choose: in the graph where it
+    recomputes some block there; whole where it keeps every block (a whole block's recompute runs the kept blocks'
+    graph) or where the graph's extra would not fit (whole-block recompute holds least). Then the first step
+    compiles what the run goes on with (recompute.py)."""
+    budget = card_budget(device)
+    if budget is None:
+        return False
+    fixed = copy.deepcopy(cfg)
+    fixed.train.swap_blocks = swapped
+    chosen = plan.make_plan(fixed, budget, memory.expandable_segments_on(), look_for_swap=False,
+                            shape=declared_shape(cfg.train.model_path), largest=(largest_tokens, largest_batch(cfg)),
+                            whole_trunk_compiled=False, look_for_batch=False)
+    return chosen.in_graph

@@ -129,6 +129,9 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
     _compile_when_it_pays(cfg, model, compiling, say)
+    if model.block_ckpt.measure is not None and model.block_ckpt.in_graph is not None:
+        model.block_ckpt.measure.in_graph = swap_plan.first_step_in_graph(
+            cfg, device, largest_tokens=data.sampler.largest_batch_tokens(), swapped=swap_blocks)
     trainable, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler)
     _say_steps(say, cfg, per_epoch, batches=len(data.sampler), world=world, accum=accum)
 
@@ -417,6 +420,7 @@ def _compile_when_it_pays(cfg: Config, model: Model, decision: CompileDecision, 
     compile_mode = decision.mode
     if compile_mode:
         compile_transformer(model.transformer, cfg, compile_mode)
+        model.block_ckpt.uniform_inputs = True
         if recompute.in_graph_applies(cfg.train, compiled=True):
             model.block_ckpt.in_graph = recompute.in_graph_recompute(compile_mode, cfg.train.compile_dynamic)
     n_blocks = len(model.block_ckpt.blocks)

@@ -45,9 +45,17 @@ ALIGN_BYTES = 256
 class WeightSwap:
     """The frozen weights of `blocks` in host memory, on the device only while their block runs."""
 
-    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, slots: int = RESIDENT_SLOTS):
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, slots: int = RESIDENT_SLOTS, *,
+                 others: list[torch.nn.Module] = ()):
         self.device, self.slots = torch.device(device), max(1, slots)
         self.blocks = list(blocks)
+        # The trunk's other blocks take the same class, and swap nothing: Dynamo guards on a block's type, and a
+        # swapped block's class of its own compiled every graph of the block once more (~17 s cold at 1024² b1
+        # on an H100, bench/results/first_step_2026-12-06).
+        self.others = [(block, type(block)) for block in others]
+        for block, cls in self.others:
+            block.__class__ = _swapped_class(cls)
+            block._weight_swap = None
         self.uploads = 0  # blocks copied in so far (the tests read it)
         self.resident: list[int] = []  # indices into self.blocks, the least recently called first
         # per block, per dtype: (host flat buffer, [(parameter or buffer, offset, shape)])
@@ -105,6 +113,9 @@ class WeightSwap:
         for index, block in enumerate(self.blocks):
             block.__class__ = self.classes[index]
             del block._weight_swap
+        for block, cls in self.others:
+            block.__class__ = cls
+            del block._weight_swap
 
     def _restore_to(self, device: torch.device) -> None:
         for index, groups in enumerate(self.layout):
@@ -138,8 +149,9 @@ def _swapped_class(cls: type) -> type:
     """`cls` with a __call__ that brings the block's weights in first (one subclass per block class)."""
     if cls not in _SWAPPED_CLASSES:
         def __call__(self, *args, **kwargs):
-            swap, index = self._weight_swap
-            swap.arrive(index)
+            if self._weight_swap is not None:  # None: a resident block of a trunk that swaps (WeightSwap.others)
+                swap, index = self._weight_swap
+                swap.arrive(index)
             return torch.nn.Module.__call__(self, *args, **kwargs)
 
         _SWAPPED_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
