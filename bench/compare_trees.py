@@ -7,6 +7,10 @@ editable). One tiny model and dataset are built and cached once (with BEFORE); t
 command line of each checkout: a LoRA with periodic saves and resume states, the same LoRA resumed from its step-4
 state, and a LoKr. Compared: every event of `--events` (timings, paths and versions masked), every tensor and metadata
 value of every checkpoint file, and every file of every resume state. Exit status 0 when all are equal.
+
+Where an issue asked for a record's format to change, the older tree's records are translated into the newer format
+before the comparison (FORMAT_CHANGES), and the output says how many were: a value that changed still differs. The
+runs name every setting whose default an issue changed (DEFAULTS_CHANGED), so both trees train the same configuration.
 """
 
 from __future__ import annotations
@@ -29,6 +33,26 @@ RUNS = {  # name -> (extra TOML, extra CLI args, resume from (run, state))
 MASK_KEYS = {"seconds", "time", "t", "elapsed", "eta", "eta_s", "s_per_step", "it_s", "run_dir", "path", "final",
              "saved", "state", "log", "versions"}
 SUFFIXES = (".safetensors", ".json", ".pt")  # checkpoints, states (their JSON, optimizer, scheduler), events aside
+# Settings whose default an issue changed, written into every run's [train] table: the config recorded in each file
+# (ss_training_config) is then the same on both sides.
+DEFAULTS_CHANGED = {
+    "swap_blocks": "0",  # issue #45: the default became "auto", which swaps no block off CUDA
+}
+
+
+def step_terms(event: dict) -> dict:
+    """Issue #44 (named loss parts from the loss function to the chart): a step event's "mse" and "hf" fields became
+    one "terms" mapping of the parts present."""
+    if event.get("event") != "step" or "terms" in event or not {"mse", "hf"} & event.keys():
+        return event
+    event = dict(event)
+    parts = {name: event.pop(name) for name in ("mse", "hf") if name in event}
+    event["terms"] = {name: value for name, value in parts.items() if value is not None}
+    return event
+
+
+FORMAT_CHANGES = {"step events: mse/hf -> terms (issue #44)": step_terms}
+TRANSLATED = {name: 0 for name in FORMAT_CHANGES}
 TIME_TEXT = re.compile(r"\d+(\.\d+)? ?s\b|/tmp/\S+|" + r"\d{4}-\d\d-\d\dT\S+")
 
 
@@ -52,7 +76,16 @@ def mask(value, key=""):
 
 
 def events(path: Path) -> list:
-    return [mask(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            event = json.loads(line)
+            for name, translate in FORMAT_CHANGES.items():
+                translated = translate(event)
+                TRANSLATED[name] += translated is not event
+                event = translated
+            out.append(mask(event))
+    return out
 
 
 def tensors(path: Path) -> tuple[dict, dict]:
@@ -99,6 +132,9 @@ def main() -> int:
     if not args.compare_only:
         run_both(args, work)
     compare(work, problems)
+    for name, count in TRANSLATED.items():
+        if count:
+            print(f"translated into the newer format: {count} record(s), {name}")
     for p in problems:
         print("DIFFERS:", p)
     print("equal" if not problems else f"{len(problems)} difference(s)")
@@ -119,6 +155,8 @@ def run_both(args, work: Path) -> None:
             toml = re.sub(r"(?m)^epochs = \d+.*\n", "", toml).replace("[train]\n", "[train]\nepochs = 100\n", 1)
             toml = re.sub(r'run_name = "[^"]*"', f'run_name = "{name}"', toml)
             toml = toml.replace("[train]\n", "[train]\nsave_every_steps = 4\nsave_optimizer_state = true\n", 1)
+            toml = toml.replace("[train]\n", "[train]\n" + "".join(f"{key} = {value}\n"
+                                                                  for key, value in DEFAULTS_CHANGED.items()), 1)
             out.mkdir(parents=True)
             if resume:  # a branch off the first run's step-4 state (a new run name: its own folder)
                 src = work / side / resume[0] / resume[0] / resume[1]
