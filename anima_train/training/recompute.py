@@ -90,7 +90,8 @@ class BlockCheckpointing:
     # Compiled runs: the first block's input asks for its gradient, as every later block's input does. Dynamo
     # guards on requires_grad, so the first block had a graph of its own, for each way a block runs (kept, in the
     # graph): one more compile each, ~25 s cold at 1024² b8 on an H100 (bench/results/first_step_2026-12-06). The
-    # cost: that input's gradient, the first block's three projections run backward once more (~0.3 % of a step).
+    # cost: that input's gradient, the first block's three projections run backward once more (~0.3 % of a step
+    # by their FLOPs; not timed).
     uniform_inputs: bool = False
 
     def __call__(self, block, *args):
