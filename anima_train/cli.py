@@ -37,7 +37,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "convert": Command("anima_train.model.convert", "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
+    "convert": Command("anima_train.model.convert",
+                       "convert ComfyUI single files (DiT, Qwen3, VAE) into a diffusers repo"),
     "cache": Command("anima_train.data.latent_cache", "encode a dataset's images into latent caches next to them"),
     "audit": Command("anima_train.data.audit", "report a dataset's size distribution, tier ladder and cache coverage"),
     "train": Command("anima_train.training.train_command", f"train a {adapters.table_help()} from a TOML config"),

@@ -124,9 +124,9 @@ def out_of_memory_message(torch_text: str) -> str:
             + fixes.ref("run plan", "`anima-train plan CONFIG --vram GiB` shows what fits a card of that size. ")
             + "Lower [train] batch_size or [dataset] resolution, or set [train] checkpoint_blocks = \"all\"; "
             "for an adapter keep some blocks' frozen weights in host memory ([train] swap_blocks = N: the plan names "
-            "N); for a full finetune drop the fp32 copies ([optimizer] use_kahan = true), or keep the optimizer state in "
-            "8 bits as well (kind = \"adamw8bit\", quantize_state = true, use_kahan = true); close other programs that "
-            "use the GPU")
+            "N); for a full finetune drop the fp32 copies ([optimizer] use_kahan = true), or keep the optimizer state "
+            "in 8 bits as well (kind = \"adamw8bit\", quantize_state = true, use_kahan = true); close other programs "
+            "that use the GPU")
 
 
 def _without_worker_traceback(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
-"""GPU benchmark of the real trainer (`anima_train.training.train.train`) on a full-size random-init Anima, beside the naive
-baseline and the seed trainer, in one call, with the ratios.
+"""GPU benchmark of the real trainer (`anima_train.training.train.train`) on a full-size random-init Anima, beside the
+naive baseline and the seed trainer, in one call, with the ratios.
 
 1024x1024 (4096 tokens), bf16, AdamW; LoRA r32 on attention + MLP and a full finetune of the DiT. Ours runs the
 configuration a user gets by default: `gradient_checkpointing = true` with `checkpoint_blocks = "auto"` (the fewest
@@ -15,14 +15,15 @@ training step on a full-size random Anima (prints one JSON line per run), SEED_B
 (the seed) from its unmodified source tarball SEED-*.tar.gz. Without them only our runs are measured.
 
 Names: `lora_bN`, `full_bN` (fp32 masters + AdamW), `full8bit_bN` (adamw8bit + quantize_state + use_kahan: the
-smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, one compiled kernel per tensor); `NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed,
-`NAME:off` with its own `gradient_checkpointing = false`; `NAME@K` (ours) runs it with `swap_blocks = K`
-(`lora_b4:auto@11`; `@0`: every block on the GPU; without `@`: the default, `swap_blocks = "auto"`, and the JSON's
-`swapped_blocks` says what it chose). Compare with the seed's best at the same memory
-(`--seed-only`: the largest batch that fits checkpointed under a cap, `lora_b8:off` uncapped). `--diag` prints
-memory and allocator retries per micro-step and the plan "auto" chose. Under a cap, give each of our
-configurations its own process: a finished run's compiled model stays allocated in the process. `--cap-gib G` caps every process (ours, the seed's, the baseline's) with
-torch.cuda.set_per_process_memory_fraction, as a G GiB card would. Prints one JSON line per run and a table.
+smallest full finetune), `fullkahan_bN` (adamw + use_kahan: bf16 moments and residual, one compiled kernel per tensor);
+`NAME:SETTING` runs it with that checkpoint_blocks (ours: `lora_b2:all`) or, for the seed, `NAME:off` with its own
+`gradient_checkpointing = false`; `NAME@K` (ours) runs it with `swap_blocks = K` (`lora_b4:auto@11`; `@0`: every block
+on the GPU; without `@`: the default, `swap_blocks = "auto"`, and the JSON's `swapped_blocks` says what it chose).
+Compare with the seed's best at the same memory (`--seed-only`: the largest batch that fits checkpointed under a cap,
+`lora_b8:off` uncapped). `--diag` prints memory and allocator retries per micro-step and the plan "auto" chose. Under a
+cap, give each of our configurations its own process: a finished run's compiled model stays allocated in the process.
+`--cap-gib G` caps every process (ours, the seed's, the baseline's) with torch.cuda.set_per_process_memory_fraction, as
+a G GiB card would. Prints one JSON line per run and a table.
 
 Texture mode (docs/training.md#texture-mode) needs images, not latents (source = "encode": the VAE runs every step).
 `encode_bN` (full-resolution 1024x1024 buckets, encoded in the loop) and `texture_bN` (one texture phase over the
@@ -69,7 +70,8 @@ FULL = '[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[op
 # the lean full finetune for 24 GiB cards: uint8 AdamW state + Kahan residual instead of fp32 masters
 FULL_8BIT = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
              'kind = "adamw8bit"\nlr = 1e-5\nquantize_state = true\nuse_kahan = true\n')
-# the lean full finetune without SDNQ: bf16 moments + Kahan residual, compiled per-tensor steps (training/adamw_kahan.py)
+# the lean full finetune without SDNQ: bf16 moments + Kahan residual, compiled per-tensor steps
+# (training/adamw_kahan.py)
 FULL_KAHAN = ('[adapter]\nkind = "none"\n[component_lr]\nadaln = 1e-5\nbase = 1e-5\n[optimizer]\n'
               'kind = "adamw"\nlr = 1e-5\nuse_kahan = true\n')
 KINDS = {"lora": LORA, "full": FULL, "full8bit": FULL_8BIT, "fullkahan": FULL_KAHAN,

@@ -16,10 +16,11 @@ The Train node against `anima-train train` (issue #45, point 1): --variants queu
 very TOML the node wrote (comfyui-job.toml, only run_name changed), in the same call on the same GPU, once per
 environment: `plain` = a shell's, `comfy-env` = the environment the node's worker got (read from /proc), `comfy-alloc`
 = a shell's plus the allocator ComfyUI sets for itself (backend:cudaMallocAsync), which the worker inherited before
-nodes/worker.without_comfy_allocator. Later variants run the first environment only. ComfyUI's models are freed (/free) before each CLI run, as Train frees them for its worker. Every run is
-one JSON line in rows.jsonl: call, who (comfyui/ours), run, cap_gib, base_matmul, s_per_step/s_per_image (median
-step-to-step delta after the first 3 steps, from the trainer's own event times), first_step_s (queue or command to
-the first step), steady_s (to the first step after which 5 steps in a row run within 10 % of that median).
+nodes/worker.without_comfy_allocator. Later variants run the first environment only. ComfyUI's models are freed (/free)
+before each CLI run, as Train frees them for its worker. Every run is one JSON line in rows.jsonl: call, who
+(comfyui/ours), run, cap_gib, base_matmul, s_per_step/s_per_image (median step-to-step delta after the first 3 steps,
+from the trainer's own event times), first_step_s (queue or command to the first step), steady_s (to the first step
+after which 5 steps in a row run within 10 % of that median).
 """
 from __future__ import annotations
 
@@ -128,7 +129,8 @@ def main():
     from anima_train.model.tiny import make_synthetic_dataset
     base = work / "comfy_base"; models = base / "models"
     for folder, name, src in [("diffusion_models", "anima.safetensors", m.anima_file),
-                              ("text_encoders", "qwen3.safetensors", m.qwen3_file), ("vae", "vae.safetensors", m.vae_file)]:
+                              ("text_encoders", "qwen3.safetensors", m.qwen3_file),
+                              ("vae", "vae.safetensors", m.vae_file)]:
         (models / folder).mkdir(parents=True, exist_ok=True)
         (models / folder / name).symlink_to(src)
     (base / "custom_nodes").mkdir()
@@ -183,7 +185,8 @@ def main():
         if a.size == "full":
             knobs.update(max_steps=a.steps or 50, dtype="bfloat16", num_workers=2)
         else:
-            knobs.update(max_steps=a.steps or 6, dtype="float32", num_workers=0, gradient_checkpointing=False, learning_rate=0.02)
+            knobs.update(max_steps=a.steps or 6, dtype="float32", num_workers=0, gradient_checkpointing=False,
+                         learning_rate=0.02)
         set_widgets(wf, info, 4, **knobs)
         set_widgets(wf, info, 8, text="red circle, white background"); set_widgets(wf, info, 9, text="")
         set_widgets(wf, info, 10, width=res, height=res)
@@ -208,7 +211,8 @@ def main():
             st, body = _post(port, "/prompt", {"prompt": {k: prompt[k] for k in need}, "client_id": client})
             assert st == 200, body
             e = msgs.wait(finished(body["prompt_id"]), 300, "the preload prompt")
-            summary["preload"] = {"nodes": sorted(need, key=int), "end": e["type"], "s": round(time.perf_counter() - tp, 1)}
+            summary["preload"] = {"nodes": sorted(need, key=int), "end": e["type"],
+                                  "s": round(time.perf_counter() - tp, 1)}
             say("preload", summary["preload"]); phase["p"] = "preloaded"; time.sleep(3)
         variants = [v for v in a.variants.split(",") if v]
         rows_file = out / "rows.jsonl"
@@ -282,7 +286,8 @@ def main():
                 elif how in ("plain", "comfy-alloc"):  # a shell's; comfy-alloc adds the allocator ComfyUI sets for
                     # itself (and gave the worker until nodes/worker.without_comfy_allocator)
                     cli_env = {k: v for k, v in env.items() if k not in ALLOC_VARIABLES}
-                    cli_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+                    cli_env["PYTHONPATH"] = os.pathsep.join(
+                        [str(ROOT)] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
                     if how == "comfy-alloc":
                         cli_env["PYTORCH_ALLOC_CONF"] = COMFY_ALLOCATOR
                 else:
@@ -292,7 +297,8 @@ def main():
                 phase["p"] = f"cli_{variant}_{how}"
                 name = f"cli_{variant}_{how.replace('-', '_')}"
                 events, started, rc = cli_run(a.python, job, name, cli_env, out / f"{name}.log")
-                losses = [round(e["loss"], 4) for e in events if e.get("event") == "step" and isinstance(e.get("loss"), float)]
+                losses = [round(e["loss"], 4) for e in events
+                          if e.get("event") == "step" and isinstance(e.get("loss"), float)]
                 row(who="ours", run=name, variant=variant, batch=1, env=how, rc=rc,
                     alloc=cli_env.get("PYTORCH_ALLOC_CONF") or cli_env.get("PYTORCH_CUDA_ALLOC_CONF"),
                     **step_stats(events, started), loss_first=losses[0] if losses else None,

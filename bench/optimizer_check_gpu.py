@@ -7,8 +7,8 @@ What may differ, and by how much: the compiled kernel rounds its fp32 arithmetic
 rounding apart can round stochastically to the neighbouring bf16 value (2^-8 of it), and that moves the next update
 by at most about lr * 2^-7. Over 3 steps: the held weight (weight + residual) within lr * 2^-5 everywhere, and beyond
 1e-7 in fewer than 0.1 % of the elements (the CPU backend: 67 of 5.2 M elements, 4.8e-7 at most; a wrong formula moves
-every element by about lr). The moments within a bf16 ulp per step, so 2^-5 of them after 3 (the CPU backend: 3 of 5.2 M elements
-2 ulps apart), or, where m's lerp cancels to near zero, a few flipped ulps of its former size (3e-6; the CPU
+every element by about lr). The moments within a bf16 ulp per step, so 2^-5 of them after 3 (the CPU backend: 3 of 5.2 M
+elements 2 ulps apart), or, where m's lerp cancels to near zero, a few flipped ulps of its former size (3e-6; the CPU
 backend: 8.3e-7 at most; v 1e-14).
 
 H200, 2026-12-04 (bench/results/optimizer_check_2026-12-04): the held weight within 1.9e-6 (the bound: 3.1e-6), the

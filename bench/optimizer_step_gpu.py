@@ -16,7 +16,7 @@ the numbers are the optimizer's share of a training step and nothing else.
 
 Prints one JSON line per optimizer (median seconds per step after --warmup steps, peak GiB, kernels launched per
 step from a profiled step) and writes them to --out when given.
-"""
+"""  # noqa: E501 (a row of the table above stays on one line)
 
 from __future__ import annotations
 

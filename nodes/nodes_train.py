@@ -183,8 +183,9 @@ class AnimaTrainTrain(io.ComfyNode):
                         "final": str(final), "reused": True, "losses": losses,  # the chart shows the run
                         "validation": manifest.get("validation_points", [])})
             image = train_outcome.loss_image(losses, run_dir)
-            text = train_outcome.summary(cfg, final, published, manifest.get("steps"), 0, True, manifest.get("warnings", []),
-                            note, manifest.get("memory_plan", []), manifest.get("validation", []))
+            text = train_outcome.summary(cfg, final, published, manifest.get("steps"), 0, True,
+                                         manifest.get("warnings", []), note, manifest.get("memory_plan", []),
+                                         manifest.get("validation", []))
             return io.NodeOutput(str(final), image, ui={"text": [text]})
 
         comfy.free_vram()
@@ -216,8 +217,8 @@ class AnimaTrainTrain(io.ComfyNode):
                               memory_plan=relay.memory_plan, validation=relay.validation,
                               validation_points=relay.validation_points)
         image = train_outcome.loss_image(relay.losses, run_dir)
-        text = train_outcome.summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings, note,
-                        relay.memory_plan, relay.validation)
+        text = train_outcome.summary(cfg, final, published, done.get("step"), result.seconds, False, relay.warnings,
+                                     note, relay.memory_plan, relay.validation)
         return io.NodeOutput(str(final), image, ui={"text": [text]})
 
 
@@ -247,7 +248,8 @@ class AnimaLoadTrainedLora(io.ComfyNode):
             display_name="Anima: Load trained LoRA",
             category=CATEGORY,
             description=f"Apply a trained {adapters.titles(adapters_only=True, sep='/')} file to MODEL (and CLIP, "
-                        "when the file has a Qwen3 part) the way the stock LoraLoader does. lora_path (e.g. from Anima: Train) wins over lora_name.",
+                        "when the file has a Qwen3 part) the way the stock LoraLoader does. "
+                        "lora_path (e.g. from Anima: Train) wins over lora_name.",
             inputs=[
                 io.Model.Input("model"),
                 io.String.Input("lora_path", default="", tooltip="a .safetensors path (a relative one is in ComfyUI's "

@@ -1,7 +1,7 @@
 """The Train node's preview grid: a trainer `samples` event (PNG paths in the run folder) -> small inline images.
 
-The trainer writes full-size PNGs to <run_dir>/samples/ (anima_train.training.previews), a folder ComfyUI's /view route may
-not serve (output_dir can be anywhere). The node instead sends each preview as a small JPEG data URL inside the
+The trainer writes full-size PNGs to <run_dir>/samples/ (anima_train.training.previews), a folder ComfyUI's /view route
+may not serve (output_dir can be anywhere). The node instead sends each preview as a small JPEG data URL inside the
 `anima_train.progress` event, which js/anima_train.js puts in an <img> under the loss chart: a few kilobytes per
 image, nothing to clean up, and no path is ever exposed to the page as a URL.
 """

@@ -88,7 +88,8 @@ ALL_KNOBS = KNOBS + LATE_KNOBS
 EXTRA_TOML = "extra_toml"
 # A table in extra_toml that replaces widget keys (parse_config refuses both forms at once).
 REPLACES = {"dataset.subsets": ("dataset.path", "dataset.num_repeats"), "dataset.resolutions": ("dataset.resolution",)}
-WIDGET_DEFAULTS = {"train.model_path": "", "train.output_dir": "", "train.run_name": "anima_lora", "adapter.rank": 16, "adapter.alpha": 16.0,
+WIDGET_DEFAULTS = {"train.model_path": "", "train.output_dir": "", "train.run_name": "anima_lora",
+                   "adapter.rank": 16, "adapter.alpha": 16.0,
                    "optimizer.lr": 1e-4}  # the trainer's defaults suit a TOML file; these suit a first LoRA
 
 

@@ -2,8 +2,8 @@
 
 argv: config, folder for the rank records, and "save" to write checkpoints (default: --no-save), then "stop": rank
 0 alone is given a stop file, which it creates while it reports step 2 (rank 1's never appears), so only rank 0 asks
-to stop. A run refused at start (anima_train.outputs.run_folder.RunRefused) records its message instead, so the test sees that
-every rank got it."""
+to stop. A run refused at start (anima_train.outputs.run_folder.RunRefused) records its message instead, so the test
+sees that every rank got it."""
 
 import json
 import os

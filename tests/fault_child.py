@@ -2,8 +2,9 @@
 
 A forkserver imports this module once (the top-level imports are everything a tiny training run needs, ~6 s), then
 each run is forked from it and executes this file as `__main__` (runpy.run_path, the test's Process target; the
-imports are then already done), which runs `anima_train` as `python -m anima_train train cfg.toml` does. So every run is a fresh process with its own
-state, killed for real, but starts in well under a second: the test does 20+ runs within its time budget.
+imports are then already done), which runs `anima_train` as `python -m anima_train train cfg.toml` does. So every run is
+a fresh process with its own state, killed for real, but starts in well under a second: the test does 20+ runs within
+its time budget.
 """
 
 import os

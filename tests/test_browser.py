@@ -101,9 +101,9 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
         {"Comfy.TutorialCompleted": True, "Comfy.VueNodes.Enabled": renderer == "vue"}))
     screenshot = os.environ.get("ANIMA_TRAIN_SCREENSHOT") if renderer == "litegraph" else None
     shot_path = tmp_path / "train_node.png"
-    cfg = {"url": comfy_server["url"] + "/", "chromium": comfy_server["chromium"], "userDataDir": str(tmp_path / "chrome"),
-           "outDir": str(tmp_path), "screenshot": str(shot_path), "relay": "/anima_train_test/relay",
-           "deviceScaleFactor": dpr, "samples": preview_events}
+    cfg = {"url": comfy_server["url"] + "/", "chromium": comfy_server["chromium"],
+           "userDataDir": str(tmp_path / "chrome"), "outDir": str(tmp_path), "screenshot": str(shot_path),
+           "relay": "/anima_train_test/relay", "deviceScaleFactor": dpr, "samples": preview_events}
     t0 = time.perf_counter()
     run = subprocess.run([comfy_server["node"], str(DRIVER), json.dumps(cfg)], cwd=BROWSER_DIR, capture_output=True,
                          text=True, timeout=240)
@@ -147,9 +147,9 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     assert mid["orange"] > 150 and mid["blue"] > 150 and mid["green"] > 150 and mid["magenta"] > 50, mid
     assert mid["yellow"] > 100, mid  # [validation]: the held-out loss, a second line with a dot per evaluation
     status = mid["status"]
-    for part in (f"training step {last['step']} of {last['total']}", f"epoch {last['epoch']}/8", f"loss {last['loss']:.4f}",
-                 f"mse {last['terms']['mse']:.4f} + hf {last['terms']['hf']:.4f}", "EMA ", "LR 1.00e-4/5.00e-5",
-                 f"{last['s_per_step']:.2f} s/it", f"ETA {format_duration(last['eta_s'])}",
+    for part in (f"training step {last['step']} of {last['total']}", f"epoch {last['epoch']}/8",
+                 f"loss {last['loss']:.4f}", f"mse {last['terms']['mse']:.4f} + hf {last['terms']['hf']:.4f}", "EMA ",
+                 "LR 1.00e-4/5.00e-5", f"{last['s_per_step']:.2f} s/it", f"ETA {format_duration(last['eta_s'])}",
                  "peak VRAM 11.6/11.4 GB", "saved step 100: /runs/x/anima-step00100.safetensors"):
         assert part in status, f"{part!r} not in status {status!r}"
 
@@ -166,7 +166,8 @@ def test_train_node_loss_chart(comfy_server, renderer, dpr, tmp_path, preview_ev
     assert done["orange"] == r["withPreviews"]["orange"]  # the finished chart stays up (previews under it)
 
     reset = r["reset"]  # a new "start" clears the chart
-    assert reset["phase"] == "running" and reset["orange"] == 0 and reset["blue"] == 0 and "step " not in reset["status"]
+    assert (reset["phase"] == "running" and reset["orange"] == 0 and reset["blue"] == 0
+            and "step " not in reset["status"])
 
     no_hf = r["noHf"]  # hf null: loss + EMA only
     assert no_hf["orange"] > 150 and no_hf["blue"] > 100 and no_hf["green"] == 0 and no_hf["magenta"] == 0, no_hf

@@ -97,7 +97,8 @@ def test_training_config_shows_common_knobs_and_hides_the_rest_behind_the_toggle
     assert all(_same(values[k], file_values[k]) for k in file_values), (values, file_values)
     # hidden is not dropped: the prompt carries every advanced value, and showing them changes nothing in it
     prompt = r["workflowPrompt"]
-    assert all(_same(prompt[k], file_values[k]) for k in advanced), {k: (prompt.get(k), file_values[k]) for k in advanced}
+    assert all(_same(prompt[k], file_values[k]) for k in advanced), \
+        {k: (prompt.get(k), file_values[k]) for k in advanced}
     assert r["workflowShownPrompt"] == prompt
     assert _drawn(r["workflowShown"]) == list(values)
 

@@ -12,8 +12,9 @@ the Queue button's own code. The assertions are here:
   * the queued prompt carries the substitutions, and ends in execution_success with the images saved.
 
 Models: the file names the workflows use are served by the temp base's models folders with tiny ComfyUI-detectable
-files (anima_train.model.tiny size "comfy"), except the CLIPLoader's text encoder: ComfyUI hard-codes Qwen3-0.6B, so that
-one is a random full-size file (fixtures_tiny.comfy_text_encoder). The Convert node gets the tiny Qwen3 and tokenizers.
+files (anima_train.model.tiny size "comfy"), except the CLIPLoader's text encoder: ComfyUI hard-codes Qwen3-0.6B, so
+that one is a random full-size file (fixtures_tiny.comfy_text_encoder). The Convert node gets the
+tiny Qwen3 and tokenizers.
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def _same(a, b) -> bool:
 
 def _overlap(a: dict, b: dict) -> bool:
     """Two nodes' boxes (graph coordinates, title bar included) share some area."""
-    return a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]
+    return (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+            and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
 
 
 def _history(url: str, prompt_id: str) -> dict:

@@ -94,7 +94,8 @@ def test_resume_from_a_path_that_is_not_there_says_not_found(tmp_path):
     msg = str(exc.value)
     assert "run-step000099.safetensors" in msg and "not found" in msg and "inference-only" not in msg
     assert f"newest state in {tmp_path} is {tmp_path / 'run-step000010-state'}" in msg
-    with pytest.raises(resume_state.ResumeError, match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
+    with pytest.raises(resume_state.ResumeError,
+                       match=f"is a run folder, not a saved state.*newest is {tmp_path}/run-step000010"):
         resume_state.resolve_resume(tmp_path)
 
 
@@ -188,13 +189,16 @@ def test_epoch_of_step_is_the_one_based_epoch_the_step_falls_in():
 def test_a_loha_state_records_its_rank_and_a_resume_with_another_kind_is_refused(tmp_path):
     base = '[dataset]\npath = "/data/train"\n[adapter]\nrank = 4\n'
     loha = parse_config(base + 'kind = "loha"\n')
-    assert resume_state.describe_adapter(loha) == {"kind": "loha", "rank": 4, "components": ["cross_attn", "mlp", "self_attn"],
-                                        "train_llm_adapter": False, "train_text_encoder": False}
+    assert resume_state.describe_adapter(loha) == {"kind": "loha", "rank": 4,
+                                                   "components": ["cross_attn", "mlp", "self_attn"],
+                                                   "train_llm_adapter": False, "train_text_encoder": False}
     lokr = parse_config(base + 'kind = "lokr"\n')  # the other methods record what they always did
-    assert resume_state.describe_adapter(lokr) == {**resume_state.describe_adapter(loha), "kind": "lokr", "lokr_factor": -1,
-                                        "lokr_decompose_both": False}
+    assert resume_state.describe_adapter(lokr) == {**resume_state.describe_adapter(loha), "kind": "lokr",
+                                                   "lokr_factor": -1, "lokr_decompose_both": False}
     assert "rank" not in resume_state.describe_adapter(parse_config(base + 'kind = "none"\n'))
     state = tmp_path / "run-state"
-    with pytest.raises(resume_state.ResumeError, match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
+    with pytest.raises(resume_state.ResumeError,
+                       match=r'\[adapter\] kind: the state has "loha", this config has "lora"'):
         resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, parse_config(base))
-    resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, loha)  # the same adapter resumes
+    # the same adapter resumes
+    resume_state.refuse_adapter_change(state, {"adapter": resume_state.describe_adapter(loha)}, loha)

@@ -68,7 +68,8 @@ def test_config_errors_are_one_message_naming_the_file(tmp_path, text, parts):
 
 
 def test_missing_config_file_and_bad_flag_value(tmp_path):
-    assert_user_error(anima_train_cli("train", "nope.toml", cwd=tmp_path), "train", "config file not found", "nope.toml")
+    assert_user_error(anima_train_cli("train", "nope.toml", cwd=tmp_path), "train", "config file not found",
+                      "nope.toml")
     cfg = tmp_path / "c.toml"
     cfg.write_text('[dataset]\npath = "/d"\n')
     assert_user_error(anima_train_cli("train", cfg, "--max-steps", "0", cwd=tmp_path), "train", "--max-steps 0")
@@ -82,7 +83,8 @@ def test_every_unusable_path_is_named_before_any_model_loads(tmp_path):
     cfg = write_config(tmp_path / "c.toml", tmp_path / "no-model", tmp_path / "no-data", tmp_path / "out-file",
                        train_extra=f'resume_from = "{tmp_path / "gone-state"}"')
     ev = tmp_path / "events.jsonl"
-    err = assert_user_error(anima_train_cli("train", cfg, "--events", ev, cwd=tmp_path), "train", "c.toml: 4 paths cannot be used",
+    err = assert_user_error(anima_train_cli("train", cfg, "--events", ev, cwd=tmp_path), "train",
+                            "c.toml: 4 paths cannot be used",
                             "model_path", "no-model", "anima-train convert",
                             "[dataset] path", "no-data", "dataset folder not found",
                             "output_dir", "out-file", "is a file",
@@ -97,7 +99,8 @@ def test_an_unwritable_output_dir_is_refused_before_loading(tiny_anima, latents,
     locked.chmod(0o555)
     try:
         cfg = write_config(tmp_path / "c.toml", tiny_anima.diffusers_dir, latents, locked / "runs")
-        assert_user_error(anima_train_cli("train", cfg, cwd=tmp_path), "train", "output_dir", str(locked), "not writable")
+        assert_user_error(anima_train_cli("train", cfg, cwd=tmp_path), "train", "output_dir", str(locked),
+                          "not writable")
     finally:
         locked.chmod(0o755)
 

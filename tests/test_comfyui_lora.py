@@ -2,9 +2,9 @@
 
 Runs only with COMFYUI_PATH (a ComfyUI checkout with Anima support) and COMFYUI_PYTHON (its venv's python; our venv's
 torch differs from ComfyUI's, so ComfyUI code runs in a subprocess). Here we build the smallest Anima ComfyUI detects
-(model/tiny.py size "comfy": width 256, 10 blocks, full-size llm_adapter), attach peft adapters with alpha != rank, export
-every format, and compute the expected patched weights W + strength·ΔW from the peft parameters. The subprocess loads
-the DiT with `comfy.sd.load_diffusion_model` (our full-finetune native file), applies each file with
+(model/tiny.py size "comfy": width 256, 10 blocks, full-size llm_adapter), attach peft adapters with alpha != rank,
+export every format, and compute the expected patched weights W + strength·ΔW from the peft parameters. The subprocess
+loads the DiT with `comfy.sd.load_diffusion_model` (our full-finetune native file), applies each file with
 `comfy.sd.load_lora_for_models`, and returns the weights ComfyUI patches (`patch_weight_to_device`). The Qwen3 LoRA
 goes through `comfy.lora.model_lora_keys_clip` of ComfyUI's real Anima text-encoder class (built on the meta device:
 ComfyUI hard-codes the 0.6B config) and `comfy.lora.calculate_weight` on tiny Qwen3 weights.
@@ -87,7 +87,7 @@ COMFY_SCRIPT = textwrap.dedent(r'''
     save_file(out, te_job["out"])
     report["te"] = {"log": log[start:], "patched": len(out)}
     json.dump(report, open(jobs["report"], "w"))
-''')
+''')  # noqa: E501 (a line of the script above: wrapping it would change the string)
 
 DIT_LORA = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "norm1.linear_1", "norm3.linear_2",
             "proj_out", "time_embed.t_embedder.linear_1"]

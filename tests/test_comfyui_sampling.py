@@ -1,12 +1,12 @@
 """A preview predicts what ComfyUI shows: our sampler (anima_train.training.previews) against ComfyUI's own KSampler.
 
-On the tiny ComfyUI-detectable Anima (model/tiny.py size "comfy", fp32) with a LoRA attached: we render a prompt with the
-trainer's sampler (the adapter active, our text path, our VAE decode). ComfyUI, in its own python, loads the same
+On the tiny ComfyUI-detectable Anima (model/tiny.py size "comfy", fp32) with a LoRA attached: we render a prompt with
+the trainer's sampler (the adapter active, our text path, our VAE decode). ComfyUI, in its own python, loads the same
 DiT from the native file with UNETLoader's loader, applies the exported LoRA file, samples with `comfy.sample.sample`
 (what KSampler runs: euler, simple, same seed/steps/cfg, an empty latent), and decodes with the native VAE file
 through `comfy.sd.VAE`. The conditioning is the trainer's Qwen3 output in ComfyUI's layout (as nodes_train's
-encode_conditioning builds it: ComfyUI's fixed-size Qwen3 cannot load the tiny one), so both sides run the LLM adapter on
-the same input. Both images must agree to a small tolerance.
+encode_conditioning builds it: ComfyUI's fixed-size Qwen3 cannot load the tiny one), so both sides run the LLM adapter
+on the same input. Both images must agree to a small tolerance.
 """
 
 from __future__ import annotations

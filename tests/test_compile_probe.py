@@ -100,7 +100,8 @@ def test_auto_compile_that_cannot_build_trains_eagerly_with_one_warning_and_the_
 
 @pytest.fixture
 def portable(monkeypatch, tmp_path):
-    """system/check.py looks at a ComfyUI portable's python_embeded: a `._pth` beside python.exe, no include/ or libs/."""
+    """system/check.py looks at a ComfyUI portable's python_embeded: a `._pth` beside python.exe,
+    no include/ or libs/."""
     folder = tmp_path / "ComfyUI_windows_portable" / "python_embeded"
     folder.mkdir(parents=True)
     (folder / f"python{sys.version_info[0]}{sys.version_info[1]}._pth").write_text("../ComfyUI\nimport site\n")

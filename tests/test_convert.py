@@ -146,7 +146,8 @@ def test_corrupt_input_names_the_file(tiny_anima, tmp_path, damage):
     data = tiny_anima.vae_file.read_bytes()
     bad.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x07not a safetensors file" * 10)
     out = tmp_path / "out"
-    with pytest.raises(convert.ConvertError, match=rf"--vae {re.escape(str(bad))}: cannot read it as safetensors.*truncated or corrupt"):
+    with pytest.raises(convert.ConvertError,
+                       match=rf"--vae {re.escape(str(bad))}: cannot read it as safetensors.*truncated or corrupt"):
         convert.convert(tiny_anima.anima_file, tiny_anima.qwen3_file, bad, out, tokenizers="none")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vae.safetensors"]
 

@@ -194,7 +194,8 @@ def test_changed_settings_refuse_naming_the_setting(image_set, change, expect):
     # source = "auto" never trains on the stale caches either: it encodes every image in the loop, and says so
     auto = build_training_data(dataclasses.replace(cfg, dataset=dataclasses.replace(cfg.dataset, source="auto")))
     assert auto.mode == "encode" and all("pixels" in auto.dataset[i] for i in range(len(auto.dataset)))
-    assert any(line.startswith("source   auto: ") and "`anima-train cache`" in line for line in auto.report), auto.report
+    assert any(line.startswith("source   auto: ") and "`anima-train cache`" in line for line in auto.report), \
+        auto.report
 
 
 def test_auto_trains_on_the_caches_when_all_are_valid_and_encodes_all_images_otherwise(image_set):
@@ -240,7 +241,8 @@ def test_latents_mode_after_deleting_images(image_set):
         assert torch.equal(got[key], latents)
     # a stale leftover from other settings matches no tier: warned, ignored
     extra = Bucketer(64, bucket_reso_steps=32, max_bucket_reso=512).select(*SIZES["a"])
-    save_cache(cache_path(image_set / "a", extra.bucket), torch.zeros(16, 1, extra.bucket[1] // 8, extra.bucket[0] // 8),
+    save_cache(cache_path(image_set / "a", extra.bucket),
+               torch.zeros(16, 1, extra.bucket[1] // 8, extra.bucket[0] // 8),
                plan_metadata(extra, BucketSettings(tiers=(64,), bucket_reso_steps=32, max_bucket_reso=512), 64, None,
                              image_of(image_set / "a")))
     data = build_training_data(cfg)
@@ -280,7 +282,8 @@ def test_caches_without_original_size(image_set, tmp_path):
     with pytest.raises(DatasetError, match="cannot be attributed"):
         build_training_data(config(image_set, tiers=(96, 128)))
     # two unattributable caches for one stem
-    save_cache(image_set / "a_0064x0064_anima.safetensors", torch.zeros(16, 1, 8, 8), {"format": "anima-latent-cache/1"})
+    save_cache(image_set / "a_0064x0064_anima.safetensors", torch.zeros(16, 1, 8, 8),
+               {"format": "anima-latent-cache/1"})
     with pytest.raises(DatasetError, match="only one can be used"):
         build_training_data(cfg)
 
@@ -415,7 +418,8 @@ def test_bucket_shared_by_tiers_uses_largest_tiers_batch_size(tmp_path):
     write_image(folder, "small", (96, 96))
     for i in range(5):
         write_image(folder, f"big{i}", (128, 128))
-    data = build_training_data(config(folder, tiers=(96, 128), source="encode", extra_dataset='tier_collapse = "repeat"',
+    data = build_training_data(config(folder, tiers=(96, 128), source="encode",
+                                      extra_dataset='tier_collapse = "repeat"',
                                       train="batch_size = { 96 = 4, 128 = 2 }"))
     # bucket 96x96: big at tier 96 and small at both tiers -> largest tier 128 -> batch 2
     assert data.sampler.batch_sizes[((96, 96), True)] == 2

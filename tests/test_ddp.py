@@ -87,7 +87,8 @@ def test_a_bf16_full_finetune_with_kahan_keeps_the_ranks_identical(kind, tiny_an
     # are seeded seed + rank) round the same all-reduced update differently, and their weights drift apart
     data = tmp_path / "data"
     make_synthetic_latents(data, n=8, seed=3)
-    text = small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out", train="epochs = 2\nmax_steps = 3\nbatch_size = 2",
+    text = small_run_toml(tiny_anima.diffusers_dir, data, tmp_path / "out",
+                          train="epochs = 2\nmax_steps = 3\nbatch_size = 2",
                           tables=f'[optimizer]\nkind = "{kind}"\nlr = 1e-4\nuse_kahan = true\n')
     text = text.replace('dtype = "float32"', 'dtype = "bfloat16"').replace("rank = 4\nalpha = 4.0\n", 'kind = "none"\n')
     cfg = tmp_path / "kahan.toml"

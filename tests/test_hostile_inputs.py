@@ -104,7 +104,8 @@ def _la(folder):
     """Gray + alpha: transparent squares show the white background, not their hidden black."""
     clear = _checker()
     gray = np.where(clear, 0, 90).astype(np.uint8)
-    Image.fromarray(np.stack([gray, np.where(clear, 0, 255).astype(np.uint8)], axis=2), "LA").save(folder / "odd_la.png")
+    Image.fromarray(np.stack([gray, np.where(clear, 0, 255).astype(np.uint8)], axis=2),
+                    "LA").save(folder / "odd_la.png")
     Image.fromarray(_rgb(np.where(clear, 255, 90).astype(np.uint8))).save(folder / "twin_la.png")
 
 
@@ -172,8 +173,8 @@ def cached_pairs(model, tmp_path_factory):
         make(folder)
     for image in list(folder.iterdir()):
         image.with_suffix(".txt").write_text("an image")
-    out = anima_train_cli("cache", folder, "--resolution", 64, "--bucket-reso-steps", 16, "--model", model, "--device", "cpu",
-              cwd=folder)
+    out = anima_train_cli("cache", folder, "--resolution", 64, "--bucket-reso-steps", 16, "--model", model,
+                          "--device", "cpu", cwd=folder)
     assert out.returncode == 0, out.stderr[-3000:]
     return folder
 

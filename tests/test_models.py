@@ -61,6 +61,7 @@ def test_not_a_repo_is_refused_with_the_convert_command(tiny_anima, tmp_path, no
 
 
 def test_resolve_dtype():
-    assert components.resolve_dtype("float16") is torch.float16 and components.resolve_dtype(torch.float32) is torch.float32
+    assert (components.resolve_dtype("float16") is torch.float16
+            and components.resolve_dtype(torch.float32) is torch.float32)
     with pytest.raises(ValueError, match="bfloat16, float16, float32"):
         components.resolve_dtype("int8")

@@ -329,7 +329,8 @@ def test_train_relays_events_publishes_and_records(comfy_env, tiny_anima, datase
     path, image = out.values
     run_dir = Path(config["run_dir"])
     assert path == str(run_dir / "cat.safetensors") and Path(path).is_file()
-    assert tuple(image.shape[:1]) == (1,) and image.shape[-1] == 3 and 0 <= float(image.min()) <= float(image.max()) <= 1
+    assert (tuple(image.shape[:1]) == (1,) and image.shape[-1] == 3
+            and 0 <= float(image.min()) <= float(image.max()) <= 1)
     # VRAM freed before the worker started; progress bar and websocket events carry the node id and client, and
     # the events the prompt id, so only the page that queued this prompt draws them (js/run_follow.js)
     assert env.log[0] == ("free_vram",)

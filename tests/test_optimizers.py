@@ -145,7 +145,8 @@ def test_gradients_reach_the_masters_exactly_in_any_chunking(monkeypatch):
     model = tiny_mlp(dtype=torch.bfloat16)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = build_optimizer([{"params": list(model.parameters()), "lr": 1e-2}], OptimizerConfig(kind="adamw", lr=1e-2))
-    ref_opt = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.999), weight_decay=opt.param_groups[0]["weight_decay"])
+    ref_opt = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.999),
+                                weight_decay=opt.param_groups[0]["weight_decay"])
     for p, r in zip(model.parameters(), reference):
         p.grad = torch.randn_like(p)
         r.grad = p.grad.float()

@@ -32,7 +32,7 @@ COMFYUI = textwrap.dedent(r'''
             out.flush()
         worker.run_job(cmd, log_path=log, on_event=write, on_spawn=lambda proc: write({"event": "spawned", "pid": proc.pid}),
                        env=worker.worker_env())
-''')
+''')  # noqa: E501 (a line of the script above: wrapping it would change the string)
 
 # A model that takes a minute to load, like the real one on a slow disk: the worker is silent meanwhile.
 SLOW_LOAD = ("import runpy, time; import anima_train.model.components as m; load = m.load_components; "
@@ -116,7 +116,8 @@ def test_killing_comfyui_while_the_model_loads_ends_the_worker_within_10_s(job, 
     worker_pid = next(r["pid"] for r in records if r["event"] == "spawned")
     gone_after = _kill_parent_and_time_the_worker(parent, worker_pid)
     assert gone_after < 10.0, f"the worker outlived ComfyUI by {gone_after:.1f} s"
-    assert f"the parent process (pid {parent.pid}) ended before training started" in (tmp_path / "worker.log").read_text()
+    assert (f"the parent process (pid {parent.pid}) ended before training started"
+            in (tmp_path / "worker.log").read_text())
     assert not list((tmp_path / "out" / "tiny").glob("*.safetensors"))
 
 

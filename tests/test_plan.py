@@ -366,7 +366,8 @@ def test_swap_auto_plans_the_fewest_swapped_blocks_that_fit():
     resident = plan.make_plan(config_for(1), 6 * GIB, expandable=True)
     auto = plan.make_plan(default, 6 * GIB, expandable=True)
     assert not resident.fits and auto.fits and auto.swap_auto and auto.inputs.swapped == resident.swap_fix == 3
-    written = plan.make_plan(parse_config(train_table() + 'batch_size = 1\nswap_blocks = 3\n'), 6 * GIB, expandable=True)
+    written = plan.make_plan(parse_config(train_table() + 'batch_size = 1\nswap_blocks = 3\n'), 6 * GIB,
+                             expandable=True)
     assert (written.predicted, written.recomputed, written.fits) == (auto.predicted, auto.recomputed, True)
     text = plan.render(auto, "run.toml")
     assert 'weights: 3 blocks swapped (0.39 GiB in host memory, copied to the GPU one block at a time); [train] ' \

@@ -17,7 +17,8 @@ def _pipeline_context(parts, captions):
                                        text_encoder=parts["text_encoder"], _execution_device=torch.device("cpu"))
     out = AnimaTextEncoderStep.encode_prompt(components, captions, prepare_unconditional_embeds=False,
                                              device=torch.device("cpu"), dtype=torch.float32)
-    return parts["text_conditioner"](source_hidden_states=out["qwen_prompt_embeds"], target_input_ids=out["t5_input_ids"],
+    return parts["text_conditioner"](source_hidden_states=out["qwen_prompt_embeds"],
+                                     target_input_ids=out["t5_input_ids"],
                                      target_attention_mask=out["t5_attention_mask"],
                                      source_attention_mask=out["qwen_attention_mask"])
 

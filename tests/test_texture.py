@@ -391,7 +391,8 @@ def test_fullres_texture_fullres_run_learns_and_resumes_bit_exactly_inside_the_t
     assert [s["phase"]["index"] for s in steps] == [1] * 3 + [2] * 4 + [3] * 3
     assert steps[4]["phase"] == {"index": 2, "count": 3, "mode": "texture", "t_range": [0.0, 0.6], "lr_mul": 0.5}
     assert steps[4]["lr"][0] == pytest.approx(5e-3) and steps[0]["lr"][0] == pytest.approx(1e-2)
-    assert all(np.isfinite(s["terms"]["hf"]) and s["ot"] is not None for s in steps)  # hf loss and OT ran in every phase
+    # hf loss and OT ran in every phase
+    assert all(np.isfinite(s["terms"]["hf"]) and s["ot"] is not None for s in steps)
     # the state at step 5 lies inside the texture phase (steps 3-6)
     state = tmp_path / "a" / "tex" / "tex-step000005-state"
     assert json.loads((state / "state.json").read_text())["global_step"] == 5

@@ -47,7 +47,8 @@ def test_check_prints_no_sdnq_or_cuda_home_line_and_debug_keeps_them(tmp_path):
     said, said_debug = quiet.stdout + quiet.stderr, loud.stdout + loud.stderr
     for line in (SDNQ_OPENVINO, CUDA_HOME):
         assert line not in said, f"{line!r} printed without --debug:\n{said[-3000:]}"
-    assert SDNQ_OPENVINO in said_debug, f"{SDNQ_OPENVINO!r} not printed with --debug (sdnq changed?):\n{said_debug[-3000:]}"
+    assert SDNQ_OPENVINO in said_debug, \
+        f"{SDNQ_OPENVINO!r} not printed with --debug (sdnq changed?):\n{said_debug[-3000:]}"
 
 
 _CPP_EXTENSION_CHILD = """
@@ -63,7 +64,8 @@ print("imported cpp_extension")
 
 
 def test_the_cuda_home_line_goes_under_the_filter_and_stays_without_it(tmp_path):
-    """The import that says it, in a child with no GPU visible and a toolkit folder named, with and without the filter."""
+    """The import that says it, in a child with no GPU visible and a toolkit folder named,
+    with and without the filter."""
     env = dict(os.environ, **_quiet_machine(tmp_path))
     runs = {how: subprocess.run([sys.executable, "-c", _CPP_EXTENSION_CHILD, how], capture_output=True, text=True,
                                 env=env, cwd=Path(__file__).resolve().parents[1], timeout=300)

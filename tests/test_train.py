@@ -209,8 +209,8 @@ def test_outputs_follow_the_documented_layout(tiny_anima, latents_dir, tmp_path)
     names = sorted(p.name for p in run.iterdir() if p.name != MANIFEST_NAME)  # the manifest: test_hostile_outputs
     # steps 2, 4, 6 were saved; keep_last_n = 2 pruned step 2 (file and state together); final + TOML untouched;
     # the loss chart of the run
-    assert names == ["loss.png", "my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors", "my-run-step000006-state",
-                     "my-run-step000006.safetensors", "my-run.safetensors", "my-run.toml"]
+    assert names == ["loss.png", "my-run-state", "my-run-step000004-state", "my-run-step000004.safetensors",
+                     "my-run-step000006-state", "my-run-step000006.safetensors", "my-run.safetensors", "my-run.toml"]
     assert (run / "my-run.toml").read_text() == cfg.source_text  # verbatim, comments kept
     assert result.final == run / "my-run.safetensors"
     with safe_open(str(result.final), "pt") as f:

@@ -172,8 +172,8 @@ def test_evaluate_prints_the_numbers_training_printed_for_a_checkpoint(tiny_anim
 
 def test_evaluate_refuses_a_checkpoint_made_for_another_model(tiny_anima, latents_dir, held_out_dir, tmp_path,
                                                               capsys):
-    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "out", f'[validation]\nfolder = "{held_out_dir}"\n',
-                   max_steps=1)
+    cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "out",
+                   f'[validation]\nfolder = "{held_out_dir}"\n', max_steps=1)
     config = tmp_path / "run.toml"
     config.write_text(cfg.source_text)
     lora = load_file(str(train(cfg, cpu=True, no_save=False).final))

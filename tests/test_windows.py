@@ -515,7 +515,8 @@ def test_python_3_13_is_supported_by_the_check_the_installers_and_the_package():
     assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"] == ">=3.11,<3.14"
     sh, ps1, ci = ((root / name).read_text() for name in ("install.sh", "install.ps1", ".ci/run"))
     assert "3.11|3.12|3.13)" in sh and '$ver -eq "3.13"' in ps1 and '@("py", "-3.13")' in ps1
-    assert "venv313" in ci and "python3.13" in ci and "ANIMA_VENV=venv313 bash install.sh && venv313/bin/python -m pytest" in ci
+    assert ("venv313" in ci and "python3.13" in ci
+            and "ANIMA_VENV=venv313 bash install.sh && venv313/bin/python -m pytest" in ci)
 
 
 def test_windows_check_report_says_what_is_missing_and_what_works(monkeypatch):

@@ -184,7 +184,8 @@ def test_commands_and_environment(tmp_path):
     # as a shell's run does; the rest of a setting reaches it under the name this torch reads (no deprecation line)
     env = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
     assert "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env
-    env = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,backend:cudaMallocAsync"})
+    env = worker.worker_env(
+        base={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,backend:cudaMallocAsync"})
     assert env["PYTORCH_ALLOC_CONF"] == "garbage_collection_threshold:0.6" and "PYTORCH_CUDA_ALLOC_CONF" not in env
     kept = worker.worker_env(base={"PYTORCH_CUDA_ALLOC_CONF": "a", "PYTORCH_ALLOC_CONF": "b"})
     assert (kept["PYTORCH_CUDA_ALLOC_CONF"], kept["PYTORCH_ALLOC_CONF"]) == ("a", "b")  # the user's own: as set

@@ -33,8 +33,9 @@ same split peft makes between `tuners/<method>/config.py` and `layer.py`/`model.
 torch-side names of this package (`inject_adapters`, `build_param_groups`, ...) are resolved on first access
 (module `__getattr__` below) rather than imported here.
 
-Scale conventions of the files each method writes are in its `model.py` (docs/model.md#scale-conventions); ComfyUI's loader reads `alpha / rank`
-with the rank taken from a factor's shape, so each exporter writes the alpha that reproduces peft's own scaling.
+Scale conventions of the files each method writes are in its `model.py` (docs/model.md#scale-conventions); ComfyUI's
+loader reads `alpha / rank` with the rank taken from a factor's shape, so each exporter writes the alpha that reproduces
+peft's own scaling.
 """
 
 from __future__ import annotations

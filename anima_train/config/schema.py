@@ -471,7 +471,8 @@ _RESERVED = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f
 
 
 def sanitize_run_name(name: str, fallback: str = "anima") -> str:
-    """A run name safe as a file stem on every OS (docs/training.md#run-names): `my run 2` -> `my-run-2`, `.hidden` -> `hidden`.
+    """A run name safe as a file stem on every OS (docs/training.md#run-names): `my run 2` -> `my-run-2`,
+    `.hidden` -> `hidden`.
 
     Keeps Unicode letters/digits and - _ . ; any other run of characters becomes one '-'; leading/trailing '-'
     and '.' are stripped; Windows device names get '-run' appended; an empty result gives `fallback`.

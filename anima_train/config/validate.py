@@ -8,10 +8,10 @@ built table (`cfg.train.epochs = 0`) checks that key.
 
 `validate` checks every key of the table and of the tables inside it (type, choices, bounds: keys.check_key, from
 the field metadata), then puts what they say in final form (rules.NORMALISE: tiers ascending, the files the keys
-name read) and runs the rules across keys of that scope (rules.RULES), which only read and report. Messages name keys as a file does
-(`[train] epochs`) when load_config checks a file, and as code does (`train.epochs`) otherwise. A value that is its
-key's declared default is valid as declared (tests/test_config.py checks every default), so a constructor checks the
-keys it was given and the rules, and `Config()` costs what a plain dataclass does.
+name read) and runs the rules across keys of that scope (rules.RULES), which only read and report. Messages name keys as
+a file does (`[train] epochs`) when load_config checks a file, and as code does (`train.epochs`) otherwise. A value that
+is its key's declared default is valid as declared (tests/test_config.py checks every default), so a constructor checks
+the keys it was given and the rules, and `Config()` costs what a plain dataclass does.
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def audit(args) -> tuple[list[str], bool]:
     image_bytes = sum(s.image.stat().st_size for s in image_srcs)
     cache_bytes = sum(p.stat().st_size for p in all_caches)
     out.append(f"files    {len(image_srcs)} image(s) {image_bytes / 2**20:.1f} MiB, {len(all_caches)} cache(s) "
-               f"{cache_bytes / 2**20:.1f} MiB" + (f", {len(cache_only)} cached stem(s) without image" if cache_only else ""))
+               f"{cache_bytes / 2**20:.1f} MiB"
+               + (f", {len(cache_only)} cached stem(s) without image" if cache_only else ""))
     out += [f"warning: {text}" for text in plan_warnings(plan, settings, check, vae_id)]
     if vae_id is None:
         out.append(f"note     VAE identity not checked (no VAE under {model_path}/vae; "

@@ -112,7 +112,8 @@ def scan_folders(subsets) -> Scan:
                                    f"N >= 1 repeats\n"
                                    f"{root / name}: an N_name folder needs N >= 1 repeats; rename it")
             if n * int(sub.num_repeats) > MAX_REPEATS:
-                raise DatasetError(f"rename folder {name} in {the_dataset()} with a smaller N: over {MAX_REPEATS} repeats\n"
+                raise DatasetError(f"rename folder {name} in {the_dataset()} with a smaller N: "
+                                   f"over {MAX_REPEATS} repeats\n"
                                    f"{root / name}: {n} x num_repeats {sub.num_repeats} = {n * int(sub.num_repeats)} "
                                    f"repeats is more than {MAX_REPEATS}; rename the folder with a smaller N")
             sub_folder = Folder(i, root / name, n * int(sub.num_repeats), bool(sub.texture))

@@ -189,7 +189,8 @@ def _empty_models(root: Path, init_empty_weights) -> dict:
             try:
                 models[sub] = cls.from_config(cls.load_config(root, subfolder=sub))
             except Exception as exc:  # noqa: BLE001 (a config with wrong values: name the file)
-                raise ModelRepoError(damaged(root / sub / "config.json", f"it does not build a model ({exc})")) from None
+                raise ModelRepoError(damaged(root / sub / "config.json",
+                                             f"it does not build a model ({exc})")) from None
         try:
             models["text_encoder"] = Qwen3Model(Qwen3Config.from_pretrained(root, subfolder="text_encoder"))
         except Exception as exc:  # noqa: BLE001

@@ -16,7 +16,8 @@ every adapter before the last one (docs/sdnq.md#training-format-only).
 - mode = "training" (full finetune): the weights stay quantized while they train: an SDNQ optimizer dequantizes,
   updates and re-quantizes each tensor per step, with stochastic rounding (use_stochastic_rounding) so that updates
   smaller than one quantization step survive on average. Layers of a component frozen by [component_lr] 0.0 are
-  quantized without stochastic rounding. torch's AdamW cannot update SDNQTensor weights (training/optimizers.py refuses it).
+  quantized without stochastic rounding. torch's AdamW cannot update SDNQTensor weights
+  (training/optimizers.py refuses it).
 - Only nn.Linear is quantized (embeddings, norms, convs stay in train.dtype). Which Linears: see SKIP_POLICIES,
   extra_skip (skip_matches) and the size floor (SDNQ's own: >= 16384 elements and >= 32 input features).
 - group_size: 0 (config default) = one scale per output channel (SDNQ's -1, row-wise; the only layout its int8

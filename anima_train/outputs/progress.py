@@ -21,7 +21,7 @@ Events (`--events PATH` or `-` for stdout) are one JSON object per line, for the
   {"event": "warning", "text"} {"event": "checkpoint", "path", "step"} {"event": "done", ...}
   {"event": "error", "message", "traceback"}
 Only the main process reports; the trainer passes `enabled=False` on other ranks.
-"""
+"""  # noqa: E501 (the bar line above is shown as the terminal draws it, on one line)
 
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def _peak(stats: StepStats) -> str:
 def _open_events(path: str) -> IO[str]:
     """The events file, opened for appending; a path that cannot be one is the user's to fix (one line)."""
     if os.path.isdir(path):
-        raise UserError(f"--events {path}: is a folder; give a file path in it (e.g. {os.path.join(path, 'events.jsonl')})"
-                        f" or - for stdout")
+        raise UserError(f"--events {path}: is a folder; give a file path in it "
+                        f"(e.g. {os.path.join(path, 'events.jsonl')}) or - for stdout")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--events {path}: the folder {folder} does not exist; create it first or give a path in an "

@@ -6,11 +6,12 @@ non-zero when a required piece fails, so install.sh and CI stop there instead of
 
 Triton (SDNQ's fast kernels, `[train] compile` on CUDA) is judged by running it: on a CUDA machine the check compiles
 and runs the same tiny function the trainer probes before a run (system/compile_probe.py, probe_compile), so a
-Triton that imports but cannot build a kernel is reported as broken. On Windows triton is the `triton-windows` wheel (upstream publishes none
-for Windows), which the pack never installs (other packs in a ComfyUI depend on theirs): the check names the exact
-pin for the torch it finds, the pip command for the python it runs in (ComfyUI portable's python_embeded included,
-with `-s`), what an embedded Python lacks for it (include/Python.h, libs/python3XX.lib), and that multi-GPU runs are
-refused on Windows. Everything else (nodes, single-GPU training, caching, export) is the same on both.
+Triton that imports but cannot build a kernel is reported as broken. On Windows triton is the `triton-windows` wheel
+(upstream publishes none for Windows), which the pack never installs (other packs in a ComfyUI depend on theirs): the
+check names the exact pin for the torch it finds, the pip command for the python it runs in (ComfyUI portable's
+python_embeded included, with `-s`), what an embedded Python lacks for it (include/Python.h, libs/python3XX.lib), and
+that multi-GPU runs are refused on Windows. Everything else (nodes, single-GPU training, caching, export) is the
+same on both.
 """
 
 from __future__ import annotations

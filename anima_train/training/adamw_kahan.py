@@ -36,7 +36,8 @@ LOW32 = 0xFFFFFFFF
 STEP_SALT = 0x2545F491  # spreads the step count over the 32-bit element ids: each step gets other noise
 
 
-# tensors per call, largest first: graphs per function = lengths x ranks (a DiT's are 1 and 2), under dynamo's limit of 8
+# tensors per call, largest first: graphs per function = lengths x ranks (a DiT's are 1 and 2),
+# under dynamo's limit of 8
 CHUNKS = (16, 4, 1)
 
 
@@ -74,7 +75,8 @@ class AdamWKahan(torch.optim.Optimizer):
         # kind (device, dtype, length, and rank: dynamo guards the flattened views' bases, whose rank it keys on);
         # a full finetune's 567 tensors make 11 buckets (its 28 alike blocks) and 48 calls
         buckets: dict[tuple, list[torch.Tensor]] = {}
-        scalars: dict[tuple, torch.Tensor] = {}  # (group, step count, device) -> the numbers, all sent before any kernel
+        # (group, step count, device) -> the numbers, all sent before any kernel
+        scalars: dict[tuple, torch.Tensor] = {}
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:

@@ -60,7 +60,8 @@ def fixed_quantile_loss(parts, latents: list[torch.Tensor], captions: list[str],
                         timesteps=DEFAULT_TIMESTEPS, seed: int = 1234) -> float:
     """Mean velocity MSE over every latent x every fixed timestep, with noise fixed by `seed`.
 
-    `parts`: anything with transformer, text_conditioner, text_encoder, tokenizer, t5_tokenizer (models.AnimaComponents);
+    `parts`: anything with transformer, text_conditioner, text_encoder, tokenizer,
+    t5_tokenizer (models.AnimaComponents);
     latents: normalised [16,1,h,w] tensors (sizes may differ: each is evaluated on its own)."""
     transformer = parts.transformer
     device = next(transformer.parameters()).device

@@ -1,7 +1,7 @@
 """Memory of the training step: how many DiT blocks recompute their activations (planned after the first step under
-checkpoint_blocks = "auto" by training/memory_plan.py; the mechanism is training/recompute.py), the CUDA allocator's expandable segments, the
-frozen Qwen3 parked in host memory between steps, and host<->device copies that do not stall the GPU. Whether to
-torch.compile is training/compiling.py.
+checkpoint_blocks = "auto" by training/memory_plan.py; the mechanism is training/recompute.py), the CUDA allocator's
+expandable segments, the frozen Qwen3 parked in host memory between steps, and host<->device copies that do not stall
+the GPU. Whether to torch.compile is training/compiling.py.
 
 A host sync (`.item()`, `.tolist()`, `bool(tensor)`, or a copy from pageable host memory, which waits for every
 kernel queued before it) empties the GPU's queue; the GPU then idles until Python has launched new work. An H200

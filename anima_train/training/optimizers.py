@@ -52,7 +52,7 @@ into a bf16 tensor rounds away whenever it is below half an ulp (~0.4 % of |p|):
   quantize_state) on top of its stochastic rounding — the realised update equals the fp32 one to ~16 bits.
 - SDNQ-quantized weights (quant.mode = "training") and fp32 tensors get no masters (nothing to correct / SDNQ
   re-quantizes the whole tensor itself).
-"""
+"""  # noqa: E501 (a row of the table above stays on one line)
 
 from __future__ import annotations
 

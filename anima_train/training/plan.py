@@ -361,7 +361,8 @@ def render(plan: Plan, cfg_name: str) -> str:
     keep = plan.n_blocks - plan.recomputed
     lines = [
         f"plan for {cfg_name} under {plan.budget / gib:.1f} GiB "
-        f"({'auto: the runtime decides the same way after its first step' if plan.auto else 'count fixed by the config'})",
+        + ("(auto: the runtime decides the same way after its first step)" if plan.auto
+           else "(count fixed by the config)"),
         f"  model              {plan.shape.describe()} (its config.json files)",
         f"  largest batch      {i.batch} image(s), {i.tokens} tokens; {i.trainable:,} trainable parameters",
         f"  steady memory      {i.steady / gib:.2f} GiB (weights, trainable parameters, optimizer state)"
@@ -406,10 +407,10 @@ def render(plan: Plan, cfg_name: str) -> str:
         if i.fp32_full_state:
             # measured under a 24 GiB cap on an H200, batch 4, 1024²: bench/results/fullkahan24_2026-12-03 (L2),
             # bench/results/fullft24_2026-12-03
-            lines.append(f"  a full finetune's AdamW state alone is {i.fp32_full_state / gib:.1f} GiB in fp32 (with its "
-                         "fp32 master weights): [optimizer] use_kahan = true keeps bf16 moments and a residual instead "
-                         "(21.3 GiB peak at batch 4, 0.165 s/image); kind = \"adamw8bit\", quantize_state = true, "
-                         "use_kahan = true keeps 8-bit moments (17.2 GiB, but half as fast)")
+            lines.append(f"  a full finetune's AdamW state alone is {i.fp32_full_state / gib:.1f} GiB in fp32 "
+                         "(with its fp32 master weights): [optimizer] use_kahan = true keeps bf16 moments and a "
+                         "residual instead (21.3 GiB peak at batch 4, 0.165 s/image); kind = \"adamw8bit\", "
+                         "quantize_state = true, use_kahan = true keeps 8-bit moments (17.2 GiB, but half as fast)")
     return "\n".join(lines)
 
 

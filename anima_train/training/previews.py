@@ -10,8 +10,8 @@ snapshot's comfy/model_sampling.py, comfy/samplers.py, comfy/sample.py) and what
   * CFG on the denoised estimate: x0 = x − σ·v per side, x0 = x0_uncond + cfg·(x0_cond − x0_uncond); Euler
     x ← x + (σ_next − σ)·(x − x0)/σ; cfg 1 skips the negative pass;
   * the result is un-normalised (Wan2.1 latent mean/std), decoded by the VAE, and mapped from [−1, 1] to [0, 1].
-The context is the trainer's own text path (anima_train.model.prompts.encode_prompts: Qwen3 + LLM adapter), one prompt at a
-time like ComfyUI's CLIPTextEncode; the adapter's output is padded to 512 tokens, as ComfyUI pads it.
+The context is the trainer's own text path (anima_train.model.prompts.encode_prompts: Qwen3 + LLM adapter), one prompt
+at a time like ComfyUI's CLIPTextEncode; the adapter's output is padded to 512 tokens, as ComfyUI pads it.
 
 Memory: prompts are encoded with the parked Qwen3 brought in for the moment (memory.ParkedWeights), and a VAE that
 training does not use waits on the CPU and visits the GPU only for the decode. Everything runs without autograd,

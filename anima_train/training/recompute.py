@@ -22,13 +22,13 @@ How a block recomputes is `train.recompute`:
   torch.compile's `activation_memory_budget` = 0, whose backward recomputes inside itself only what the gradients
   need, fused with the backward kernels, instead of torch.utils.checkpoint re-running every kernel of the forward
   through Python. On an H200 under 8 GiB (LoRA r32 b2, 1024x1024, one call) the step ran 0.1538 s/image against
-  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes (memory_plan.IN_GRAPH_EXTRA).
-  That graph is cut elsewhere than the kept blocks' graph, and its fused kernels would round bf16 results at other
-  places (the losses moved by up to 0.0012 over those 12 steps); compiled runs emulate eager's casts
-  (compiling.round_like_eager), and the two train to the same bits on the tiny model (tests/test_checkpointing.py;
-  on an H200 the losses within 2e-5 to 6e-5). Swapped blocks (training/weight_swap.py) still use
-  torch.utils.checkpoint. Eager runs and a whole-trunk compile (compile_regional = false) have no compiled block to
-  swap in: there "graph" is "block".
+  0.188 (bench/results/recompute_graph_2026-12-04). Its backward holds more while it recomputes
+  (memory_plan.IN_GRAPH_EXTRA). That graph is cut elsewhere than the kept blocks' graph, and its fused kernels would
+  round bf16 results at other places (the losses moved by up to 0.0012 over those 12 steps); compiled runs emulate
+  eager's casts (compiling.round_like_eager), and the two train to the same bits on the tiny model
+  (tests/test_checkpointing.py; on an H200 the losses within 2e-5 to 6e-5). Swapped blocks (training/weight_swap.py)
+  still use torch.utils.checkpoint. Eager runs and a whole-trunk compile (compile_regional = false) have no compiled
+  block to swap in: there "graph" is "block".
 
 The first step of "auto" recomputes the way the run will go on (`Measure.in_graph`, from the static plan of
 training/plan.py), so it compiles the graphs the later steps run and no step after it compiles again: in the graph

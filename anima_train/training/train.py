@@ -69,10 +69,12 @@ def train(cfg: Config, *, dry_run: bool = False, no_save: bool = False, events: 
     # several processes on Windows: refused before accelerate starts (anima_train/system/windows.py says why)
     windows.refuse_multi_gpu(windows.launcher_processes())
     # batches come from pinned memory (the DataLoader's pin_memory on CUDA) and are copied without a host sync
-    accelerator = Accelerator(mixed_precision="no", cpu=cpu, dataloader_config=DataLoaderConfiguration(non_blocking=True),
+    accelerator = Accelerator(mixed_precision="no", cpu=cpu,
+                              dataloader_config=DataLoaderConfiguration(non_blocking=True),
                               gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
                               **tracking.accelerator_kwargs(cfg, Path(cfg.train.output_dir) / cfg.run_stem))
-    progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process, events=guard.checked_events(events, cfg))
+    progress = Progress(cfg.train.progress, 1, enabled=accelerator.is_main_process,
+                        events=guard.checked_events(events, cfg))
     windows.install_console_handler()  # Windows: closing the console saves like a stop file (no-op elsewhere)
     try:
         with contextlib.ExitStack() as cleanup:

@@ -15,7 +15,8 @@ from anima_train.training import preflight
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="the run's TOML config")
-    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N optimizer steps (overrides the config)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="stop after N optimizer steps (overrides the config)")
     parser.add_argument("--no-save", action="store_true", help="write no checkpoint, config copy or state")
     parser.add_argument("--dry-run", action="store_true", help="build everything, run one step, save nothing, exit")
     parser.add_argument("--events", metavar="PATH|-", help="append JSON-lines progress events to PATH (- = stdout)")

@@ -122,7 +122,8 @@ class WeightSwap:
             self._assign(index, [host.to(device, copy=True) for host, _ in groups])
 
 
-def _flat_layout(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Size]]]]:
+def _flat_layout(tensors: list[torch.Tensor],
+                 pin: bool) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Size]]]]:
     """The tensors grouped by dtype, each group's values in one flat host buffer (pinned when `pin`): one copy per
     dtype moves a whole block, instead of one small copy per tensor."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
