@@ -420,11 +420,20 @@ def test_cli_shows_the_margin_it_keeps_and_the_batch_that_would_fit(tmp_path, co
 ])
 def test_the_first_step_recomputes_as_the_static_plan_says_the_run_will(monkeypatch, batch, cap, swapped, in_graph):
     """checkpoint_blocks = "auto": the measured first step recomputes the way the run goes on, so that it compiles
-    the graphs the later steps run (issue 45: a second compile at step 2, 38.7 s cold on an H100 at 24 GiB b8)."""
+    the graphs the later steps run (issue 45: a second compile at step 2, 38.7 s cold on an H100 at 24 GiB b8). The
+    one static plan made before the model loads says how, and how many blocks swap; none is made where no decision
+    asks for one."""
     from anima_train.training import memory, swap_plan
 
     monkeypatch.setattr(swap_plan, "card_budget", lambda device: cap * GIB)
     monkeypatch.setitem(memory._EXPANDABLE, "set", True)
-    cfg = parse_config(train_table() + f"batch_size = {batch}\n")
-    assert swap_plan.first_step_in_graph(cfg, torch.device("cuda"), largest_tokens=4096 * batch,
-                                         swapped=swapped) is in_graph
+
+    def static(extra: str = "") -> plan.Plan | None:
+        return swap_plan.static_plan(parse_config(train_table() + f"batch_size = {batch}\n" + extra),
+                                     torch.device("cuda"), largest_tokens=4096 * batch, compiled=True,
+                                     whole_trunk_compiled=False)
+
+    chosen = static()
+    assert (chosen.inputs.swapped, chosen.in_graph) == (swapped, in_graph)
+    assert static(f"swap_blocks = {swapped}\n").in_graph is in_graph  # a fixed count: the same plan
+    assert static('swap_blocks = 0\ncheckpoint_blocks = "all"\n') is None

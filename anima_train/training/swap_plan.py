@@ -16,8 +16,6 @@ where the weights wait, never a number (tests/test_swap_plan.py)."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from anima_train import fixes
@@ -36,21 +34,38 @@ def card_budget(device: torch.device) -> int | None:
     return recompute.memory_now(device)[2]
 
 
-def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, whole_trunk_compiled: bool,
-                   say, warn) -> int:
+def static_plan(cfg: Config, device: torch.device, *, largest_tokens: int, compiled: bool,
+                whole_trunk_compiled: bool) -> plan.Plan | None:
+    """This run's plan as `anima-train plan` makes it for this card (its memory now, the dataset's largest batch),
+    before the model loads, where a decision that cannot wait for the first step's measurement asks for it; None off
+    CUDA and where none does. Those decisions: swap_blocks = "auto" (blocks_to_swap), and with checkpoint_blocks =
+    "auto" and the in-graph recompute on, how the measured first step recomputes (`Plan.in_graph`: in the graph where
+    the plan recomputes some block there; whole where it keeps every block, since a whole block's recompute runs the
+    kept blocks' graph, or where the graph's extra would not fit), so that step compiles what the run goes on with
+    (recompute.py)."""
+    t = cfg.train
+    auto_swap = t.swap_blocks == "auto"
+    first_step_asks = recompute.parse_setting(t.gradient_checkpointing, t.checkpoint_blocks, 1, device) is None \
+        and recompute.in_graph_applies(t, compiled)
+    budget = card_budget(device)
+    if budget is None or not (auto_swap or first_step_asks):
+        return None
+    return plan.make_plan(cfg, budget, memory.expandable_segments_on(), look_for_swap=False,
+                          shape=declared_shape(t.model_path), largest=(largest_tokens, largest_batch(cfg)),
+                          whole_trunk_compiled=whole_trunk_compiled, look_for_batch=auto_swap)
+
+
+def blocks_to_swap(cfg: Config, chosen: plan.Plan | None, *, whole_trunk_compiled: bool, say, warn) -> int:
     """The swapped blocks' count for this run: the config's number, or under "auto" the static plan's choice
     (said in one line, and a warning when even that is predicted not to fit)."""
     if not isinstance(cfg.train.swap_blocks, str):
         return cfg.train.swap_blocks
-    budget = card_budget(device)
-    if budget is None:  # off CUDA there is no card to fit
+    if chosen is None:  # off CUDA there is no card to fit
         return 0
     # where no block can swap, no prediction is said either (it counts a quantized base unquantized)
     if why := plan.swap_unavailable(cfg, whole_trunk_compiled):
         say(f"{SWAP_PREFIX} none (no block can swap: {why})")
         return 0
-    chosen = plan.make_plan(cfg, budget, memory.expandable_segments_on(), shape=declared_shape(cfg.train.model_path),
-                            largest=(largest_tokens, largest_batch(cfg)), whole_trunk_compiled=whole_trunk_compiled)
     count, gib = chosen.inputs.swapped, GIB
     peak = f"predicted peak {plan.peak_text(chosen)}"
     if count == 0:
@@ -70,20 +85,3 @@ def blocks_to_swap(cfg: Config, device: torch.device, *, largest_tokens: int, wh
 def largest_batch(cfg: Config) -> int:
     batch_sizes = cfg.train.batch_size
     return batch_sizes if isinstance(batch_sizes, int) else max(batch_sizes.values())
-
-
-def first_step_in_graph(cfg: Config, device: torch.device, *, largest_tokens: int, swapped: int) -> bool:
-    """checkpoint_blocks = "auto" with the in-graph recompute on: whether the measured first step recomputes inside
-    the compiled graph. As the static plan of this run predicts the measured one will choose: in the graph where it
-    recomputes some block there; whole where it keeps every block (a whole block's recompute runs the kept blocks'
-    graph) or where the graph's extra would not fit (whole-block recompute holds least). Then the first step
-    compiles what the run goes on with (recompute.py)."""
-    budget = card_budget(device)
-    if budget is None:
-        return False
-    fixed = copy.deepcopy(cfg)
-    fixed.train.swap_blocks = swapped
-    chosen = plan.make_plan(fixed, budget, memory.expandable_segments_on(), look_for_swap=False,
-                            shape=declared_shape(cfg.train.model_path), largest=(largest_tokens, largest_batch(cfg)),
-                            whole_trunk_compiled=False, look_for_batch=False)
-    return chosen.in_graph

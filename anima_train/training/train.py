@@ -119,21 +119,23 @@ def _train(cfg: Config, accelerator, progress: Progress, *, dry_run: bool, no_sa
     # parameters when it wraps the model, but the fp32 masters are made from each rank's own before that, and a
     # bf16 run on two GPUs trained a different adapter on each rank (tests/test_ddp.py). Then each rank its own seed.
     torch.manual_seed(cfg.train.seed)
+    compiled = compiling.mode is not None
+    whole_trunk_compiled = compiled and not cfg.train.compile_regional
+    static_plan = swap_plan.static_plan(cfg, device, largest_tokens=data.sampler.largest_batch_tokens(),
+                                        compiled=compiled, whole_trunk_compiled=whole_trunk_compiled)
     swap_blocks = swap_plan.blocks_to_swap(  # before the weights load: on a small card they would not all fit
-        cfg, device, largest_tokens=data.sampler.largest_batch_tokens(), say=say, warn=progress.warning,
-        whole_trunk_compiled=compiling.mode is not None and not cfg.train.compile_regional)
+        cfg, static_plan, whole_trunk_compiled=whole_trunk_compiled, say=say, warn=progress.warning)
     model = build_model(cfg, data, device, dtype, say, swap_blocks)
     gens = _seed(cfg.train.seed + rank, device)
 
     optimizer = optimizers.build_optimizer(model.groups, cfg.optimizer,
-                                           compiled=compiling.mode is not None and device.type == "cuda")
+                                           compiled=compiled and device.type == "cuda")
     loader = _loader(cfg, data, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, total, num_processes=world)
     data.set_run(total, per_epoch, world, accum)  # the sampler places texture phases by the same progress
     _compile_when_it_pays(cfg, model, compiling, say)
     if model.block_ckpt.measure is not None and model.block_ckpt.in_graph is not None:
-        model.block_ckpt.measure.in_graph = swap_plan.first_step_in_graph(
-            cfg, device, largest_tokens=data.sampler.largest_batch_tokens(), swapped=swap_blocks)
+        model.block_ckpt.measure.in_graph = static_plan is not None and static_plan.in_graph
     trainable, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler)
     _say_steps(say, cfg, per_epoch, batches=len(data.sampler), world=world, accum=accum)
 
