@@ -74,7 +74,7 @@ class Measure:
 @dataclass
 class BlockCheckpointing:
     """The transformer's gradient-checkpointing function (diffusers calls it as `func(block, *args)`): blocks in
-    `recompute` run under torch.utils.checkpoint, the others directly."""
+    `recompute` recompute (through `in_graph` where set, else torch.utils.checkpoint), the others run directly."""
     blocks: list
     recompute: set = field(default_factory=set)  # ids of the blocks that recompute
     measure: Measure | None = None
