@@ -169,8 +169,12 @@ def test_an_interrupted_tiny_model_exits_130_and_leaves_nothing_half_written(tmp
         code, said, _ = signalled(args, tmp_path, signal.SIGINT, delay=1.0)
     assert code == errors.INTERRUPTED_EXIT, said
     tail = last_line(said)  # a progress bar cut off by the signal may end without its newline
-    detail = f"; nothing was written to {target}: run the command again" if when == "writing" else ""
-    assert tail[tail.find("anima-train"):] == "anima-train tiny-model: interrupted" + detail, said
+    detail = f"; nothing was written to {target}: run the command again"
+    # a second after the start, a fast machine may already be writing: either line is right then
+    right = {"anima-train tiny-model: interrupted" + detail}
+    if when == "start-up":
+        right.add("anima-train tiny-model: interrupted")
+    assert tail[tail.find("anima-train"):] in right, said
     assert "Traceback" not in said and "tiny model (diffusers repo" not in said, said
     assert not target.exists() or os.listdir(target) == []
     again = cli(*args, cwd=tmp_path)
