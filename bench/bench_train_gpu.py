@@ -309,6 +309,27 @@ def allocator_stats() -> dict:
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 
 
+def install_cpu_kernel_trace() -> None:
+    """--trace-cpu-kernels: a warm start spent ~30 s in Inductor's CPU ISA check (bench/results/first_step_2026-12-06,
+    call 3), which runs only where some graph of a CUDA run holds a C++ (CPU) kernel. One JSON line per C++ kernel
+    loaded: the head of its source and the stack that asked for it (the graph's Python wrapper names its module)."""
+    import traceback
+
+    from torch._inductor import codecache
+
+    original = codecache.CppCodeCache.load_async.__func__
+
+    def load_async(cls, main_code, *args, **kwargs):
+        # ours, the graph's generated module (under the compile cache) and torch's compile entry points
+        stack = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                 if "site-packages" not in f.filename or "compile_fx" in f.filename or "_dynamo/eval" in f.filename]
+        print(json.dumps({"diag": "cpu_kernel", "source_head": str(main_code)[:1200], "stack": stack[-12:]}),
+              flush=True)
+        return original(cls, main_code, *args, **kwargs)
+
+    codecache.CppCodeCache.load_async = classmethod(load_async)
+
+
 def install_diag() -> None:
     """--diag: one JSON line per micro-step (memory now, peaks so far, allocator retries) and one for the plan
     checkpoint_blocks = "auto" makes after the first step, with what it measured."""
@@ -465,6 +486,8 @@ def main() -> int:
     ap.add_argument("--compile-report", action="store_true",
                     help="add torch.compile's counters and seconds per phase to each of our rows")
     ap.add_argument("--diag", action="store_true", help="print memory and allocator counters every micro-step")
+    ap.add_argument("--trace-cpu-kernels", action="store_true",
+                    help="print each C++ (CPU) kernel Inductor loads, with the stack that asked for it")
     ap.add_argument("--previews", type=int, default=0, metavar="N",
                     help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
     ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
@@ -479,6 +502,8 @@ def main() -> int:
         split_name(n)
     if args.diag:
         install_diag()
+    if args.trace_cpu_kernels:
+        install_cpu_kernel_trace()
     COMPILE_REPORT["on"] = args.compile_report
     for item in args.torch_set:
         set_torch_config(item)
