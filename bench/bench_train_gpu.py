@@ -312,7 +312,8 @@ def allocator_stats() -> dict:
 def install_cpu_kernel_trace() -> None:
     """--trace-cpu-kernels: a warm start spent ~30 s in Inductor's CPU ISA check (bench/results/first_step_2026-12-06,
     call 3), which runs only where some graph of a CUDA run holds a C++ (CPU) kernel. One JSON line per C++ kernel
-    loaded: the head of its source and the stack that asked for it (the graph's Python wrapper names its module)."""
+    loaded: the head of its source and the stack that asked for it (the graph's Python wrapper names its module), and
+    the whole stack of the first ISA check, whoever asks for it."""
     import traceback
 
     from torch._inductor import codecache
@@ -328,6 +329,20 @@ def install_cpu_kernel_trace() -> None:
         return original(cls, main_code, *args, **kwargs)
 
     codecache.CppCodeCache.load_async = classmethod(load_async)
+
+    from torch._inductor import cpu_vec_isa
+
+    check_build = cpu_vec_isa.VecISA.check_build
+
+    def traced_check_build(self, code):  # the ISA check itself, whoever asks for it: the whole stack, once
+        if not getattr(traced_check_build, "done", False):
+            traced_check_build.done = True
+            print(json.dumps({"diag": "cpu_isa_check", "stack": [f"{f.filename}:{f.lineno} {f.name}"
+                                                                  for f in traceback.extract_stack()[:-1]][-40:]}),
+                  flush=True)
+        return check_build(self, code)
+
+    cpu_vec_isa.VecISA.check_build = traced_check_build
 
 
 def install_diag() -> None:
