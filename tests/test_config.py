@@ -40,6 +40,7 @@ SPEC_DEFAULTS = {
         "path": None, "resolution": 1024, "resolutions": None, "tier_collapse": "dedup",
         "min_source_area": 0.0, "min_bucket_reso": 256, "max_bucket_reso": 1920, "bucket_reso_steps": 64,
         "bucket_no_upscale": True, "multires_training": False, "num_repeats": 1, "source": "auto",
+        "cache_text_encoder_outputs": False,  # ours (the speed issue): sd-scripts' name; the original encodes always
     },
     "dataset.subsets": {"path": C.REQUIRED, "num_repeats": 1, "texture": True},
     "dataset.caption": {

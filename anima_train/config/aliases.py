@@ -83,6 +83,8 @@ ALIASES: dict[str, str] = {
     "lora_rank": "adapter.rank",
     "lora_dim": "adapter.rank",
     "lora_alpha": "adapter.alpha",
+    # [dataset] (sd-scripts writes the cache to disk; here it lives in host memory)
+    "cache_text_encoder_outputs_to_disk": "dataset.cache_text_encoder_outputs",
 }
 
 # Foreign names with no counterpart here, and what to do instead (the cache command as the front says it: suggestion).

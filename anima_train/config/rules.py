@@ -162,6 +162,27 @@ def _sources(d, p: Problems, ctx, w) -> None:
         seen.setdefault(norm, i)
 
 
+def _text_cache(cfg, p: Problems, ctx, w) -> None:
+    """A cached Qwen3 output is the output of one caption string: a caption that changes every epoch would fill the
+    cache with strings never seen again, and a Qwen3 that trains changes every output after each step."""
+    if not cfg.dataset.cache_text_encoder_outputs or not p.ok("dataset.cache_text_encoder_outputs"):
+        return
+    c = cfg.dataset.caption
+    head = "[dataset] cache_text_encoder_outputs = true keeps one Qwen3 output per caption"
+    varying = [f"{key} = {as_toml(getattr(c, key))}" for key in ("shuffle_tags", "nl_shuffle_sentences")
+               if getattr(c, key) and p.ok(f"dataset.caption.{key}")]
+    if c.tag_dropout_percent > 0 and p.ok("dataset.caption.tag_dropout_percent"):
+        varying.append(f"tag_dropout_percent = {as_toml(c.tag_dropout_percent)}")
+    if varying:
+        verb = "makes" if len(varying) == 1 else "make"
+        p.error(f"{head}, but [dataset.caption] {' and '.join(varying)} {verb} a new caption every epoch; set "
+                "cache_text_encoder_outputs = false, or turn those off (caption_dropout_percent may stay)",
+                "dataset.cache_text_encoder_outputs")
+    if cfg.adapter.train_text_encoder and p.ok("adapter.train_text_encoder"):
+        p.error(f"{head}, but [adapter] train_text_encoder = true changes Qwen3 at every step; set one of them to "
+                "false", "dataset.cache_text_encoder_outputs")
+
+
 def _buckets(d, p: Problems, ctx, w) -> None:
     if p.ok("dataset.bucket_reso_steps") and d.bucket_reso_steps % 16:
         p.error(f"[dataset] bucket_reso_steps = {d.bucket_reso_steps}: must be a multiple of 16 (VAE factor 8 "
@@ -576,6 +597,7 @@ RULES = [
     ("dataset", _sources),
     ("dataset", _buckets),
     ("dataset.caption", _caption),
+    ("", _text_cache),
     ("dataset.texture", _texture),
     ("adapter", _adapter),
     ("", _adapter_base),

@@ -209,6 +209,10 @@ class DatasetConfig:
                        help="auto: the latent caches when every image has a valid one, else every image encoded "
                             "in the loop (the start-up report says which); images: cached latents, a missing or "
                             "stale cache refused; latents: caches only; encode: the VAE in the loop")
+    cache_text_encoder_outputs: bool = _key(
+        False, help="keep Qwen3's output for each caption in host memory after its first encode (each caption "
+                    "encoded alone), so later steps neither run Qwen3 nor copy it to the GPU; needs captions that "
+                    "do not change between epochs (no tag shuffle or tag dropout; caption dropout is fine)")
     caption: CaptionConfig = _table(CaptionConfig, "caption handling")
     texture: TextureConfig = _table(TextureConfig, "texture-mode crops, read only when a [[curriculum]] phase has "
                                                    "mode = \"texture\" (which needs source = \"encode\")")

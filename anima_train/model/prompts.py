@@ -1,8 +1,9 @@
 """Prompt encoding for training: Qwen3 hidden states + T5 ids → LLM adapter context, as the diffusers pipeline does.
 
-Text embeddings are never cached: tag shuffling and caption dropout make a different caption for the same image each
-epoch, so both tokenizers and Qwen3 run on every step (docs/model.md#prompt-encoding). The conditioner (LLM
-adapter) runs inside the training graph because it may be trainable.
+Both tokenizers and Qwen3 run on every step by default: tag shuffling and tag dropout make a different caption for the
+same image each epoch (docs/model.md#prompt-encoding). Where captions stay the same, `[dataset]
+cache_text_encoder_outputs` keeps Qwen3's output per caption string (`QwenOutputs`). The conditioner (LLM adapter)
+runs inside the training graph because it may be trainable, so its output is never cached.
 
 Facts (diffusers `AnimaTextEncoderStep`; docs/model.md#prompt-encoding): both tokenizers get the raw prompt, no
 template; padding "longest", truncation at `max_sequence_length` (512); Qwen adds no BOS/EOS, T5 appends `</s>`;
@@ -11,6 +12,9 @@ multiplied by its mask.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -55,19 +59,64 @@ def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor,
     return hidden * qwen_mask[..., None].to(hidden.dtype)
 
 
+class QwenOutputs:
+    """`[dataset] cache_text_encoder_outputs`: Qwen3's last hidden state for each caption string, in host memory
+    after the caption's first encode. A step whose captions are all known runs no Qwen3 and needs none of its
+    weights on the GPU (parked ones are not copied in: `on_device` is entered only for new captions).
+
+    Each caption is encoded alone, a batch of one without padding, so its output depends on nothing but the caption:
+    a resumed run, which starts with an empty cache, gets the outputs the first run used. Encoded inside a padded
+    batch (the uncached path) a shorter caption's output differs in the last bits (Qwen3 then attends through a
+    padding mask), so a cached run trains to other bits than an uncached one; its captions are the same."""
+
+    def __init__(self, text_encoder, tokenizer, device: torch.device | str, max_length: int = MAX_SEQUENCE_LENGTH,
+                 on_device: Callable[[], AbstractContextManager] = nullcontext):
+        self.text_encoder, self.tokenizer, self.device, self.max_length = text_encoder, tokenizer, device, max_length
+        self.on_device = on_device
+        self.outputs: dict[str, torch.Tensor] = {}  # caption -> [its Qwen3 tokens, hidden size], on the host
+
+    def hidden(self, captions: list[str], qwen_mask: torch.Tensor) -> torch.Tensor:
+        """Qwen3's hidden state for the batch [B, L, D] on the device, zero on padding as encode_qwen gives it;
+        `qwen_mask`: the batch's host mask from `tokenize` (its width L is the batch's padded length)."""
+        new = [c for c in dict.fromkeys(captions) if c not in self.outputs]
+        if new:
+            with self.on_device(), torch.no_grad():
+                for caption in new:
+                    self.outputs[caption] = self._encode_alone(caption)
+        stored = [self.outputs[c] for c in captions]
+        batch = stored[0].new_zeros(len(captions), qwen_mask.shape[1], stored[0].shape[-1])
+        for row, hidden, mask in zip(batch, stored, qwen_mask.bool()):
+            row[mask] = hidden  # the caption's tokens where the mask has them (either padding side)
+        return to_device(batch, self.device)
+
+    def _encode_alone(self, caption: str) -> torch.Tensor:
+        ids = self.tokenizer([caption], padding="longest", max_length=self.max_length, truncation=True,
+                             return_tensors="pt")["input_ids"]
+        if ids.shape[1] == 0:  # an empty caption: no tokens, nothing to encode
+            return torch.zeros(0, self.text_encoder.config.hidden_size, dtype=self.text_encoder.dtype)
+        ones = torch.ones_like(ids)
+        hidden = encode_qwen(self.text_encoder, to_device(ids, self.device), to_device(ones, self.device),
+                             qwen_attention_mask(self.text_encoder, ones))
+        return hidden[0].to("cpu")
+
+
 def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder, conditioner,
                    device: torch.device | str, max_length: int = MAX_SEQUENCE_LENGTH,
-                   train_text_encoder: bool = False) -> torch.Tensor:
+                   train_text_encoder: bool = False, cached: QwenOutputs | None = None) -> torch.Tensor:
     """Context [B, max(L, min_sequence_length), D] for the DiT's `encoder_hidden_states`.
 
     Qwen3 runs without autograd unless it is being trained (it is the largest part of the text path and is frozen in
     the common case); the conditioner always runs with autograd enabled so it can be trained or pass gradients.
+    `cached`: Qwen3's outputs come from there (QwenOutputs), which runs Qwen3 only for captions it has not seen.
     """
     host = tokenize(captions, tokenizer, t5_tokenizer, max_length)
-    attention = qwen_attention_mask(text_encoder, host["qwen_mask"])
     tok = {k: to_device(v, device) for k, v in host.items()}
-    with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):
-        qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
-                                  None if attention is None else to_device(attention, device))
+    if cached is not None:
+        qwen_hidden = cached.hidden(captions, host["qwen_mask"])
+    else:
+        attention = qwen_attention_mask(text_encoder, host["qwen_mask"])
+        with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):
+            qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
+                                      None if attention is None else to_device(attention, device))
     return conditioner(source_hidden_states=qwen_hidden, target_input_ids=tok["t5_ids"],
                        target_attention_mask=tok["t5_mask"], source_attention_mask=tok["qwen_mask"])

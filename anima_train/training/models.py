@@ -4,6 +4,7 @@ checkpointing, the swapped blocks and the parked Qwen3 set up (`build_model`), t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,7 @@ from anima_train.adapters import build_param_groups, inject_adapters
 from anima_train.config import Config
 from anima_train.model import fp8_base
 from anima_train.model.components import load_components
+from anima_train.model.prompts import QwenOutputs
 from anima_train.model.quant import dit_tokens, quantize_models
 from anima_train.training import recompute
 from anima_train.training.memory import ParkedWeights
@@ -34,6 +36,7 @@ class Model:
     block_ckpt: recompute.BlockCheckpointing
     recompute: int | None  # DiT blocks that recompute from the start; None = "auto", decided after step one
     parked: ParkedWeights | None  # the frozen Qwen3, when it waits in host memory between steps
+    text_cache: QwenOutputs | None  # [dataset] cache_text_encoder_outputs: Qwen3's output per caption
     swap: WeightSwap | None  # [train] swap_blocks: the blocks whose frozen weights wait in host memory
     vae: object  # source = "encode": the VAE encodes each batch in the step; else None (latents are cached)
     transformer: torch.nn.Module
@@ -103,8 +106,15 @@ def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say
     parked = None
     if device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder:
         parked = ParkedWeights(text_encoder, device)
+    text_cache = None
+    if cfg.dataset.cache_text_encoder_outputs:  # the config refused it with a Qwen3 that trains
+        text_cache = QwenOutputs(text_encoder, parts.tokenizer, device,
+                                 on_device=parked.on_device if parked is not None else nullcontext)
+        say("text     Qwen3's output for each caption is kept in host memory after its first encode ([dataset] "
+            "cache_text_encoder_outputs): once every caption has been seen, no step runs Qwen3")
     return Model(parts=parts, device=device, dtype=dtype, groups=groups, train_conditioner=train_conditioner,
                  train_text_encoder=train_text_encoder, block_ckpt=block_ckpt, recompute=recomputed, parked=parked,
+                 text_cache=text_cache,
                  swap=swap,
                  vae=parts.vae if data.mode == "encode" else None,
                  transformer=transformer, conditioner=conditioner, text_encoder=text_encoder)

@@ -104,6 +104,7 @@ class Inputs:
     fp32_full_state: int = 0  # a full finetune's fp32 optimizer state (bytes; 0 otherwise): what 8-bit state saves
     swapped: int = 0  # [train] swap_blocks: blocks whose frozen weights wait in host memory
     host_bytes: int = 0  # their weights
+    text_cached: bool = False  # [dataset] cache_text_encoder_outputs: Qwen3 stays parked, steps do not run it
 
 
 @dataclass
@@ -219,7 +220,7 @@ def predict_inputs(cfg: Config, shape: ModelShape, swapped: int | None = None,
     fp32_full_state = trainable * OPTIMIZER_STATE_BYTES["adamw"] if fp32_state else 0
     return Inputs(tokens=tokens, batch=batch, trainable=trainable, start=start, peak=start + growth, steady=steady,
                   act=act, qwen3=qwen3, estimate=estimate, fp32_full_state=fp32_full_state, swapped=swapped,
-                  host_bytes=host_bytes)
+                  host_bytes=host_bytes, text_cached=cfg.dataset.cache_text_encoder_outputs)
 
 
 def expandable_segments_default() -> bool:
@@ -299,7 +300,8 @@ def _plan_with(cfg: Config, budget: int, expandable: bool, shape: ModelShape, sw
     # the runtime's plan of the predicted first step; a fixed count is kept as it is (the runtime makes no plan and
     # Qwen3 stays parked); the swapped blocks always recompute whole
     chosen = plan_memory(StepMemory(act=inputs.act, peak=inputs.peak, steady=inputs.steady, start=inputs.start),
-                         Budget(budget, expandable), n_blocks=n_blocks - inputs.swapped, parked_bytes=inputs.qwen3,
+                         Budget(budget, expandable), n_blocks=n_blocks - inputs.swapped,
+                         parked_bytes=0 if inputs.text_cached else inputs.qwen3,
                          in_graph=in_graph,
                          keep=None if setting is None else min(n_blocks - setting, n_blocks - inputs.swapped))
     return Plan(inputs=inputs, shape=shape, budget=budget, n_blocks=n_blocks, recomputed=n_blocks - chosen.keep,
@@ -387,8 +389,11 @@ def render(plan: Plan, cfg_name: str) -> str:
                              if plan.base_matmul == "fp8" else "bf16 ([train] base_matmul = \"bf16\")"),
         "  weights: " + weights_text(plan),
         "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
-                                    "in host memory, copied to the GPU for each step's encode (parked)"
-                                    if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"),
+                                    ("in host memory, copied to the GPU only to encode a caption the first time "
+                                     "(its outputs cached: [dataset] cache_text_encoder_outputs)" if i.text_cached
+                                     else "in host memory, copied to the GPU for each step's encode (parked)")
+                                    if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"
+                                    + ("; its outputs cached" if i.text_cached else "")),
         f"  predicted peak: {peak_text(plan)}",
         f"  step time: {step_time_class(plan) if plan.fits else 'none: the step does not fit'}",
     ]

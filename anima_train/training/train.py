@@ -251,8 +251,9 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
             # -- one optimizer step done: plan memory, check it, report it, then stop, save or go on -------------
             result.global_step = step = result.global_step + 1
             if model.block_ckpt.measure is not None:  # checkpoint_blocks = "auto": the first step measured; decide
-                plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(), model.parked,
-                                   model.device, say)
+                # with its outputs cached Qwen3 never needs the GPU's room: it stays parked
+                plan_checkpointing(model.block_ckpt, data.sampler.largest_batch_tokens(),
+                                   model.parked if model.text_cache is None else None, model.device, say)
             elif model.block_ckpt.retries is not None:  # after the plan: a step that stalled the allocator
                 relieve(model.block_ckpt, model.parked, model.device, say)
             run.grad_norms.check(before=step)  # the earlier steps' norms: ready, reading them costs no wait
@@ -464,10 +465,11 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
         noise, moved = ot_pair_noise(x0, noise)
     t = to_device(sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase), device)
     x_t = noisy_latents(x0, noise, t)
-    with parked.on_device() if parked is not None else contextlib.nullcontext():
+    # cached outputs bring the parked Qwen3 in themselves, and only for a caption they have not seen
+    with parked.on_device() if parked is not None and model.text_cache is None else contextlib.nullcontext():
         context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
                                  text_encoder=model.text_encoder, conditioner=model.conditioner, device=device,
-                                 train_text_encoder=model.train_text_encoder)
+                                 train_text_encoder=model.train_text_encoder, cached=model.text_cache)
     pred = model.transformer(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
                              padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
     mask = to_device(batch["loss_mask"], device) if "loss_mask" in batch else None  # texture crops only
