@@ -125,15 +125,16 @@ def build_repo(repo: Path) -> None:
     FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(repo / "scheduler")
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    """(repo, data) under work, built on first use: the full-size model and 1024x1024 synthetic latents."""
-    repo, data = work / "repo", work / "data"
+def prepare(work: Path, latents: int = 96) -> tuple[Path, Path]:
+    """(repo, data) under work, built on first use: the full-size model and `latents` 1024x1024 synthetic latents
+    (fewer: more epochs in a short run, as [dataset] cache_text_encoder_outputs needs to show its steady state)."""
+    repo, data = work / "repo", work / ("data" if latents == 96 else f"data_{latents}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (repo / "vae").exists():
         raise SystemExit("run once on one process first: it builds the shared model repo and dataset")
     if not (repo / "vae").exists():
         build_repo(repo)
     if not data.exists():
-        make_synthetic_latents(data, n=96, latent_hw=(128, 128))  # 1024x1024 buckets, 4096 tokens
+        make_synthetic_latents(data, n=latents, latent_hw=(128, 128))  # 1024x1024 buckets, 4096 tokens
     return repo, data
 
 
@@ -151,7 +152,7 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
                     resolution: int = 1024, dtype: str = "bfloat16", num_workers: int = 2,
                     checkpoint_blocks: str | None = None, previews: int = 0,
                     preview_steps: int = 20, swap_blocks: int | None = None, recompute: str | None = None,
-                    base_matmul: str | None = None) -> tuple[str, str]:
+                    base_matmul: str | None = None, text_cache: bool = False) -> tuple[str, str]:
     """(label, TOML text) of one run; bench/profile_train_gpu.py trains the same text. compile_mode None = what
     compile = "auto" picks for a long run on this device."""
     kind, batch = parse_run(name)
@@ -162,7 +163,8 @@ def run_config_text(name: str, repo: Path, data: Path, work: Path, steps: int, c
                                                                        if checkpoint_blocks else "") \
         + (f"_previews{previews}" if previews else "") \
         + (f"_swap{swap_blocks}" if swap_blocks is not None else "") \
-        + (f"_recompute-{recompute}" if recompute else "") + (f"_base-{base_matmul}" if base_matmul else "")
+        + (f"_recompute-{recompute}" if recompute else "") + (f"_base-{base_matmul}" if base_matmul else "") \
+        + ("_textcache" if text_cache else "")
     extra = KINDS[kind]
     if previews:
         extra += (f'[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
@@ -190,6 +192,7 @@ compile = "{compile_mode}"
 [dataset]
 path = "{data}"
 resolution = {resolution}
+{'cache_text_encoder_outputs = true' if text_cache else ''}
 {extra}"""
     return label, text
 
@@ -197,7 +200,7 @@ resolution = {resolution}
 def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mode: str | None,
           checkpoint_blocks: str | None = None, cap_gib: float | None = None, previews: int = 0,
           preview_steps: int = 20, recompute: str | None = None, base_matmul: str | None = None,
-          save_adapter: Path | None = None) -> dict:
+          save_adapter: Path | None = None, text_cache: bool = False) -> dict:
     name, own_blocks, swap = split_name(name)  # lora_b2:all@11: checkpoint_blocks = "all", swap_blocks = 11
     checkpoint_blocks = own_blocks or checkpoint_blocks
     kind, batch = parse_run(name)
@@ -205,7 +208,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
         data = prepare_images(work)
     label, text = run_config_text(name, repo, data, work, steps, compile_mode, checkpoint_blocks=checkpoint_blocks,
                                   previews=previews, preview_steps=preview_steps, swap_blocks=swap,
-                                  recompute=recompute, base_matmul=base_matmul)
+                                  recompute=recompute, base_matmul=base_matmul, text_cache=text_cache)
     events = work / f"{label}.jsonl"
     events.unlink(missing_ok=True)  # the event file appends: an earlier run's steps would skew the timing
     cfg = parse_config(text)
@@ -500,6 +503,10 @@ def main() -> int:
                          "torch._inductor.config.coordinate_descent_tuning=True")
     ap.add_argument("--compile-report", action="store_true",
                     help="add torch.compile's counters and seconds per phase to each of our rows")
+    ap.add_argument("--text-cache", action="store_true",
+                    help="our runs keep Qwen3's outputs per caption ([dataset] cache_text_encoder_outputs)")
+    ap.add_argument("--latents", type=int, default=96,
+                    help="synthetic 1024x1024 latents in the dataset (default 96; fewer: more epochs per run)")
     ap.add_argument("--diag", action="store_true", help="print memory and allocator counters every micro-step")
     ap.add_argument("--trace-cpu-kernels", action="store_true",
                     help="print each C++ (CPU) kernel Inductor loads, with the stack that asked for it")
@@ -509,7 +516,7 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(args.work)
     t0 = time.perf_counter()
-    repo, data = prepare(work)
+    repo, data = prepare(work, args.latents)
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "setup_s": round(time.perf_counter() - t0, 1), "cap_gib": args.cap_gib}), flush=True)
     names = args.only.split(",")
@@ -530,7 +537,8 @@ def main() -> int:
             try:
                 ours.append(bench(name, repo, data, work, args.steps, args.compile, args.checkpoint_blocks,
                                   args.cap_gib, args.previews, args.preview_steps, args.recompute,
-                                  args.base_matmul, Path(args.save_adapter) if args.save_adapter else None))
+                                  args.base_matmul, Path(args.save_adapter) if args.save_adapter else None,
+                                  args.text_cache))
             except Exception as exc:  # report and go on with the next configuration
                 print(json.dumps({"name": name, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
                 torch.cuda.empty_cache()
