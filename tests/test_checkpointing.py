@@ -458,8 +458,9 @@ def test_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
 
 def test_in_graph_recompute_is_charged_its_extra_and_given_up_where_only_whole_blocks_fit(monkeypatch):
     """recompute = "graph": the plan charges the backward graph's extra (half a block's activations) while any block
-    recomputes; where that does not fit beside the all-recomputed step but whole-block recompute does, the plan
-    keeps whole-block recompute rather than not fitting."""
+    recomputes, as the larger of it and the kept blocks' activations, not their sum (the kept blocks' backward frees
+    theirs before the in-graph blocks' runs); where the extra does not fit beside the all-recomputed step but
+    whole-block recompute does, the plan keeps whole-block recompute rather than not fitting."""
     def decide_plan(*, peak, budget, in_graph=False):
         plan = plan_memory(StepMemory(act=2 * GIB, peak=peak, steady=6 * GIB, start=5 * GIB), Budget(budget, True),
                            n_blocks=28, in_graph=in_graph)
@@ -468,9 +469,11 @@ def test_in_graph_recompute_is_charged_its_extra_and_given_up_where_only_whole_b
     block = decide_plan(peak=10 * GIB, budget=24 * GIB)
     graph = decide_plan(peak=10 * GIB, budget=24 * GIB, in_graph=True)
     assert graph[3] and not block[3]
-    # usable 22.8 GiB, base 11 GiB: whole blocks keep 1 + 5 = 6 (peak 21); in-graph base 12 keeps 1 + 5 = 6 too
-    # (peak 22), its extra under the usable budget
-    assert block[1:3] == (6, 21 * GIB) and graph[1:3] == (6, 22 * GIB)
+    # usable 22.8 GiB, base 11 GiB: whole blocks keep 1 + 5 = 6 (peak 21); in the graph too, its extra (1 GiB)
+    # under the kept blocks' 10
+    assert block[1:3] == (6, 21 * GIB) and graph[1:3] == (6, 21 * GIB)
+    # base 12.5 GiB: charged on top of the kept blocks the extra would cost one (5 keep, 21.5); as the larger, 6 keep
+    assert decide_plan(peak=int(11.5 * GIB), budget=24 * GIB, in_graph=True)[1:3] == (6, int(22.5 * GIB))
     # all-recomputed base 22.5 GiB: whole-block recompute fits 22.8 usable, in-graph (23.5) does not: given up
     tight = decide_plan(peak=int(21.5 * GIB), budget=24 * GIB, in_graph=True)
     assert tight == decide_plan(peak=int(21.5 * GIB), budget=24 * GIB)[:3] + (False,)
@@ -563,9 +566,9 @@ def test_a_compiled_run_recomputes_in_graph_by_default_and_says_so(tiny_anima, l
 
 def test_auto_plan_with_in_graph_recompute_says_so_or_falls_back_to_whole_blocks(monkeypatch):
     """recompute = "graph" after the first step, the 24 GiB card above: the plan charges the backward graph's extra
-    half block (predicted 0.5 GiB higher than whole blocks' 21.5), says "inside the compiled graph" and keeps the
-    in-graph function; on a
-    card where only whole-block recompute fits it drops the function (the blocks recompute whole) and says that."""
+    half block where it makes the peak (here the 10 kept blocks' 10 GiB do), says "inside the compiled graph" and
+    keeps the in-graph function; on a card where only whole-block recompute fits it drops the function (the blocks
+    recompute whole) and says that."""
     from anima_train.training.memory import plan_checkpointing
 
     def in_graph(block, *args):
@@ -577,10 +580,10 @@ def test_auto_plan_with_in_graph_recompute_says_so_or_falls_back_to_whole_blocks
     plan.measure = recompute.Measure(tokens=4096 * 8, act=GIB, start=int(5.5 * GIB))
     said = []
     plan_checkpointing(plan, 4096 * 8, Parked(GIB), torch.device("cuda"), said.append)
-    # usable 22.08 GiB; all recomputed with Qwen3 resident 11.5, + 0.5 in the graph: 1 + 10 kept, peak 12 + 10
+    # usable 22.08 GiB; all recomputed with Qwen3 resident 11.5, + 0.5 in the graph: 1 + 10 kept, peak 11.5 + 10
     assert plan.recomputed == 17 and plan.in_graph is in_graph
     assert said == ["checkpointing auto: 17 of 28 blocks recompute inside the compiled graph (a block keeps 1.00 GiB "
-                    "at the largest batch; predicted peak 22.0 of 24.0 GiB); Qwen3 stays on the GPU"]
+                    "at the largest batch; predicted peak 21.5 of 24.0 GiB); Qwen3 stays on the GPU"]
 
     # all recomputed, Qwen3 parked: 6 + (20.8 - 5.5) = 21.3 GiB fits 22.08 whole, not with the graph's 0.5 + 0.5
     StrictCuda(monkeypatch, allocated=6 * GIB, peak=int(20.8 * GIB), total=36 * GIB, fraction=2 / 3)
@@ -592,6 +595,31 @@ def test_auto_plan_with_in_graph_recompute_says_so_or_falls_back_to_whole_blocks
     assert plan.recomputed == 27 and plan.in_graph is None
     assert said == ['checkpointing auto: 27 of 28 blocks recompute whole (recompute = "graph" would not fit) (a '
                     "block keeps 2.00 GiB at the largest batch; predicted peak 21.3 of 24.0 GiB)"]
+
+
+def test_a_first_step_measured_in_the_graph_plans_from_its_peak_before_the_first_in_graph_recompute(monkeypatch):
+    """The measured first step recomputes in the graph (Measure.in_graph), so its peak holds the graph's extra. Kept
+    blocks grow the step's peak from where it stood before that extra, read as the first in-graph block's backward
+    begins (`kept_peak`): charged from the whole peak, the extra would be counted under every kept block."""
+    from anima_train.training.memory import plan_checkpointing
+
+    def decide(kept_peak):
+        StrictCuda(monkeypatch, allocated=6 * GIB, peak=int(10.5 * GIB), total=36 * GIB, fraction=2 / 3)  # 24 GiB
+        ckpt = recompute.BlockCheckpointing([torch.nn.Linear(2, 2) for _ in range(28)], in_graph=lambda b, *a: b(*a))
+        ckpt.set_recomputed(27)
+        ckpt.measure = recompute.Measure(tokens=4096 * 8, act=GIB, start=int(5.5 * GIB), in_graph=True,
+                                         kept_peak=kept_peak)
+        said = []
+        plan_checkpointing(ckpt, 4096 * 8, Parked(GIB), torch.device("cuda"), said.append)
+        return ckpt.recomputed, said[0]
+
+    # usable 22.08 GiB, Qwen3 resident (+1): the whole step 6 + 5 + 1 = 12; before the extra 6 + 4 + 1 = 11
+    assert decide(None) == (17, "checkpointing auto: 17 of 28 blocks recompute inside the compiled graph (a block "
+                                "keeps 1.00 GiB at the largest batch; predicted peak 22.0 of 24.0 GiB); Qwen3 stays "
+                                "on the GPU")
+    assert decide(int(9.5 * GIB)) == (16, "checkpointing auto: 16 of 28 blocks recompute inside the compiled graph "
+                                          "(a block keeps 1.00 GiB at the largest batch; predicted peak 22.0 of 24.0 "
+                                          "GiB); Qwen3 stays on the GPU")
 
 
 @pytest.mark.slow
@@ -672,6 +700,10 @@ def test_the_measured_first_step_recomputes_as_the_run_will_and_measures_its_kep
     ckpt = recompute.BlockCheckpointing(blocks, in_graph=graph)
     ckpt.set_recomputed(len(blocks) - 1)  # as models.build_model sets it for "auto"
     ckpt.measure = recompute.Measure(tokens=0, in_graph=in_graph)
+    # in the graph, the peak is read as the kept block's backward ends and before the first recomputed block's
+    events = []
+    monkeypatch.setattr(recompute.Measure, "recompute_starts", lambda self, device: events.append("read"))
+    blocks[-2].weight.register_hook(lambda grad: events.append("last recomputed block's backward"))
     x = torch.randn(2, 4, requires_grad=True)
     for block in blocks:
         x = ckpt(block, x)
@@ -679,6 +711,8 @@ def test_the_measured_first_step_recomputes_as_the_run_will_and_measures_its_kep
     assert ckpt.measure.act == 300
     assert through_graph == (blocks[:-1] if in_graph else [])
     assert len(checkpointed) == (0 if in_graph else 3)
+    assert events == (["read", "last recomputed block's backward"] if in_graph
+                      else ["last recomputed block's backward"])
 
 
 @pytest.mark.slow

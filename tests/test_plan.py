@@ -17,6 +17,7 @@ import torch
 from anima_train.config import parse_config
 from anima_train.model import tiny
 from anima_train.training import plan, weight_swap
+from anima_train.training.memory_plan import StepMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPS = ROOT / "bench" / "results" / "caps_2026-12-02b"
@@ -125,15 +126,43 @@ def test_a_calibration_off_by_two_is_caught(monkeypatch, factor):
     assert mismatches(planner_runs())
 
 
-def test_static_plan_matches_every_in_graph_run():
-    """recompute = "graph" (the default): the same choices as the runtime made at 8, 12, 16 and 24 GiB and its
-    prediction. The peak may be predicted up to 1.6 GiB high: the backward graph's extra (half a block's
-    activations, charged on top of the kept blocks') was measured at 16 GiB b8 with one block kept (+1.14 GiB), but
-    with three kept (24 GiB b8) the peak was the kept blocks' own (19.29 GiB = the all-recomputed step + 2 blocks),
-    the in-graph blocks' backward coming after theirs."""
+def in_graph_peak(run) -> int:
+    """The static plan's peak for the configuration a recompute = "graph" run ran: its kept blocks, its Qwen3."""
+    p = plan.make_plan(config_for(run["batch"], run["recompute"], run.get("base_matmul", "bf16")),
+                       int(run["cap"] * GIB), expandable=True)
+    i = p.inputs
+    step = StepMemory(act=i.act, peak=i.peak, steady=i.steady, start=i.start)
+    keep = p.n_blocks - run["recomputed"]
+    return (step.plus(i.qwen3) if run["resident"] else step).peak_keeping(keep, in_graph=keep < p.n_blocks)
+
+
+def test_in_graph_runs_peaked_at_the_larger_of_the_kept_blocks_and_the_graphs_extra():
+    """recompute = "graph" (the default), at 8, 12, 16 and 24 GiB as the runtime of the time ran them: the static
+    peak of each configuration is within -0.05/+0.4 GiB of the measured one. The backward graph's extra (half a
+    block's activations; measured 0.38-0.45) is the peak with one block kept, and with three kept (24 GiB b8:
+    19.29 GiB = the all-recomputed step + 2 blocks) the kept blocks' activations are, the in-graph blocks' backward
+    coming after theirs has freed them. Charged as their sum, as the plan did then, 24 GiB b8 was predicted 20.8."""
     runs = graph_runs()
     assert {(r["cap"], r["batch"]) for r in runs} >= {(8.0, 2), (12.0, 4), (16.0, 8), (24.0, 8)}
-    assert mismatches(runs, high=1.6 * GIB) == []
+    errors = {run["log"]: round((in_graph_peak(run) - run["peak"] * GIB) / GIB, 2) for run in runs}
+    assert all(-0.05 <= e <= 0.4 for e in errors.values()), errors
+
+
+def test_in_graph_plans_keep_what_whole_blocks_keep_where_the_kept_blocks_make_the_peak():
+    """So the plan keeps as many blocks in the graph as whole-block recompute keeps, where more than one is kept: one
+    more than the runtime of recompute_graph_2026-12-04 kept at 8, 12 and 24 GiB. Each such configuration ran with
+    whole blocks (caps_2026-12-02b: the same kept blocks, peaks 7.26, 11.07 and 22.11 GiB, no allocator retry), and
+    its in-graph peak is the same (the extra comes after); the plan predicts it within -0.05/+0.25 GiB. At 16 GiB b8
+    one block is kept, as before: there the extra makes the peak."""
+    whole = {(r["cap"], r["batch"]): r for r in planner_runs()}
+    for run in graph_runs():
+        p = plan.make_plan(config_for(run["batch"], "graph"), int(run["cap"] * GIB), expandable=True)
+        measured = whole.get((run["cap"], run["batch"]))
+        if measured is None:
+            assert (run["cap"], p.recomputed) == (16.0, run["recomputed"]), run["log"]
+            continue
+        assert p.recomputed == measured["recomputed"] == run["recomputed"] - 1, run["log"]
+        assert -PEAK_LOW <= p.predicted - measured["peak"] * GIB <= PEAK_HIGH, (run["log"], p.predicted / GIB)
 
 
 def test_speed_table_is_the_logs():
@@ -151,7 +180,13 @@ def test_an_fp8_base_plans_as_the_runtime_did():
     # Counted as the bf16 base: the FP8 runs peaked 0.24 GiB lower at 24 GiB b8 (19.05 against 19.29, the runtime
     # predicting 20.6 against 20.8) and 0.13 higher at 8 GiB b2 (6.97 against 6.84): 0.25 GiB more slack each way.
     capped = [r for r in runs if r["cap"]]  # the uncapped run printed no {"diag": "plan"} record (no --diag)
-    assert mismatches(capped, high=1.6 * GIB + 0.25 * GIB, runtime_tolerance=0.25) == []
+    errors = {run["log"]: round((in_graph_peak(run) - run["peak"] * GIB) / GIB, 2) for run in capped}
+    assert all(-0.05 - 0.25 <= e <= 0.4 + 0.25 for e in errors.values()), errors
+    for run in capped:  # the bf16 base's choice (one more kept than that runtime: see the in-graph tests above)
+        bf16 = plan.make_plan(config_for(run["batch"], "graph"), int(run["cap"] * GIB), expandable=True)
+        fp8 = plan.make_plan(config_for(run["batch"], "graph", "fp8"), int(run["cap"] * GIB), expandable=True)
+        assert (fp8.recomputed, fp8.resident) == (bf16.recomputed, bf16.resident) == (run["recomputed"] - 1,
+                                                                                       run["resident"])
     assert plan.make_plan(config_for(8, "graph", "fp8"), int(139 * GIB), expandable=True).recomputed == 0
     fp8 = plan.make_plan(config_for(8, "graph", "fp8"), 24 * GIB, expandable=True)
     text = plan.render(fp8, "run.toml")
@@ -236,13 +271,13 @@ def config_file(tmp_path):
 
 
 def test_cli_prints_the_plan(tmp_path, config_file):
-    # the default, recompute = "graph" (bench/results/recompute_graph_2026-12-04 C2: 27 recomputed, 6.84 GiB)
+    # the default, recompute = "graph": as many kept as whole blocks (caps_2026-12-02b A1: 26 recomputed, 7.26 GiB)
     done = anima_train(tmp_path, str(config_file), "--vram", "8")
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "27 of 28 blocks recompute, 1 keep their activations (recompute = \"graph\": inside the compiled " \
+    assert "26 of 28 blocks recompute, 2 keep their activations (recompute = \"graph\": inside the compiled " \
            "backward)" in out
-    assert "predicted peak: 7.1 of 8.0 GiB" in out
+    assert "predicted peak: 7.4 of 8.0 GiB" in out
     assert "Qwen3 text encoder: in host memory" in out
     assert "not available in this version" in out
     assert re.search(r"^\s+27\s+kept\s.*resident$", out, re.M)
@@ -388,8 +423,8 @@ def test_cli_shows_the_margin_it_keeps_and_the_batch_that_would_fit(tmp_path, co
     Now the peak line says the margin, what is usable and how far from it the step is; where the batch does not fit
     but a smaller one would, it names that batch, and the config keeps its own."""
     out = anima_train(tmp_path, str(config_file), "--vram", "8").stdout
-    assert ("predicted peak: 7.1 of 8.0 GiB, with 0.5 GiB kept free (allocator, GPU libraries' workspaces): 7.5 GiB "
-            "usable, 0.4 GiB to spare") in out
+    assert ("predicted peak: 7.4 of 8.0 GiB, with 0.5 GiB kept free (allocator, GPU libraries' workspaces): 7.5 GiB "
+            "usable, 0.1 GiB to spare") in out
     large = tmp_path / "b8.toml"
     large.write_text(train_table() + 'batch_size = 8\n')
     done = anima_train(tmp_path, str(large), "--vram", "6")

@@ -109,7 +109,7 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     steady, peak, budget = recompute.memory_now(device)
     step = StepMemory(act=measure.act, peak=peak, steady=steady, start=measure.start,
                       backward_peak=measure.backward_peak, scale=max(1.0, largest_tokens / max(measure.tokens, 1)),
-                      in_graph=measure.in_graph)
+                      in_graph=measure.in_graph, kept_peak=measure.kept_peak)
     host = sum(h.numel() * h.element_size() for h in parked.host) if parked is not None else 0
     plan = plan_memory(step, Budget(budget, expandable_segments_on()), n_blocks=n - block_ckpt.floor,
                        parked_bytes=host, in_graph=block_ckpt.in_graph is not None)  # the swapped blocks recompute

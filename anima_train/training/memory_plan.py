@@ -22,8 +22,9 @@ EXPANDABLE_MARGIN_FRACTION = 0.05
 EXPANDABLE_MARGIN_BYTES = GIB // 2
 # recompute = "graph": what its backward holds while it recomputes beyond whole-block recompute, in blocks'
 # activations (H200, LoRA r32, every block or all but one recomputed: +0.27 GiB at b2 for 0.706 per block, +0.63 at
-# b4 for 1.41, caps_2026-12-02b C1 and C2; +1.14 at b8 for 2.82, recompute_graph_2026-12-04 B2). Charged on top of
-# the kept blocks', which it need not be: their backward frees theirs before the in-graph blocks' runs (B1).
+# b4 for 1.41, caps_2026-12-02b C1 and C2; +1.14 at b8 for 2.82, recompute_graph_2026-12-04 B2). Never on top of
+# the kept blocks': the kept ones are the last, and their backward frees theirs before the first in-graph block
+# recomputes (B1, three kept at 24 GiB b8: 19.29 GiB = the all-recomputed step + 2 blocks, no extra).
 IN_GRAPH_EXTRA = 0.5
 
 
@@ -53,7 +54,9 @@ class StepMemory:
     its peak, `backward_peak` = its peak before the optimizer step, `steady` = allocated after it; `scale` = the
     largest batch's tokens x batch over the measured step's (activations and the step's growth scale with it).
     `start` and `backward_peak` are None off CUDA. `in_graph`: that step recomputed inside the compiled graph, so
-    its peak holds what that backward holds beyond whole-block recompute."""
+    its peak holds what that backward holds beyond whole-block recompute; `kept_peak`: its peak before the first
+    block recomputed there (the forward and the kept block's backward: the part of the step that more kept blocks
+    grow), None where not measured."""
     act: int
     peak: int
     steady: int
@@ -61,6 +64,7 @@ class StepMemory:
     backward_peak: int | None = None
     scale: float = 1.0
     in_graph: bool = False
+    kept_peak: int | None = None
 
     @property
     def per_block(self) -> int:
@@ -69,9 +73,9 @@ class StepMemory:
 
     def plus(self, held: int) -> StepMemory:
         """The same step with `held` more bytes alive throughout (the parked Qwen3 kept on the GPU)."""
-        return replace(self, peak=self.peak + held, steady=self.steady + held,
-                       start=None if self.start is None else self.start + held,
-                       backward_peak=None if self.backward_peak is None else self.backward_peak + held)
+        more = {name: getattr(self, name) + held for name in ("start", "backward_peak", "kept_peak")
+                if getattr(self, name) is not None}
+        return replace(self, peak=self.peak + held, steady=self.steady + held, **more)
 
     def base(self) -> int:
         """The peak of a later step with every block recomputed, at the largest batch.
@@ -91,16 +95,27 @@ class StepMemory:
         peaks at the larger of its backward, steady + (backward_peak - start) scaled, and its optimizer step, which
         holds what the first one held (the state, now old, the gradients, the same temporaries: none of it grows
         with tokens)."""
+        in_backward = self.backward_peak is None or self.backward_peak >= self.peak
+        return self._later(self.peak if in_backward else self.backward_peak)
+
+    def kept_base(self) -> int:
+        """base() for the part of a later step that kept blocks grow: up to the first in-graph recompute, whose
+        extra the measured peak holds (`kept_peak`). Without that reading, base()."""
+        return self.base() if self.kept_peak is None else min(self._later(self.kept_peak), self.base())
+
+    def _later(self, backward: int) -> int:
+        """A later step's peak, where the measured step's forward and backward peaked at `backward` (base())."""
         start = self.steady if self.start is None else self.start
+        grown = self.steady + int(max(backward - start, 0) * self.scale)
         if self.backward_peak is None or self.backward_peak >= self.peak:
-            return self.steady + int(max(self.peak - start, 0) * self.scale)
-        return max(self.steady + int(max(self.backward_peak - start, 0) * self.scale), self.peak)
+            return grown
+        return max(grown, self.peak)
 
     def in_graph_extra(self) -> int:
         """recompute = "graph": bytes its recomputing backward holds at the step's peak beyond whole-block
         recompute, where the measured peak lacks them. A step measured in the graph holds them already; a whole-block
-        plan made from it keeps them charged, since what whole blocks would save is an estimate and the measured peak
-        is not."""
+        plan made from it keeps that measured peak as its floor, since what whole blocks would save is an estimate
+        and the measured peak is not."""
         return 0 if self.in_graph else int(IN_GRAPH_EXTRA * self.per_block)
 
     def peak_keeping(self, keep: int, in_graph: bool = False) -> int:
@@ -108,8 +123,10 @@ class StepMemory:
         the backward of the last block, while its recomputed activations are alive, so keeping that block's
         activations (the kept blocks are the last ones) adds nothing to it; each further kept block adds its
         activations (all kept ones are alive when backward starts). `in_graph`: some block recomputes inside the
-        compiled graph, whose backward holds in_graph_extra() more."""
-        return self.base() + (self.in_graph_extra() if in_graph else 0) + max(keep - 1, 0) * self.per_block
+        compiled graph, whose backward holds in_graph_extra() more, but only after the kept blocks' backward has
+        freed theirs: the peak is the larger of the two, not their sum."""
+        kept = self.kept_base() + max(keep - 1, 0) * self.per_block
+        return max(kept, self.base() + (self.in_graph_extra() if in_graph else 0))
 
     def fits(self, budget: Budget, extra: int = 0) -> bool:
         """The all-checkpointed step, plus `extra` bytes at its peak, fits under the budget (with the margin)."""
@@ -119,15 +136,12 @@ class StepMemory:
         """How many of `n_blocks` may keep their activations: the most whose peak fits (0 when none does).
         Measured on an H200, 1024x1024 LoRA r32 (tests/test_checkpointing.py, H200_RUNS): with the first step's
         growth charged, the predicted peak is 0.05-0.13 GiB above every measured one. `in_graph` (recompute =
-        "graph"): while any block recomputes, the peak holds in_graph_extra() more; with every block kept nothing
-        recomputes, and nothing is added."""
-        def most(base: int) -> int:
-            return min(n_blocks, 1 + math.floor((budget.usable - base) / self.per_block)) if base <= budget.usable \
-                else 0
-
-        keep = most(self.base())
-        if in_graph and keep < n_blocks:
-            keep = most(self.base() + self.in_graph_extra())
+        "graph"): while any block recomputes, the in-graph blocks' backward must fit too (peak_keeping); with every
+        block kept nothing recomputes."""
+        kept = self.kept_base()
+        keep = min(n_blocks, 1 + math.floor((budget.usable - kept) / self.per_block)) if kept <= budget.usable else 0
+        if keep < n_blocks and self.base() + (self.in_graph_extra() if in_graph else 0) > budget.usable:
+            return 0  # the recomputing blocks' backward does not fit
         return keep
 
 

@@ -57,6 +57,14 @@ class Measure:
     start: int | None = None  # allocated when the step began (its first micro-batch); None off CUDA
     backward_peak: int | None = None  # the step's peak before its optimizer step; None off CUDA
     in_graph: bool = False  # the measured step's blocks recompute inside the compiled graph (its peak holds that)
+    kept_peak: int | None = None  # in the graph: the peak before its first recompute; None off CUDA
+
+    def recompute_starts(self, device: torch.device) -> None:
+        """The kept block's backward is done and the first in-graph block's begins: the peak so far is what more
+        kept blocks would grow (memory_plan.StepMemory.kept_base). The first micro-batch's reading: later ones
+        start after a whole backward with its in-graph extra."""
+        if self.kept_peak is None and device.type == "cuda":
+            self.kept_peak = torch.cuda.max_memory_allocated(device)
 
     def before_optimizer_step(self, device: torch.device) -> None:
         """The gradients are complete: the peak so far is the forward/backward's (see memory_plan.StepMemory.base)."""
@@ -101,7 +109,12 @@ class BlockCheckpointing:
             return block(*args) if self.measure is None else self._kept_and_measured(block, *args)
         if self.in_graph is not None and block not in self.blocks[:self.floor] \
                 and (self.measure is None or self.measure.in_graph):
-            return self.in_graph(block, *args)
+            out = self.in_graph(block, *args)
+            if self.measure is not None and out.requires_grad and block is self._last_recomputed():
+                # its output's gradient is ready when the kept block's backward ends, before this block's begins
+                measure = self.measure
+                out.register_hook(lambda grad: measure.recompute_starts(grad.device))
+            return out
         return checkpoint(self._whole, block, *args, use_reentrant=False)
 
     def _whole(self, block, *args):
@@ -117,6 +130,9 @@ class BlockCheckpointing:
         out = block(*args)
         self.measure.act = max(self.measure.act, torch.cuda.memory_allocated() - before)
         return out
+
+    def _last_recomputed(self):
+        return next(b for b in reversed(self.blocks) if id(b) in self.recompute)
 
     def set_recomputed(self, count: int) -> None:
         """The first `count` blocks recompute (which ones does not matter for memory: all are alike), and never
