@@ -52,7 +52,12 @@ FAKE_TRAINER = textwrap.dedent(r'''
             ev("error", message="RuntimeError: CUDA out of memory (fake)", traceback="")
             sys.exit(1)
         ev("step", step=step, total=3, epoch=1, loss=1.0 / step, lr=[1e-4])
-        time.sleep(0.3 if mode == "slow" else 0.01)
+        if mode == "slow":  # a step that lasts until Cancel's stop file is there (a fixed sleep raced a busy machine)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(stop_file) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            time.sleep(0.01)
     final = os.path.join(run_dir, cfg["train"]["run_name"] + ".safetensors")
     open(final, "wb").write(b"lora weights " + json.dumps(cfg).encode())
     ev("checkpoint", path=final, step=3)
