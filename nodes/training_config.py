@@ -83,6 +83,7 @@ KNOBS = [
 LATE_KNOBS = [
     Knob("train.swap_blocks", "swap_blocks", advanced=True, unset_zero=True),  # 0: the key's default, "auto"
     Knob("train.base_matmul", "base_matmul", advanced=True, unset_default=True),
+    Knob("dataset.cache_text_encoder_outputs", "cache_text_encoder_outputs", advanced=True, unset_default=True),
 ]
 ALL_KNOBS = KNOBS + LATE_KNOBS
 EXTRA_TOML = "extra_toml"

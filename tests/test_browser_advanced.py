@@ -63,7 +63,7 @@ def test_training_config_shows_common_knobs_and_hides_the_rest_behind_the_toggle
     assert common[-1] == EXTRA_TOML and len(advanced) >= 15
     order = spec["input_order"]["required"]
     late = order[order.index(EXTRA_TOML) + 1:]  # widgets added after workflows were saved (nodes_train.LATE_KNOBS)
-    assert late == ["swap_blocks", "base_matmul"], late
+    assert late == ["swap_blocks", "base_matmul", "cache_text_encoder_outputs"], late
     file_node = next(n for n in json.loads((ROOT / "example_workflows" / f"{WORKFLOW}.json").read_text())["nodes"]
                      if n["type"] == NODE)
     screenshot = os.environ.get("ANIMA_CONFIG_SCREENSHOT")

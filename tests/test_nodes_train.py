@@ -167,22 +167,28 @@ def test_config_widgets_come_from_the_config_metadata(comfy_env):
 
 
 def test_the_late_knobs_come_after_extra_toml_and_leave_an_older_workflows_config_as_it_was(comfy_env, dataset):
-    """swap_blocks and base_matmul became widgets after workflows had been saved: a saved workflow holds widget
+    """swap_blocks, base_matmul and cache_text_encoder_outputs became widgets after workflows had been saved: a saved
+    workflow holds widget
     values by position, so they come after extra_toml (tests/test_browser_advanced.py loads an older workflow in the
     frontend), and at their defaults they add nothing to the config text, which the node's re-use and resume key
     is computed from: an older workflow's finished run is still re-used, its cancelled run still resumed."""
     nt = comfy_env.nt
     order = [p.id for p in nt.AnimaTrainConfig.define_schema().inputs]
-    assert order[-3:] == ["extra_toml", "swap_blocks", "base_matmul"], order[-4:]
+    late = ["swap_blocks", "base_matmul", "cache_text_encoder_outputs"]
+    assert order[-4:] == ["extra_toml", *late], order[-5:]
     ports = {p.id: p for p in nt.AnimaTrainConfig.define_schema().inputs}
     assert ports["base_matmul"].kind == "COMBO" and ports["base_matmul"].options["options"] == ["bf16", "fp8"]
     assert ports["swap_blocks"].kind == "INT" and ports["swap_blocks"].options["advanced"] is True
-    older = {k: v for k, v in widgets(nt, "x", dataset).items() if k not in ("swap_blocks", "base_matmul")}
+    assert ports["cache_text_encoder_outputs"].kind == "BOOLEAN"
+    older = {k: v for k, v in widgets(nt, "x", dataset).items() if k not in late}
     text = comfy_env.tc.config_toml(older)
-    assert comfy_env.tc.config_toml(dict(older, swap_blocks=0, base_matmul="bf16")) == text
-    assert "swap_blocks" not in text and "base_matmul" not in text
-    chosen = tomllib.loads(comfy_env.tc.config_toml(dict(older, swap_blocks=12, base_matmul="fp8")))["train"]
-    assert (chosen["swap_blocks"], chosen["base_matmul"]) == (12, "fp8")
+    defaults = dict(swap_blocks=0, base_matmul="bf16", cache_text_encoder_outputs=False)
+    assert comfy_env.tc.config_toml(dict(older, **defaults)) == text
+    assert not any(key in text for key in late)
+    chosen = tomllib.loads(comfy_env.tc.config_toml(dict(older, swap_blocks=12, base_matmul="fp8",
+                                                         cache_text_encoder_outputs=True)))
+    assert (chosen["train"]["swap_blocks"], chosen["train"]["base_matmul"]) == (12, "fp8")
+    assert chosen["dataset"]["cache_text_encoder_outputs"] is True
     # extra_toml still wins over a widget
     over = tomllib.loads(comfy_env.tc.config_toml(dict(older, swap_blocks=12, extra_toml="[train]\nswap_blocks = 3\n")))
     assert over["train"]["swap_blocks"] == 3
@@ -262,6 +268,21 @@ def test_output_format_widget_reaches_the_lora_file_format(comfy_env, tiny_anima
     assert parse_config(nt.AnimaTrainConfig.execute(**values).values[0]["toml"]).adapter.output_format == "kohya"
     bad = refusal(nt, **dict(values, adapter="lokr"))
     assert 'output_format = "kohya" applies to kind = "lora"' in bad and "[adapter]" not in bad, bad
+
+
+def test_a_text_cache_with_captions_that_change_is_refused_in_the_widgets_terms(comfy_env, tiny_anima, dataset):
+    """[dataset] cache_text_encoder_outputs, as its widget: the refusal names the widgets (and extra_toml where it
+    set the key), as a ComfyUI user set them."""
+    nt = comfy_env.nt
+    values = widgets(nt, tiny_anima.diffusers_dir, dataset, cache_text_encoder_outputs=True)
+    assert nt.AnimaTrainConfig.validate_inputs(**dict(values, caption_dropout=0.1)) is True
+    bad = " ".join(refusal(nt, **dict(values, shuffle_tags=True)).split())  # the node breaks long lines
+    assert bad == ("cache_text_encoder_outputs = true keeps one Qwen3 output per caption, but shuffle_tags = true "
+                   "makes a new caption every epoch; set cache_text_encoder_outputs = false, or turn those off "
+                   "(caption_dropout may stay)"), bad
+    bad = " ".join(refusal(nt, **dict(values, tag_dropout=0.2,
+                                      extra_toml="[dataset.caption]\nnl_shuffle_sentences = true\n")).split())
+    assert "but extra_toml [dataset.caption] nl_shuffle_sentences = true and tag_dropout = 0.2 make" in bad, bad
 
 
 def test_example_workflow_widget_values_line_up_with_the_config_node(comfy_env):

@@ -95,7 +95,8 @@ def test_each_caption_is_encoded_alone_and_placed_where_the_batch_mask_has_its_t
 @pytest.mark.parametrize("caption_keys, named", [
     ("shuffle_tags = true", "[dataset.caption] shuffle_tags = true makes a new caption every epoch"),
     ("tag_dropout_percent = 0.1\nnl_shuffle_sentences = true",
-     "[dataset.caption] nl_shuffle_sentences = true and tag_dropout_percent = 0.1 make a new caption every epoch"),
+     "[dataset.caption] nl_shuffle_sentences = true and [dataset.caption] tag_dropout_percent = 0.1 make a new "
+     "caption every epoch"),
 ])
 def test_captions_that_change_are_refused_in_one_line(tiny_anima, latents_dir, tmp_path, caption_keys, named):
     toml = tmp_path / "run.toml"
@@ -106,7 +107,7 @@ def test_captions_that_change_are_refused_in_one_line(tiny_anima, latents_dir, t
     assert done.returncode == 2, done.stdout + done.stderr
     said = done.stderr.strip()
     assert "[dataset] cache_text_encoder_outputs = true keeps one Qwen3 output per caption" in said, said
-    assert named in said and "set cache_text_encoder_outputs = false, or turn those off" in said, said
+    assert named in said and "set [dataset] cache_text_encoder_outputs = false, or turn those off" in said, said
     assert "Traceback" not in said and said.count("cache_text_encoder_outputs = true keeps") == 1, said
 
 

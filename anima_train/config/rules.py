@@ -169,15 +169,14 @@ def _text_cache(cfg, p: Problems, ctx, w) -> None:
         return
     c = cfg.dataset.caption
     head = "[dataset] cache_text_encoder_outputs = true keeps one Qwen3 output per caption"
-    varying = [f"{key} = {as_toml(getattr(c, key))}" for key in ("shuffle_tags", "nl_shuffle_sentences")
+    varying = [f"[dataset.caption] {key} = {as_toml(getattr(c, key))}"
+               for key in ("shuffle_tags", "nl_shuffle_sentences", "tag_dropout_percent")
                if getattr(c, key) and p.ok(f"dataset.caption.{key}")]
-    if c.tag_dropout_percent > 0 and p.ok("dataset.caption.tag_dropout_percent"):
-        varying.append(f"tag_dropout_percent = {as_toml(c.tag_dropout_percent)}")
     if varying:
         verb = "makes" if len(varying) == 1 else "make"
-        p.error(f"{head}, but [dataset.caption] {' and '.join(varying)} {verb} a new caption every epoch; set "
-                "cache_text_encoder_outputs = false, or turn those off (caption_dropout_percent may stay)",
-                "dataset.cache_text_encoder_outputs")
+        p.error(f"{head}, but {' and '.join(varying)} {verb} a new caption every epoch; set [dataset] "
+                "cache_text_encoder_outputs = false, or turn those off ([dataset.caption] caption_dropout_percent "
+                "may stay)", "dataset.cache_text_encoder_outputs")
     if cfg.adapter.train_text_encoder and p.ok("adapter.train_text_encoder"):
         p.error(f"{head}, but [adapter] train_text_encoder = true changes Qwen3 at every step; set one of them to "
                 "false", "dataset.cache_text_encoder_outputs")
