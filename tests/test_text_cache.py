@@ -53,7 +53,7 @@ def test_qwen3_runs_once_per_caption_and_the_run_trains_as_the_uncached_one(tiny
     assert calls == list(range(9))
     calls.clear()
     cached = train(cached_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / "b", True, max_steps=9), cpu=True)
-    captions = {p.read_text(encoding="utf-8") for p in latents_dir.glob("*.txt")}
+    captions = {p.read_text(encoding="utf-8").strip() for p in latents_dir.glob("*.txt")}
     # one micro-batch counter for both runs: the cached run's first epoch is micro-batches 9, 10 and 11
     assert len(calls) == len(captions) > 1 and set(calls) <= {9, 10, 11}, calls
     # the same captions, Qwen3's outputs to the last bits of its padded batches
@@ -130,3 +130,28 @@ def test_the_plan_keeps_qwen3_in_host_memory_and_gives_its_room_to_the_blocks():
     assert cached.recomputed <= plain.recomputed
     text = plan.render(cached, "run.toml")
     assert "Qwen3 text encoder: in host memory, copied to the GPU only to encode a caption the first time" in text
+
+
+def test_validation_reads_the_cache_and_gives_the_uncached_numbers(tiny_anima, latents_dir, tmp_path, monkeypatch):
+    """Validation encodes each caption alone, as the cache does: its numbers are the uncached run's to the bit, and a
+    later validation (or one whose shuffled captions the true ones already filled in) runs no Qwen3."""
+    from anima_train.data.synthetic import make_synthetic_latents
+
+    held_out = tmp_path / "held_out"
+    make_synthetic_latents(held_out, n=3, seed=1)
+    val = f'[optimizer]\nlr = 1e-3\n[validation]\nfolder = "{held_out}"\nevery_n_steps = 2\n'
+
+    def run(name: str, cache: bool):
+        cfg = make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / name, val, max_steps=4)
+        cfg.dataset.cache_text_encoder_outputs = cache
+        return train(cfg, cpu=True)
+
+    plain = run("a", False)
+    encoded = []
+    alone = QwenOutputs._encode_alone
+    monkeypatch.setattr(QwenOutputs, "_encode_alone", lambda self, c: encoded.append(c) or alone(self, c))
+    cached = run("b", True)
+    assert [(p.step, p.loss, p.shuffled) for p in cached.validation] == \
+        [(p.step, p.loss, p.shuffled) for p in plain.validation]
+    held = {p.read_text(encoding="utf-8").strip() for p in held_out.glob("*.txt")}
+    assert held <= set(encoded) and len(encoded) == len(set(encoded))  # each caption once, validation's included

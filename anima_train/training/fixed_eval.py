@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from anima_train.training.flow import noisy_latents, velocity_target
-from anima_train.model.prompts import encode_prompts
+from anima_train.model.prompts import QwenOutputs, encode_prompts
 from anima_train.data.captions import read_caption_files
 from anima_train.data.cache_files import CACHE_NAME, CACHE_TAIL, load_latents
 
@@ -57,12 +57,14 @@ def derangement(n: int, seed: int = 0) -> list[int]:
 
 @torch.no_grad()
 def fixed_quantile_loss(parts, latents: list[torch.Tensor], captions: list[str],
-                        timesteps=DEFAULT_TIMESTEPS, seed: int = 1234) -> float:
+                        timesteps=DEFAULT_TIMESTEPS, seed: int = 1234, cached: QwenOutputs | None = None) -> float:
     """Mean velocity MSE over every latent x every fixed timestep, with noise fixed by `seed`.
 
     `parts`: anything with transformer, text_conditioner, text_encoder, tokenizer,
     t5_tokenizer (models.AnimaComponents);
-    latents: normalised [16,1,h,w] tensors (sizes may differ: each is evaluated on its own)."""
+    latents: normalised [16,1,h,w] tensors (sizes may differ: each is evaluated on its own);
+    `cached`: the run's Qwen3 outputs per caption (prompts.QwenOutputs), which encodes each caption alone as this
+    loop does: the same numbers, without Qwen3 for a caption it has seen."""
     transformer = parts.transformer
     device = next(transformer.parameters()).device
     dtype = next(transformer.parameters()).dtype
@@ -75,7 +77,7 @@ def fixed_quantile_loss(parts, latents: list[torch.Tensor], captions: list[str],
             x0 = x0.to(device, dtype)[None]
             context = encode_prompts([caption], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
                                      text_encoder=parts.text_encoder, conditioner=parts.text_conditioner,
-                                     device=device)
+                                     device=device, cached=cached)
             _, _, _, h, w = x0.shape
             pad = x0.new_zeros(1, 1, 8 * h, 8 * w)
             for t_value in timesteps:
@@ -92,9 +94,9 @@ def fixed_quantile_loss(parts, latents: list[torch.Tensor], captions: list[str],
 
 
 def evaluate(parts, latents: list[torch.Tensor], captions: list[str], timesteps=DEFAULT_TIMESTEPS,
-             seed: int = 1234) -> EvalResult:
+             seed: int = 1234, cached: QwenOutputs | None = None) -> EvalResult:
     perm = derangement(len(captions), seed)
     return EvalResult(
-        true_captions=fixed_quantile_loss(parts, latents, captions, timesteps, seed),
-        shuffled_captions=fixed_quantile_loss(parts, latents, [captions[p] for p in perm], timesteps, seed),
+        true_captions=fixed_quantile_loss(parts, latents, captions, timesteps, seed, cached),
+        shuffled_captions=fixed_quantile_loss(parts, latents, [captions[p] for p in perm], timesteps, seed, cached),
     )

@@ -344,7 +344,7 @@ def _validation(cfg: Config, model: Model, held_out: list, progress: Progress, t
     else:  # the dataset's report named the held-out images already (build_training_data)
         progress.message(f"validation: the {len(vset.names)} held-out image(s) above, timesteps {list(v.timesteps)}")
     return Validation(cfg, vset, model.parts, progress=progress, tracker=tracker, parked=model.parked,
-                      block_ckpt=model.block_ckpt)
+                      text_cache=model.text_cache, block_ckpt=model.block_ckpt)
 
 
 def _refuse_early(cfg: Config, accelerator, run_dir: Path, say, *, dry_run: bool, no_save: bool,

@@ -125,6 +125,7 @@ class Validation:
     progress: object = None  # outputs.progress.Progress (reports on the main process only)
     tracker: object = None  # outputs.tracking.Tracker
     parked: object = None  # memory.ParkedWeights of a frozen Qwen3 waiting in host memory, or None
+    text_cache: object = None  # prompts.QwenOutputs ([dataset] cache_text_encoder_outputs): it brings Qwen3 in itself
     block_ckpt: object = None  # recompute.BlockCheckpointing: its first-step measure must see training steps only
     points: list[Point] = field(default_factory=list)
 
@@ -150,10 +151,11 @@ class Validation:
     def at(self, step: int) -> Point:
         v = self.cfg.validation
         t0 = time.perf_counter()
-        with _untouched(self.parts, self.block_ckpt), (self.parked.on_device() if self.parked is not None
+        with _untouched(self.parts, self.block_ckpt), (self.parked.on_device()
+                                                       if self.parked is not None and self.text_cache is None
                                                        else contextlib.nullcontext()):
             r: EvalResult = evaluate(self.parts, self.vset.latents, self.vset.captions, timesteps=tuple(v.timesteps),
-                                     seed=v.seed)
+                                     seed=v.seed, cached=self.text_cache)
         point = Point(step, r.true_captions, r.shuffled_captions, r.margin, time.perf_counter() - t0)
         self.points.append(point)
         if self.progress is not None:
