@@ -25,6 +25,13 @@ MAX_SEQUENCE_LENGTH = 512
 
 def tokenize(captions: list[str], tokenizer, t5_tokenizer, max_length: int = MAX_SEQUENCE_LENGTH) -> dict:
     """Token ids and masks for both streams (CPU tensors)."""
+    qwen_ids, qwen_mask = tokenize_qwen(captions, tokenizer, max_length)
+    t5 = t5_tokenizer(captions, padding="longest", max_length=max_length, truncation=True, return_tensors="pt")
+    return {"qwen_ids": qwen_ids, "qwen_mask": qwen_mask, "t5_ids": t5["input_ids"], "t5_mask": t5["attention_mask"]}
+
+
+def tokenize_qwen(captions: list[str], tokenizer, max_length: int = MAX_SEQUENCE_LENGTH) -> tuple[torch.Tensor, ...]:
+    """Qwen3's token ids and padding mask [B, L] (CPU tensors)."""
     if max_length > 4096:
         raise ValueError(f"max_length {max_length} is above the pipeline's limit of 4096")
     qwen = tokenizer(captions, padding="longest", max_length=max_length, truncation=True, return_tensors="pt")
@@ -32,8 +39,7 @@ def tokenize(captions: list[str], tokenizer, t5_tokenizer, max_length: int = MAX
     if qwen_ids.shape[1] == 0:  # every caption empty (e.g. a batch of dropped captions)
         qwen_ids = torch.zeros(len(captions), 1, dtype=torch.long)
         qwen_mask = torch.zeros(len(captions), 1, dtype=torch.long)
-    t5 = t5_tokenizer(captions, padding="longest", max_length=max_length, truncation=True, return_tensors="pt")
-    return {"qwen_ids": qwen_ids, "qwen_mask": qwen_mask, "t5_ids": t5["input_ids"], "t5_mask": t5["attention_mask"]}
+    return qwen_ids, qwen_mask
 
 
 def qwen_attention_mask(text_encoder, mask: torch.Tensor) -> torch.Tensor | None:
@@ -90,14 +96,13 @@ class QwenOutputs:
         return to_device(batch, self.device)
 
     def _encode_alone(self, caption: str) -> torch.Tensor:
-        ids = self.tokenizer([caption], padding="longest", max_length=self.max_length, truncation=True,
-                             return_tensors="pt")["input_ids"]
-        if ids.shape[1] == 0:  # an empty caption: no tokens, nothing to encode
-            return torch.zeros(0, self.text_encoder.config.hidden_size, dtype=self.text_encoder.dtype)
-        ones = torch.ones_like(ids)
-        hidden = encode_qwen(self.text_encoder, to_device(ids, self.device), to_device(ones, self.device),
-                             qwen_attention_mask(self.text_encoder, ones))
-        return hidden[0].to("cpu")
+        """[the caption's tokens, hidden size] (none for an empty caption, which runs as `tokenize` gives it: one
+        masked-out token; its output's dtype is Qwen3's, whatever its weights are stored in)."""
+        ids, mask = tokenize_qwen([caption], self.tokenizer, self.max_length)
+        attention = qwen_attention_mask(self.text_encoder, mask)
+        hidden = encode_qwen(self.text_encoder, to_device(ids, self.device), to_device(mask, self.device),
+                             None if attention is None else to_device(attention, self.device))
+        return hidden[0, : int(mask.sum())].to("cpu")
 
 
 def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder, conditioner,
