@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from anima_train.config.rules import parse_protected_tags
+from anima_train.config.normalise import parse_protected_tags
 from anima_train.data.captions import build_caption, caption_rng, read_caption_files, split_tags
 from anima_train.config import CaptionConfig, ConfigError, load_config, parse_config
 

@@ -530,7 +530,7 @@ def test_tiers_are_deduplicated_and_sorted():
 
 
 def test_the_rules_read_and_report_and_change_nothing(tmp_path):
-    """The rules across keys only read a config and report (rules.NORMALISE puts values in final form, before them):
+    """The rules across keys only read a config and report (normalise.NORMALISE puts values in final form, before them):
     run over a valid config whose values are not yet normalised, they leave every value as it was."""
     import copy
 

@@ -20,12 +20,12 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Iterable
 
 from anima_train import adapters
 from anima_train.config.constants import (CAME_BETAS, CAPTION_VARIANTS, COMPONENT_LR_KEYS, ROPE_SIDE_DECLARED,
                                           ROPE_SIDE_LIMIT)
 from anima_train.config.keys import Problems, as_toml, table_label
+from anima_train.config.normalise import named_path, prompt_lines, text_lines
 from anima_train.fixes import ref
 
 # ------------------------------------------------------------------------------------------------ [train], tiers
@@ -207,13 +207,6 @@ def _caption(c, p: Problems, ctx, w) -> None:
                 'delimiter, so it needs a visible character, e.g. ", "', "dataset.caption.tag_delimiter")
     if c.protected_tags_file is not None and ctx.base_dir is not None and p.ok("dataset.caption.protected_tags_file"):
         _read_text_lines(p, "dataset.caption", "protected_tags_file", c.protected_tags_file, ctx.base_dir)
-
-
-def parse_protected_tags(lines: Iterable[str]) -> list[str]:
-    """The tags of a protected_tags_file, in file order: one per line, lower-cased; blank lines and # comments
-    skipped. (load_config reads the file, relative to the config's folder, and keeps these in
-    CaptionConfig.file_protected_tags; the captions read them there.)"""
-    return [s.strip().lower() for s in lines if s.strip() and not s.strip().startswith("#")]
 
 
 def _texture(t, p: Problems, ctx, w) -> None:
@@ -432,24 +425,11 @@ def _kahan_adamw_dtype(cfg, p: Problems, ctx, w) -> None:
 # ------------------------------------------------------------------------------------------------ [sample], [logging]
 
 
-def _named_path(value: str, base_dir: Path) -> Path:
-    """A file or folder a config key names: relative paths are read from the config file's folder."""
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base_dir / path
-
-
-def _text_lines(path: Path) -> list[str] | OSError | UnicodeDecodeError:
-    try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        return exc
-
-
 def _read_text_lines(p: Problems, table: str, key: str, value: str, base_dir: Path) -> tuple[Path, list[str] | None]:
     """The path of a UTF-8 text file a config key names (relative to the config file's folder) and its lines, or
     None for the lines after reporting why it cannot be read."""
-    path = _named_path(value, base_dir)
-    lines = _text_lines(path)
+    path = named_path(value, base_dir)
+    lines = text_lines(path)
     if isinstance(lines, FileNotFoundError):
         p.error(f"[{table}] {key} = {as_toml(value)}: file not found ({path}); relative paths are read from the "
                 f"config file's folder", f"{table}.{key}")
@@ -458,11 +438,6 @@ def _read_text_lines(p: Problems, table: str, key: str, value: str, base_dir: Pa
     else:
         return path, lines
     return path, None
-
-
-def prompt_lines(lines: list[str]) -> list[str]:
-    """The prompts of a prompts_file: one per line, stripped; blank lines and # comments skipped."""
-    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
 def _sample_size(s, p: Problems, ctx, w) -> None:
@@ -512,7 +487,7 @@ def _validation(v, p: Problems, ctx, w) -> None:
             p.error(f"[validation] timesteps = {as_toml(v.timesteps)}: give at least one timestep, each strictly "
                     f"between 0 and 1, e.g. [0.1, 0.5, 0.9]", "validation.timesteps")
     if v.folder is not None and ctx.base_dir is not None and p.ok("validation.folder"):
-        path = _named_path(v.folder, ctx.base_dir)
+        path = named_path(v.folder, ctx.base_dir)
         if not path.is_dir():
             p.error(f"[validation] folder = {as_toml(v.folder)}: no such folder ({path}); relative paths are read "
                     f"from the config file's folder", "validation.folder")
@@ -521,67 +496,6 @@ def _validation(v, p: Problems, ctx, w) -> None:
         if when:
             p.error(f"[validation] {', '.join(when)} set, but there is nothing to evaluate: add folder = "
                     f"\"held_out/\" or fraction = 0.1")
-
-
-# ------------------------------------------------------------------------------------------------ normalising
-#
-# The only code that writes to a table while it is built. The rules above read a table and report; these put what
-# the keys say into the form the rest of the trainer reads (tiers ascending, every caption variant weighed, the files
-# and folder a key names read or resolved from the config's folder). A step changes only a value its key check
-# passed, and the same value the rules then find valid, so every message is the one the rules would give either way.
-
-
-def _sorted_tiers(d, p: Problems, ctx, w) -> None:
-    both = {"resolution", "resolutions"} <= ctx.given("dataset", d)
-    if not both and d.resolutions and p.ok("dataset.resolutions") and all(r > 0 for r in d.resolutions):
-        d.resolutions = sorted(set(d.resolutions))
-
-
-def _weighed_variants(c, p: Problems, ctx, w) -> None:
-    # Omitted variants weigh 0: a table { tags = 1 } means tags only.
-    if (p.ok("dataset.caption.mixed_weights") and all(k in CAPTION_VARIANTS for k in c.mixed_weights)
-            and all(weight >= 0 for weight in c.mixed_weights.values())):
-        c.mixed_weights = {k: c.mixed_weights.get(k, 0.0) for k in CAPTION_VARIANTS}
-
-
-def _protected_tags_read(c, p: Problems, ctx, w) -> None:
-    if c.protected_tags_file is not None and ctx.base_dir is not None and p.ok("dataset.caption.protected_tags_file"):
-        lines = _text_lines(_named_path(c.protected_tags_file, ctx.base_dir))
-        if isinstance(lines, list):  # a file that cannot be read is _caption's to report
-            c.file_protected_tags = parse_protected_tags(lines)
-
-
-def _prompts_read(s, p: Problems, ctx, w) -> None:
-    if s.prompts_file is not None and ctx.base_dir is not None and p.ok("sample.prompts_file"):
-        lines = _text_lines(_named_path(s.prompts_file, ctx.base_dir))
-        if isinstance(lines, list):  # a file that cannot be read is _sample_prompts_file's to report
-            s.file_prompts = prompt_lines(lines)
-
-
-def _validation_folder_resolved(v, p: Problems, ctx, w) -> None:
-    if v.folder is not None and ctx.base_dir is not None and p.ok("validation.folder"):
-        path = _named_path(v.folder, ctx.base_dir)
-        if path.is_dir():  # one that is not is _validation's to report
-            v.folder = str(path)
-
-
-def _phases_in_order(cfg, p: Problems, ctx, w) -> None:
-    if cfg.curriculum and all(p.ok(f"curriculum[{i}].at") for i in range(len(cfg.curriculum))):
-        cfg.curriculum.sort(key=lambda ph: ph.at)
-
-
-# (scope, step) run after every key's own check and before RULES: what the rules read is in its final form
-NORMALISE = [
-    ("dataset", _sorted_tiers),
-    ("dataset.caption", _weighed_variants),
-    ("dataset.caption", _protected_tags_read),
-    ("sample", _prompts_read),
-    ("validation", _validation_folder_resolved),
-]
-# (scope, step) run after RULES: the phase rules name each [[curriculum]] table by its place in the file
-NORMALISE_AFTER = [
-    ("", _phases_in_order),
-]
 
 
 # (scope, rule), in the order their messages are listed; "" = across tables (run for a whole Config only)

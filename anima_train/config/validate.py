@@ -7,7 +7,7 @@ keyword is answered with the key meant (did-you-mean, other trainers' names: ali
 built table (`cfg.train.epochs = 0`) checks that key.
 
 `validate` checks every key of the table and of the tables inside it (type, choices, bounds: keys.check_key, from
-the field metadata), then puts what they say in final form (rules.NORMALISE: tiers ascending, the files the keys
+the field metadata), then puts what they say in final form (normalise.NORMALISE: tiers ascending, the files the keys
 name read) and runs the rules across keys of that scope (rules.RULES), which only read and report. Messages name keys as
 a file does (`[train] epochs`) when load_config checks a file, and as code does (`train.epochs`) otherwise. A value that
 is its key's declared default is valid as declared (tests/test_config.py checks every default), so a constructor checks
@@ -27,7 +27,8 @@ from typing import Any, Iterator
 from anima_train.config import aliases
 from anima_train.config.keys import (REQUIRED, ConfigError, ConfigWarning, Problems, Where, check_key, field_default,
                                      hints, is_key, is_required)
-from anima_train.config.rules import NORMALISE, NORMALISE_AFTER, RULES
+from anima_train.config.normalise import NORMALISE, NORMALISE_AFTER
+from anima_train.config.rules import RULES
 
 
 @dataclass(frozen=True)
