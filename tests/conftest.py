@@ -8,11 +8,11 @@ import tempfile
 
 import pytest
 
-# A compiled run keeps its kernels in a per-user cache folder unless TORCHINDUCTOR_CACHE_DIR is set
-# (training/compiling.compile_cache_dir); the tests and their child processes keep torch's own default instead, so a
-# test machine's home folder collects nothing and the tests' warm cache stays where it was.
+# A compiled run keeps its kernels in a per-user cache folder unless TORCHINDUCTOR_CACHE_DIR names another
+# (training/compiling.compile_cache_dir; torch's own default, which torch itself puts there, does not count); the
+# tests and their child processes name one in the temp folder, so a test machine's home folder collects nothing.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+                      os.path.join(tempfile.gettempdir(), f"anima-train-tests-torchinductor_{getpass.getuser()}"))
 # The tests compare runs by their trained tensors and batches (TrainResult.trainable_digest, batches_seen), which a run
 # records only when asked (training/run_state.py); children the tests start inherit it.
 os.environ["ANIMA_TRAIN_RECORD"] = "1"

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,6 +173,8 @@ def test_compiled_kernels_are_kept_in_a_per_user_cache_folder_unless_the_user_ch
     assert compiling.compile_cache_dir(env) == "/x/anima-train/torch-compile"
     env = {compiling.CACHE_DIR_ENV: "/mine"}  # the user's choice stands
     assert compiling.compile_cache_dir(env) == "/mine" and env == {compiling.CACHE_DIR_ENV: "/mine"}
+    env = {compiling.CACHE_DIR_ENV: compiling.torch_default_cache_dir()}  # torch's own, inherited: not a choice
+    assert compiling.compile_cache_dir(env) == "/home/u/.cache/anima-train/torch-compile"
     monkeypatch.setattr(sys, "platform", "win32")
     env = {"LOCALAPPDATA": r"C:\Users\u\AppData\Local"}
     assert compiling.compile_cache_dir(env).startswith(r"C:\Users\u\AppData\Local")
@@ -194,3 +197,25 @@ def test_a_compiling_run_sets_the_cache_folder_before_its_probe_and_says_where(m
     eager = compiling.decide_compile(_quantized_cfg("off"), torch.device("cuda"), 10, probe=pytest.fail,
                                      probe_sdnq=lambda d: None)
     assert eager.cache_dir is None and compiling.CACHE_DIR_ENV not in os.environ  # an eager run sets nothing
+
+
+def test_a_run_keeps_its_kernels_in_the_per_user_folder_though_torch_set_its_own_first(tmp_path):
+    """Importing torch._dynamo (diffusers, peft and accelerate do, before a run decides to compile) sets
+    TORCHINDUCTOR_CACHE_DIR to torch's temp-folder default, and compile_cache_dir took that for the user's choice: every
+    compiled run kept its kernels in the temp folder, which a reboot empties. A child process, as a run imports the
+    trainer; fails before the fix (the temp folder)."""
+    code = (
+        "import os, anima_train.training.train\n"
+        "from anima_train.training import compiling\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print('torch set:', os.environ.get(compiling.CACHE_DIR_ENV))\n"
+        "print('kept in:', compiling.compile_cache_dir())\n"
+        "print('torch compiles into:', cache_dir())\n")
+    env = {k: v for k, v in os.environ.items() if k != compiling.CACHE_DIR_ENV}
+    env.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert done.returncode == 0 and set(lines) == {"torch set", "kept in", "torch compiles into"}, done.stderr[-3000:]
+    assert lines["torch set"] == compiling.torch_default_cache_dir()  # the child got as far as torch's setting
+    ours = str(tmp_path / "anima-train" / "torch-compile")
+    assert lines["kept in"] == lines["torch compiles into"] == ours, lines

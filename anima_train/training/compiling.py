@@ -10,9 +10,11 @@ SDNQ Triton kernel.
 
 from __future__ import annotations
 
+import getpass
 import importlib.util
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,10 +41,15 @@ def compile_cache_dir(environ: dict | None = None) -> str:
     survives restarts of ComfyUI and of the machine: %LOCALAPPDATA%\\anima-train\\torch-compile on Windows,
     $XDG_CACHE_HOME (or ~/.cache)/anima-train/torch-compile elsewhere. Triton's kernels go under it too (torch puts
     them in <this>/triton unless TRITON_CACHE_DIR is set). Read lazily by torch, so setting it before the first compile
-    is enough."""
+    is enough.
+
+    torch sets TORCHINDUCTOR_CACHE_DIR itself, to its temp-folder default, as soon as torch._dynamo is imported (which
+    diffusers, peft and accelerate do), and a child process inherits it (ComfyUI's Train worker from ComfyUI): that
+    value is torch's, not the user's choice, and is replaced like an unset one."""
     environ = os.environ if environ is None else environ
-    if environ.get(CACHE_DIR_ENV):
-        return environ[CACHE_DIR_ENV]
+    chosen = environ.get(CACHE_DIR_ENV)
+    if chosen and os.path.abspath(chosen) != os.path.abspath(torch_default_cache_dir()):
+        return chosen
     if sys.platform == "win32" and environ.get("LOCALAPPDATA"):
         root = os.path.join(environ["LOCALAPPDATA"], "anima-train")
     else:
@@ -50,6 +57,17 @@ def compile_cache_dir(environ: dict | None = None) -> str:
                             "anima-train")
     environ[CACHE_DIR_ENV] = os.path.join(root, "torch-compile")
     return environ[CACHE_DIR_ENV]
+
+
+def torch_default_cache_dir() -> str:
+    """The folder torch compiles into when nobody chose one (the temp folder's torchinductor_<user>)."""
+    try:
+        # lazy: torch._inductor (0.7 s on top of torch), only a compiling run asks; private, so it may move between
+        # torch versions: then the same rule, written out
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return default_cache_dir()
 
 
 def resolve_compile(setting: str, device: torch.device, total_steps: int) -> str | None:
