@@ -44,8 +44,8 @@ def compile_cache_dir(environ: dict | None = None) -> str:
     is enough.
 
     torch sets TORCHINDUCTOR_CACHE_DIR itself, to its temp-folder default, as soon as torch._dynamo is imported (which
-    diffusers, peft and accelerate do), and a child process inherits it (ComfyUI's Train worker from ComfyUI): that
-    value is torch's, not the user's choice, and is replaced like an unset one."""
+    diffusers and peft do, before a run decides to compile), and a child process inherits it (ComfyUI's Train worker
+    from ComfyUI): that value is torch's, not the user's choice, and is replaced like an unset one."""
     environ = os.environ if environ is None else environ
     chosen = environ.get(CACHE_DIR_ENV)
     if chosen and os.path.abspath(chosen) != os.path.abspath(torch_default_cache_dir()):
