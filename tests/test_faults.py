@@ -36,6 +36,7 @@ KILLS = 10
 SEED = int(os.environ.get("ANIMA_FAULT_SEED", "11"))
 RUN_TIMEOUT_S = 120
 CHILD = Path(__file__).with_name("fault_child.py")
+STATUS_LOST = 255  # multiprocessing's exit status for a child whose status the forkserver could not report
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +88,16 @@ class Run:
         return {r["step"]: r["loss"] for r in self.records() if r["event"] == "step"}
 
     def wait(self) -> int:
+        """The run's exit status. 255 is multiprocessing's own when the forkserver could not report the child's status
+        (popen_forkserver: "perhaps the forkserver process itself got killed"; seen once, on a busy CI machine, after a
+        resumed run had printed `done`): then the run's own events say how it ended, 0 where the last one is `done`."""
         self.process.join(RUN_TIMEOUT_S)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
             pytest.fail(f"a run did not end within {RUN_TIMEOUT_S} s; log:\n{self.output()}")
+        if self.process.exitcode == STATUS_LOST and self.records() and self.records()[-1]["event"] == "done":
+            return 0
         return self.process.exitcode
 
     def output(self) -> str:
