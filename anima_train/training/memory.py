@@ -66,6 +66,12 @@ class ParkedWeights:
             self.park()
 
 
+def qwen_for_encode(parked: ParkedWeights | None, cached) -> contextlib.AbstractContextManager:
+    """Around an encode of captions: the parked Qwen3 on the device, unless nothing parks or the run's cached outputs
+    (`cached`, prompts.QwenOutputs) bring it in themselves, and only for a caption they have not seen."""
+    return parked.on_device() if parked is not None and cached is None else contextlib.nullcontext()
+
+
 def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host copy of `tensor` that shares no storage with it, in pinned memory when `pin` (copies in from there
     are asynchronous)."""

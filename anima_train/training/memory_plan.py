@@ -95,8 +95,11 @@ class StepMemory:
         peaks at the larger of its backward, steady + (backward_peak - start) scaled, and its optimizer step, which
         holds what the first one held (the state, now old, the gradients, the same temporaries: none of it grows
         with tokens)."""
-        in_backward = self.backward_peak is None or self.backward_peak >= self.peak
-        return self._later(self.peak if in_backward else self.backward_peak)
+        return self._later(self.peak if self._peaked_in_backward else self.backward_peak)
+
+    @property
+    def _peaked_in_backward(self) -> bool:
+        return self.backward_peak is None or self.backward_peak >= self.peak
 
     def kept_base(self) -> int:
         """base() for the part of a later step that kept blocks grow: up to the first in-graph recompute, whose
@@ -107,9 +110,7 @@ class StepMemory:
         """A later step's peak, where the measured step's forward and backward peaked at `backward` (base())."""
         start = self.steady if self.start is None else self.start
         grown = self.steady + int(max(backward - start, 0) * self.scale)
-        if self.backward_peak is None or self.backward_peak >= self.peak:
-            return grown
-        return max(grown, self.peak)
+        return grown if self._peaked_in_backward else max(grown, self.peak)
 
     def in_graph_extra(self) -> int:
         """recompute = "graph": bytes its recomputing backward holds at the step's peak beyond whole-block
@@ -125,8 +126,12 @@ class StepMemory:
         activations (all kept ones are alive when backward starts). `in_graph`: some block recomputes inside the
         compiled graph, whose backward holds in_graph_extra() more, but only after the kept blocks' backward has
         freed theirs: the peak is the larger of the two, not their sum."""
-        kept = self.kept_base() + max(keep - 1, 0) * self.per_block
-        return max(kept, self.base() + (self.in_graph_extra() if in_graph else 0))
+        return max(self.kept_base() + max(keep - 1, 0) * self.per_block, self.recomputing_peak(in_graph))
+
+    def recomputing_peak(self, in_graph: bool = False) -> int:
+        """The peak while the recomputed blocks run their backward: the all-recomputed step's, plus the in-graph
+        backward's extra where they recompute in the graph."""
+        return self.base() + (self.in_graph_extra() if in_graph else 0)
 
     def fits(self, budget: Budget, extra: int = 0) -> bool:
         """The all-checkpointed step, plus `extra` bytes at its peak, fits under the budget (with the margin)."""
@@ -140,7 +145,7 @@ class StepMemory:
         block kept nothing recomputes."""
         kept = self.kept_base()
         keep = min(n_blocks, 1 + math.floor((budget.usable - kept) / self.per_block)) if kept <= budget.usable else 0
-        if keep < n_blocks and self.base() + (self.in_graph_extra() if in_graph else 0) > budget.usable:
+        if keep < n_blocks and self.recomputing_peak(in_graph) > budget.usable:
             return 0  # the recomputing blocks' backward does not fit
         return keep
 

@@ -357,6 +357,19 @@ def batch_fix_text(plan: Plan) -> str:
             f"keeps the batch the config asks)")
 
 
+def qwen3_text(plan: Plan) -> str:
+    """Where Qwen3 waits during the steps, as the run will place it."""
+    i = plan.inputs
+    if plan.resident:
+        return "on the GPU (resident)"
+    if not i.qwen3:
+        return "on the GPU (trained or quantised: it cannot park)" + ("; its outputs cached" if i.text_cached else "")
+    if i.text_cached:
+        return ("in host memory, copied to the GPU only to encode a caption the first time (its outputs cached: "
+                "[dataset] cache_text_encoder_outputs)")
+    return "in host memory, copied to the GPU for each step's encode (parked)"
+
+
 def render(plan: Plan, cfg_name: str) -> str:
     gib = GIB
     i = plan.inputs
@@ -388,12 +401,7 @@ def render(plan: Plan, cfg_name: str) -> str:
                              "bf16 weight's bytes; a GPU of compute capability 8.9 or newer)"
                              if plan.base_matmul == "fp8" else "bf16 ([train] base_matmul = \"bf16\")"),
         "  weights: " + weights_text(plan),
-        "  Qwen3 text encoder: " + ("on the GPU (resident)" if plan.resident else
-                                    ("in host memory, copied to the GPU only to encode a caption the first time "
-                                     "(its outputs cached: [dataset] cache_text_encoder_outputs)" if i.text_cached
-                                     else "in host memory, copied to the GPU for each step's encode (parked)")
-                                    if i.qwen3 else "on the GPU (trained or quantised: it cannot park)"
-                                    + ("; its outputs cached" if i.text_cached else "")),
+        "  Qwen3 text encoder: " + qwen3_text(plan),
         f"  predicted peak: {peak_text(plan)}",
         f"  step time: {step_time_class(plan) if plan.fits else 'none: the step does not fit'}",
     ]

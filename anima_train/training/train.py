@@ -45,7 +45,7 @@ from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (LOSS_TERMS, active_phase, flow_loss, noisy_latents, ot_pair_noise,
                                        phase_summary, sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
-from anima_train.training.memory import plan_checkpointing, relieve, use_expandable_segments
+from anima_train.training.memory import plan_checkpointing, qwen_for_encode, relieve, use_expandable_segments
 from anima_train.training.previews import Previewer
 from anima_train.training.models import Model, build_model, prepare
 from anima_train.training.run_state import Run, TrainResult, recording
@@ -465,8 +465,7 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
         noise, moved = ot_pair_noise(x0, noise)
     t = to_device(sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase), device)
     x_t = noisy_latents(x0, noise, t)
-    # cached outputs bring the parked Qwen3 in themselves, and only for a caption they have not seen
-    with parked.on_device() if parked is not None and model.text_cache is None else contextlib.nullcontext():
+    with qwen_for_encode(parked, model.text_cache):
         context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
                                  text_encoder=model.text_encoder, conditioner=model.conditioner, device=device,
                                  train_text_encoder=model.train_text_encoder, cached=model.text_cache)

@@ -32,6 +32,7 @@ from anima_train.data.dataset import Item, build_training_data, encode_latents, 
 from anima_train.fixes import ref
 from anima_train.outputs.progress import VALIDATION_PREFIX
 from anima_train.training.fixed_eval import EvalResult, evaluate
+from anima_train.training.memory import qwen_for_encode
 
 # the verdicts' tolerances: a validation loss within 1% of its best has not "risen", and a margin that grew by less
 # than 0.001 has not grown (the numbers are exact, but changes that small say nothing about the run)
@@ -151,9 +152,7 @@ class Validation:
     def at(self, step: int) -> Point:
         v = self.cfg.validation
         t0 = time.perf_counter()
-        with _untouched(self.parts, self.block_ckpt), (self.parked.on_device()
-                                                       if self.parked is not None and self.text_cache is None
-                                                       else contextlib.nullcontext()):
+        with _untouched(self.parts, self.block_ckpt), qwen_for_encode(self.parked, self.text_cache):
             r: EvalResult = evaluate(self.parts, self.vset.latents, self.vset.captions, timesteps=tuple(v.timesteps),
                                      seed=v.seed, cached=self.text_cache)
         point = Point(step, r.true_captions, r.shuffled_captions, r.margin, time.perf_counter() - t0)
