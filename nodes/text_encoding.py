@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Model
 
 from anima_train.model.components import check_repo
-from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
+from anima_train.model.prompts import encode_qwen, tokenize
 
 from . import run_records
 
@@ -32,7 +32,6 @@ def encode_conditioning(model_path: str, text: str):
     tokenizer, t5_tokenizer, text_encoder = _text_parts(model_path)
     tok = tokenize([text], tokenizer, t5_tokenizer)
     with torch.inference_mode():
-        cross_attn = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
-                                 qwen_attention_mask(text_encoder, tok["qwen_mask"])).float()
+        cross_attn = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"]).float()
     t5_ids = tok["t5_ids"][0].to(torch.int32)
     return [[cross_attn, {"t5xxl_ids": t5_ids, "t5xxl_weights": torch.ones(t5_ids.shape[0])}]]

@@ -59,7 +59,7 @@ def test_preview_equals_comfyui_ksampler(tmp_path):
     from anima_train.adapters import export as lora_export
     from anima_train.model.components import load_components
     from anima_train.model.tiny import build_tiny_anima
-    from anima_train.model.prompts import encode_qwen, qwen_attention_mask, tokenize
+    from anima_train.model.prompts import encode_qwen, tokenize
 
     comfy_path, comfy_python = os.environ["COMFYUI_PATH"], os.environ.get("COMFYUI_PYTHON", sys.executable)
     tiny = build_tiny_anima(tmp_path / "tiny", seed=0, size="comfy", dtype=torch.float32)
@@ -87,9 +87,7 @@ def test_preview_equals_comfyui_ksampler(tmp_path):
     for side, text in (("pos", prompt), ("neg", negative)):  # the layout of nodes_train.encode_conditioning
         tok = tokenize([text], parts.tokenizer, parts.t5_tokenizer)
         with torch.no_grad():
-            conds[f"{side}_cross_attn"] = encode_qwen(parts.text_encoder, tok["qwen_ids"], tok["qwen_mask"],
-                                                      qwen_attention_mask(parts.text_encoder,
-                                                                          tok["qwen_mask"])).float()
+            conds[f"{side}_cross_attn"] = encode_qwen(parts.text_encoder, tok["qwen_ids"], tok["qwen_mask"]).float()
         conds[f"{side}_t5_ids"] = tok["t5_ids"][0].to(torch.int32).contiguous()
     save_file(conds, str(tmp_path / "conds.safetensors"))
     job.update(dit=str(tiny.anima_file), vae=str(tiny.vae_file), lora=str(lora_file),

@@ -58,11 +58,15 @@ def qwen_attention_mask(text_encoder, mask: torch.Tensor) -> torch.Tensor | None
 
 
 def encode_qwen(text_encoder, qwen_ids: torch.Tensor, qwen_mask: torch.Tensor,
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3's last hidden state, zeroed on padding. `attention_mask`: what qwen_attention_mask made of the host
-    copy of `qwen_mask`, on the same device as the ids."""
-    hidden = text_encoder(input_ids=qwen_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return hidden * qwen_mask[..., None].to(hidden.dtype)
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Qwen3's last hidden state on `device` (default: the ids'), zeroed on padding. `qwen_ids` and `qwen_mask` are
+    the host's (tokenize): the attention mask is decided on the host copy (qwen_attention_mask) before anything moves.
+    """
+    device = qwen_ids.device if device is None else device
+    attention = qwen_attention_mask(text_encoder, qwen_mask)
+    hidden = text_encoder(input_ids=to_device(qwen_ids, device), use_cache=False,
+                          attention_mask=None if attention is None else to_device(attention, device)).last_hidden_state
+    return hidden * to_device(qwen_mask, device)[..., None].to(hidden.dtype)
 
 
 class QwenOutputs:
@@ -99,9 +103,7 @@ class QwenOutputs:
         """[the caption's tokens, hidden size] (none for an empty caption, which runs as `tokenize` gives it: one
         masked-out token; its output's dtype is Qwen3's, whatever its weights are stored in)."""
         ids, mask = tokenize_qwen([caption], self.tokenizer, self.max_length)
-        attention = qwen_attention_mask(self.text_encoder, mask)
-        hidden = encode_qwen(self.text_encoder, to_device(ids, self.device), to_device(mask, self.device),
-                             None if attention is None else to_device(attention, self.device))
+        hidden = encode_qwen(self.text_encoder, ids, mask, self.device)
         return hidden[0, : int(mask.sum())].to("cpu")
 
 
@@ -115,13 +117,11 @@ def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder
     `cached`: Qwen3's outputs come from there (QwenOutputs), which runs Qwen3 only for captions it has not seen.
     """
     host = tokenize(captions, tokenizer, t5_tokenizer, max_length)
-    tok = {k: to_device(v, device) for k, v in host.items()}
     if cached is not None:
         qwen_hidden = cached.hidden(captions, host["qwen_mask"])
     else:
-        attention = qwen_attention_mask(text_encoder, host["qwen_mask"])
         with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):
-            qwen_hidden = encode_qwen(text_encoder, tok["qwen_ids"], tok["qwen_mask"],
-                                      None if attention is None else to_device(attention, device))
+            qwen_hidden = encode_qwen(text_encoder, host["qwen_ids"], host["qwen_mask"], device)
+    tok = {k: to_device(host[k], device) for k in ("t5_ids", "t5_mask", "qwen_mask")}
     return conditioner(source_hidden_states=qwen_hidden, target_input_ids=tok["t5_ids"],
                        target_attention_mask=tok["t5_mask"], source_attention_mask=tok["qwen_mask"])
