@@ -498,7 +498,7 @@ def main() -> int:
     ap.add_argument("--seed-compile", default="default", help="the seed's compile mode (off = eager)")
     ap.add_argument("--twice", action="store_true", help="run ours twice: the second first step is warm-compiled")
     ap.add_argument("--torch-set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                    help="set a torch config before our runs (experiments), e.g. "
+                    help="set a torch config for our runs, after the trainer's own (experiments), e.g. "
                          "torch._functorch.config.activation_memory_budget=0.5 or "
                          "torch._inductor.config.coordinate_descent_tuning=True")
     ap.add_argument("--compile-report", action="store_true",
@@ -527,8 +527,19 @@ def main() -> int:
     if args.trace_cpu_kernels:
         install_cpu_kernel_trace()
     COMPILE_REPORT["on"] = args.compile_report
-    for item in args.torch_set:
-        set_torch_config(item)
+    if args.torch_set:  # after the trainer's own compile settings (compile_transformer), so that these win
+        import anima_train.training.train as train_module
+
+        compile_transformer = train_module.compile_transformer
+
+        def compile_then_set(*a, **kw):
+            compile_transformer(*a, **kw)
+            for item in args.torch_set:
+                set_torch_config(item)
+
+        train_module.compile_transformer = compile_then_set
+        for item in args.torch_set:  # checked (and printed) before anything runs
+            set_torch_config(item)
     if args.cap_gib:
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * 2**30 / torch.cuda.mem_get_info()[1])
     ours = []

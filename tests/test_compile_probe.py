@@ -219,3 +219,40 @@ def test_a_run_keeps_its_kernels_in_the_per_user_folder_though_torch_set_its_own
     assert lines["torch set"] == compiling.torch_default_cache_dir()  # the child got as far as torch's setting
     ours = str(tmp_path / "anima-train" / "torch-compile")
     assert lines["kept in"] == lines["torch compiles into"] == ours, lines
+
+
+def test_a_compiled_run_checks_its_shape_guards_in_python_not_in_a_compiled_cpp_function(monkeypatch, tmp_path):
+    """Dynamo can build a dynamic graph's shape guards into a C++ function with the host's compiler, and some torch
+    releases do by default: every process (a warm cache too) then ran Inductor's CPU vector-ISA check and the C++
+    compiler before its first step, tens of seconds on the GPU machines (bench/results/caps_2026-12-06), and on
+    Windows it needs MSVC. The trainer's compile settings turn it off. With torch's switch on, as those releases have
+    it, a block compiled the trainer's way (dynamic shapes) builds a C++ guard before the fix, none after."""
+    import torch._dynamo.config as dynamo_config
+    from torch._inductor import codecache
+
+    if not hasattr(dynamo_config, "enable_cpp_symbolic_shape_guards"):
+        pytest.skip("this torch has no C++ shape guards")
+    monkeypatch.setattr(dynamo_config, "enable_cpp_symbolic_shape_guards", True)  # the releases that build them
+    built = []
+    load = codecache.CppCodeCache.load.__func__
+    monkeypatch.setattr(codecache.CppCodeCache, "load",
+                        classmethod(lambda cls, source, *a, **kw: (built.append("guard(int64_t" in source),
+                                                                   load(cls, source, *a, **kw))[1]))
+    cfg = parse_config(f'[train]\nmodel_path = "{tmp_path}"\n[dataset]\npath = "{tmp_path}"\n')
+    assert cfg.train.compile_dynamic  # the default the guards come from
+
+    class Trunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    trunk = Trunk()
+    monkeypatch.setattr(trunk.transformer_blocks[0], "compile",
+                        lambda **kw: trunk.transformer_blocks.__setitem__(
+                            0, torch.compile(trunk.transformer_blocks[0], backend="eager", dynamic=kw["dynamic"])))
+    compiling.compile_transformer(trunk, cfg, "default")
+    block = trunk.transformer_blocks[0]
+    for rows in (3, 5, 7):  # new sizes: the dynamic graph and its guards
+        block(torch.ones(rows, 4))
+    torch._dynamo.reset()
+    assert not any(built), "a C++ shape guard was compiled"

@@ -94,10 +94,24 @@ def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
+    python_shape_guards()
     round_like_eager()
     targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
         module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
+
+
+def python_shape_guards() -> None:
+    """Dynamo checks a dynamic graph's shape guards in Python, not in a C++ function it builds with the host's
+    compiler. Some torch releases build it by default: every process then runs Inductor's CPU vector-ISA check (test
+    programs through the C++ compiler) and compiles the guard, even on a warm cache, tens of seconds before the first
+    step of a CUDA run (bench/results/caps_2026-12-06), and on Windows it needs MSVC. The guards it speeds up are a
+    few integer comparisons per block call. Process-wide, like the compile settings above; torch versions without
+    the switch check in Python already."""
+    import torch._dynamo.config as dynamo_config  # lazy: torch._dynamo, only a compiled run pays it (as above)
+
+    if hasattr(dynamo_config, "enable_cpp_symbolic_shape_guards"):
+        dynamo_config.enable_cpp_symbolic_shape_guards = False
 
 
 def round_like_eager() -> None:
