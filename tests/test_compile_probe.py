@@ -221,38 +221,51 @@ def test_a_run_keeps_its_kernels_in_the_per_user_folder_though_torch_set_its_own
     assert lines["kept in"] == lines["torch compiles into"] == ours, lines
 
 
-def test_a_compiled_run_checks_its_shape_guards_in_python_not_in_a_compiled_cpp_function(monkeypatch, tmp_path):
-    """Dynamo can build a dynamic graph's shape guards into a C++ function with the host's compiler, and some torch
-    releases do by default: every process (a warm cache too) then ran Inductor's CPU vector-ISA check and the C++
-    compiler before its first step, tens of seconds on the GPU machines (bench/results/caps_2026-12-06), and on
-    Windows it needs MSVC. The trainer's compile settings turn it off. With torch's switch on, as those releases have
-    it, a block compiled the trainer's way (dynamic shapes) builds a C++ guard before the fix, none after."""
+def test_a_compiled_block_needs_no_cpp_on_the_host(monkeypatch, request, tmp_path):
+    """A compiled CUDA run built C++ on the host, and the first build of a process runs Inductor's CPU vector-ISA
+    check: ~28 s before the first step on the H100 machines, a warm cache too (bench/results/caps_2026-12-06, where
+    the trace found both causes), and MSVC on Windows. The tiny DiT with a LoRA, its blocks compiled the trainer's way
+    (compile_transformer: dynamic shapes), on the CPU, where a CPU tensor fed to the graph stands for what a CUDA run
+    would convert in a C++ kernel. Before the fix: the norms' eps and the LoRA scalings came in as float64 CPU scalars,
+    and with the C++ shape guards some torch releases build by default (switched on here) a guard was compiled."""
+    import torch._dynamo
     import torch._dynamo.config as dynamo_config
+    from peft import LoraConfig
     from torch._inductor import codecache
 
-    if not hasattr(dynamo_config, "enable_cpp_symbolic_shape_guards"):
-        pytest.skip("this torch has no C++ shape guards")
-    monkeypatch.setattr(dynamo_config, "enable_cpp_symbolic_shape_guards", True)  # the releases that build them
-    built = []
+    from anima_train.model.tiny import build_models
+
+    # torch's own patch (pytest's monkeypatch deletes a config key on undo): both restored after the test
+    switches = {"specialize_float": dynamo_config.specialize_float}
+    if hasattr(dynamo_config, "enable_cpp_symbolic_shape_guards"):
+        switches["enable_cpp_symbolic_shape_guards"] = True  # on, as the releases that build them have it
+    patch = dynamo_config.patch(switches)
+    patch.__enter__()
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
+    guards_built = []
     load = codecache.CppCodeCache.load.__func__
     monkeypatch.setattr(codecache.CppCodeCache, "load",
-                        classmethod(lambda cls, source, *a, **kw: (built.append("guard(int64_t" in source),
+                        classmethod(lambda cls, source, *a, **kw: (guards_built.append("guard(int64_t" in source),
                                                                    load(cls, source, *a, **kw))[1]))
+    fed_scalars = []
+
+    def backend(graph, inputs):  # what the graph is fed besides the model's own tensors
+        fed_scalars.extend(f"{i.dtype} on {i.device}" for i in inputs if isinstance(i, torch.Tensor) and i.dim() == 0)
+        return graph.forward
+
     cfg = parse_config(f'[train]\nmodel_path = "{tmp_path}"\n[dataset]\npath = "{tmp_path}"\n')
-    assert cfg.train.compile_dynamic  # the default the guards come from
-
-    class Trunk(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
-
-    trunk = Trunk()
-    monkeypatch.setattr(trunk.transformer_blocks[0], "compile",
-                        lambda **kw: trunk.transformer_blocks.__setitem__(
-                            0, torch.compile(trunk.transformer_blocks[0], backend="eager", dynamic=kw["dynamic"])))
-    compiling.compile_transformer(trunk, cfg, "default")
-    block = trunk.transformer_blocks[0]
-    for rows in (3, 5, 7):  # new sizes: the dynamic graph and its guards
-        block(torch.ones(rows, 4))
+    assert cfg.train.compile_dynamic  # the default: dynamic shapes, where both come from
+    transformer = build_models("tiny", dtype=torch.float32)["transformer"]
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v", "ff.net.2"]))
+    for block in transformer.transformer_blocks:
+        monkeypatch.setattr(block, "compile", lambda block=block, **kw: torch.nn.Module.compile(
+            block, **{k: v for k, v in kw.items() if k != "mode"}, backend=backend))
     torch._dynamo.reset()
-    assert not any(built), "a C++ shape guard was compiled"
+    compiling.compile_transformer(transformer, cfg, "default")
+    x = torch.randn(2, 16, 1, 16, 16)
+    pred = transformer(x, timestep=torch.rand(2), encoder_hidden_states=torch.randn(2, 512, 32),
+                       padding_mask=x.new_zeros(1, 1, 128, 128), return_dict=False)[0]
+    pred.square().mean().backward()
+    torch._dynamo.reset()
+    assert fed_scalars == [], f"the graph is fed CPU scalars: {fed_scalars[:3]}"
+    assert not any(guards_built), "a C++ shape guard was compiled"

@@ -94,24 +94,28 @@ def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
-    python_shape_guards()
+    no_host_cpp()
     round_like_eager()
     targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
         module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
 
 
-def python_shape_guards() -> None:
-    """Dynamo checks a dynamic graph's shape guards in Python, not in a C++ function it builds with the host's
-    compiler. Some torch releases build it by default: every process then runs Inductor's CPU vector-ISA check (test
-    programs through the C++ compiler) and compiles the guard, even on a warm cache, tens of seconds before the first
-    step of a CUDA run (bench/results/caps_2026-12-06), and on Windows it needs MSVC. The guards it speeds up are a
-    few integer comparisons per block call. Process-wide, like the compile settings above; torch versions without
-    the switch check in Python already."""
+def no_host_cpp() -> None:
+    """Keep the host's C++ compiler out of a compiled CUDA run. Two defaults of Dynamo put it there, and the first
+    C++ build of a process runs Inductor's CPU vector-ISA check (test programs through the compiler): ~28 s on the
+    H100 machines before the first step, a warm cache too (bench/results/caps_2026-12-06), and MSVC on Windows.
+    - Floats: with dynamic shapes a module's Python floats (a norm's eps, a LoRA's scaling) become float64 CPU
+      scalars fed to the graph, which converts them in a C++ kernel. Specialized, they are constants in the GPU
+      kernels; a block whose float differed from another's would compile its own graph, as a new shape does.
+    - Shape guards: some torch releases build a dynamic graph's shape guards into a C++ function. In Python they are
+      a few integer comparisons per block call.
+    Process-wide, like the compile settings above; a torch without a switch does neither."""
     import torch._dynamo.config as dynamo_config  # lazy: torch._dynamo, only a compiled run pays it (as above)
 
-    if hasattr(dynamo_config, "enable_cpp_symbolic_shape_guards"):
-        dynamo_config.enable_cpp_symbolic_shape_guards = False
+    for name, value in (("specialize_float", True), ("enable_cpp_symbolic_shape_guards", False)):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, value)
 
 
 def round_like_eager() -> None:
