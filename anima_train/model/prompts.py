@@ -109,15 +109,19 @@ class QwenOutputs:
 
 def encode_prompts(captions: list[str], *, tokenizer, t5_tokenizer, text_encoder, conditioner,
                    device: torch.device | str, max_length: int = MAX_SEQUENCE_LENGTH,
-                   train_text_encoder: bool = False, cached: QwenOutputs | None = None) -> torch.Tensor:
+                   train_text_encoder: bool = False, cached: QwenOutputs | None = None,
+                   encoded: torch.Tensor | None = None) -> torch.Tensor:
     """Context [B, max(L, min_sequence_length), D] for the DiT's `encoder_hidden_states`.
 
     Qwen3 runs without autograd unless it is being trained (it is the largest part of the text path and is frozen in
     the common case); the conditioner always runs with autograd enabled so it can be trained or pass gradients.
     `cached`: Qwen3's outputs come from there (QwenOutputs), which runs Qwen3 only for captions it has not seen.
+    `encoded`: Qwen3's output for these captions, made by the same call ahead of the step (training/encode_ahead.py).
     """
     host = tokenize(captions, tokenizer, t5_tokenizer, max_length)
-    if cached is not None:
+    if encoded is not None:
+        qwen_hidden = to_device(encoded, device)
+    elif cached is not None:
         qwen_hidden = cached.hidden(captions, host["qwen_mask"])
     else:
         with torch.set_grad_enabled(train_text_encoder and torch.is_grad_enabled()):

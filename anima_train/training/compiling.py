@@ -94,14 +94,14 @@ def compile_transformer(transformer, cfg: Config, mode: str) -> None:
     for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
         if hasattr(dynamo_config, limit):
             setattr(dynamo_config, limit, max(32, getattr(dynamo_config, limit)))
-    no_host_cpp()
+    no_host_cpp(dynamo_config)
     round_like_eager()
     targets = list(transformer.transformer_blocks) if cfg.train.compile_regional else [transformer]
     for module in targets:
         module.compile(mode=mode, dynamic=cfg.train.compile_dynamic)
 
 
-def no_host_cpp() -> None:
+def no_host_cpp(dynamo_config) -> None:
     """Keep the host's C++ compiler out of a compiled CUDA run. Two defaults of Dynamo put it there, and the first
     C++ build of a process runs Inductor's CPU vector-ISA check (test programs through the compiler): ~28 s on the
     H100 machines before the first step, a warm cache too (bench/results/caps_2026-12-06), and MSVC on Windows.
@@ -110,9 +110,8 @@ def no_host_cpp() -> None:
       kernels; a block whose float differed from another's would compile its own graph, as a new shape does.
     - Shape guards: some torch releases build a dynamic graph's shape guards into a C++ function. In Python they are
       a few integer comparisons per block call.
-    Process-wide, like the compile settings above; a torch without a switch does neither."""
-    import torch._dynamo.config as dynamo_config  # lazy: torch._dynamo, only a compiled run pays it (as above)
-
+    Process-wide, like the compile settings above (`dynamo_config`: torch._dynamo.config); a torch without a switch
+    does neither."""
     for name, value in (("specialize_float", True), ("enable_cpp_symbolic_shape_guards", False)):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, value)

@@ -50,6 +50,12 @@ class Model:
                                 (self.text_encoder, self.train_text_encoder)) if on]
 
 
+def parks_qwen3(cfg: Config, device: torch.device, train_text_encoder: bool) -> bool:
+    """Qwen3 waits in host memory between uses: a frozen, unquantized Qwen3 of a CUDA run (on the CPU there is no
+    device memory to spare)."""
+    return device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder
+
+
 def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say, swap_blocks: int) -> Model:
     """The base models, quantized (quant.mode), with the adapters wrapped in, in train mode; block checkpointing,
     the `swap_blocks` swapped blocks (swap_plan.blocks_to_swap) and the parked Qwen3 set up."""
@@ -103,9 +109,7 @@ def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say
 
     # A frozen Qwen3 is needed for a few milliseconds per step but would sit in VRAM (1.1 GiB) through the DiT's
     # forward and backward, where the peak is: park its weights in pinned host memory between steps.
-    parked = None
-    if device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder:
-        parked = ParkedWeights(text_encoder, device)
+    parked = ParkedWeights(text_encoder, device) if parks_qwen3(cfg, device, train_text_encoder) else None
     text_cache = None
     if cfg.dataset.cache_text_encoder_outputs:  # the config refused it with a Qwen3 that trains
         text_cache = QwenOutputs(text_encoder, parts.tokenizer, device,

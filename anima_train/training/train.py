@@ -45,6 +45,7 @@ from anima_train.training.divergence import GradNorms, diverged, grad_norm
 from anima_train.training.flow import (LOSS_TERMS, active_phase, flow_loss, noisy_latents, ot_pair_noise,
                                        phase_summary, sample_timesteps)
 from anima_train.training.compiling import CompileDecision, compile_transformer, decide_compile
+from anima_train.training.encode_ahead import ENCODED_KEY, encoded_ahead
 from anima_train.training.memory import plan_checkpointing, qwen_for_encode, relieve, use_expandable_segments
 from anima_train.training.previews import Previewer
 from anima_train.training.models import Model, build_model, prepare
@@ -238,7 +239,7 @@ def _loop(run: Run, model: Model, data, loader, tracker, previews: Previewer, va
         data.sampler.set_epoch(epoch)
         data.dataset.set_epoch(epoch)
         batch_index, skip_batches = skip_batches, 0  # batches of this epoch done (a resume skips some)
-        for batch in batches:
+        for batch in encoded_ahead(batches, model):
             batch_index += 1
             result.saw(batch["index"])
             # curriculum: the last phase with at <= progress (absent: None, and nothing below changes)
@@ -465,10 +466,12 @@ def _flow_matching_loss(cfg: Config, model: Model, gens: dict, batch: dict, phas
         noise, moved = ot_pair_noise(x0, noise)
     t = to_device(sample_timesteps(b, cfg.flow, gens["timestep"], latent_hw=(h, w), phase=phase), device)
     x_t = noisy_latents(x0, noise, t)
-    with qwen_for_encode(parked, model.text_cache):
+    encoded = batch.get(ENCODED_KEY)  # Qwen3's output, when it was encoded ahead (encode_ahead.py)
+    with qwen_for_encode(parked if encoded is None else None, model.text_cache):
         context = encode_prompts(batch["caption"], tokenizer=parts.tokenizer, t5_tokenizer=parts.t5_tokenizer,
                                  text_encoder=model.text_encoder, conditioner=model.conditioner, device=device,
-                                 train_text_encoder=model.train_text_encoder, cached=model.text_cache)
+                                 train_text_encoder=model.train_text_encoder, cached=model.text_cache,
+                                 encoded=encoded)
     pred = model.transformer(x_t, timestep=t.to(dtype), encoder_hidden_states=context.to(dtype),
                              padding_mask=x_t.new_zeros(1, 1, 8 * h, 8 * w), return_dict=False)[0]
     mask = to_device(batch["loss_mask"], device) if "loss_mask" in batch else None  # texture crops only
