@@ -44,3 +44,25 @@ def test_a_parked_qwen3_comes_in_once_per_window_and_the_run_trains_to_the_resid
         assert len(visits) == 9, visits  # 3 epochs x (a window of 4, one of 1, the last batch alone)
         assert len(parked.losses) == steps[acc] and parked.trainable_digest
         assert (parked.losses, parked.trainable_digest) == (resident[acc].losses, resident[acc].trainable_digest)
+
+
+def test_a_parked_run_resumed_mid_epoch_trains_to_the_bits_of_the_uninterrupted_resident_run(
+        tiny_anima, latents_dir, tmp_path, monkeypatch):
+    """A resumed epoch's loader skips the batches done (accelerate's skip_first_batches) and the windows count only
+    what is left, so with accumulation 4 the epoch's short last step still comes where the loader ends. Resumed from
+    step 3 (epoch 2, 4 of its 6 micro-batches done); the reference is the run whose Qwen3 stays put. Fails with a
+    window that fetches the epoch's last batch early (the steps end early, in the resumed run and the whole one)."""
+    keys = dict(batch_size=2, gradient_accumulation_steps=4, max_steps=6, save_every_steps=1,
+                save_optimizer_state="true")
+
+    def run(out, **more):
+        return train(make_cfg(tiny_anima.diffusers_dir, latents_dir, tmp_path / out, "[optimizer]\nlr = 1e-3\n",
+                              **keys, **more), cpu=True)
+
+    resident = run("resident")
+    monkeypatch.setattr(models, "parks_qwen3", lambda cfg, device, train_text_encoder: True)
+    monkeypatch.setattr(encode_ahead, "AHEAD", 4)
+    run("a")
+    resumed = run("b", resume_from=f'"{tmp_path / "a" / "tiny" / "tiny-step000003.safetensors"}"')
+    assert len(resident.losses) == 6 and resumed.losses == resident.losses[3:]
+    assert resumed.trainable_digest == resident.trainable_digest
