@@ -22,7 +22,9 @@ import torch
 from anima_train.model.prompts import encode_qwen, tokenize
 from anima_train.training.memory import host_copy
 
-AHEAD = 16  # micro-batches per visit: 1/16 of the copies; a window's batches wait in host memory (latents: ~1 MB)
+# micro-batches per visit: 1/16 of the copies. A window's batches wait in host memory: latents ~1 MB a batch at
+# 1024², images (source = "encode") 12 MB each
+AHEAD = 16
 ENCODED_KEY = "qwen_hidden"  # the batch's Qwen3 output, on the host, when it was encoded ahead
 
 

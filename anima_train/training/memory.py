@@ -106,10 +106,11 @@ def plan_checkpointing(block_ckpt, largest_tokens: int, parked, device, say) -> 
     that step measured, applied: the parked Qwen3 stays on the GPU if the plan says so (`parked` becomes resident,
     for every holder of it), and the blocks beyond the kept ones recompute.
 
-    Qwen3 gets the room first: parked, its 1.1 GiB of weights are copied in before every step's encode, on the GPU's
-    critical path (about 20-45 ms over PCIe), while one more kept block saves only its recompute (about 3-12 ms at
-    batch 2-8, 1024x1024, H200) for 0.7-2.8 GiB. Measured under an 8 GiB cap at batch 2: Qwen3 parked with 2
-    blocks kept ran 0.1985 s/image, the seed with Qwen3 resident and every block recomputed 0.1742."""
+    Qwen3 gets the room first. That order was chosen when a parked Qwen3's 1.1 GiB were copied in before every
+    step's encode, on the GPU's critical path (about 20-45 ms over PCIe), while one more kept block saves only its
+    recompute (about 3-12 ms at batch 2-8, 1024x1024, H200) for 0.7-2.8 GiB. Parked, it now comes in once per
+    encode_ahead.AHEAD micro-batches (2-3 ms a step), so blocks first could gain a block at some caps (not measured:
+    at 24 GiB b8 and 12 GiB b4 the 1.1 GiB would not have kept one more)."""
     measure, block_ckpt.measure = block_ckpt.measure, None
     n = len(block_ckpt.blocks)
     steady, peak, budget = recompute.memory_now(device)

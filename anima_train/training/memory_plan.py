@@ -174,7 +174,7 @@ def plan_memory(step: StepMemory, budget: Budget, *, n_blocks: int, parked_bytes
 
     Deciding, the in-graph recompute comes first: it is kept if every block recomputing that way fits (else the
     blocks recompute whole: that fits where it does not). Then Qwen3 goes on the GPU if that all-recomputed step
-    fits beside it (its copy-in is on every step's critical path: memory.plan_checkpointing says what it costs);
+    fits beside it (memory.plan_checkpointing says why it comes first);
     then the blocks share what is left."""
     if keep is not None:
         in_graph = in_graph and keep < n_blocks

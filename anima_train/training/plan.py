@@ -46,6 +46,7 @@ from anima_train.errors import UserError
 from anima_train.model import tiny
 from anima_train.model.shape import ModelShape, declared_shape, shape_of
 from anima_train.training import recompute, weight_swap
+from anima_train.training.encode_ahead import AHEAD
 from anima_train.training.memory_plan import GIB, Budget, StepMemory, margin, plan_memory
 from anima_train.training.preflight import block_count_problems
 
@@ -367,7 +368,7 @@ def qwen3_text(plan: Plan) -> str:
     if i.text_cached:
         return ("in host memory, copied to the GPU only to encode a caption the first time (its outputs cached: "
                 "[dataset] cache_text_encoder_outputs)")
-    return "in host memory, copied to the GPU for each step's encode (parked)"
+    return f"in host memory, copied to the GPU once per {AHEAD} micro-batches to encode their captions (parked)"
 
 
 def render(plan: Plan, cfg_name: str) -> str:
