@@ -110,7 +110,8 @@ def main():
     ap.add_argument("--front-end-root", default=None, help="a folder with an index.html (API-only server)")
     ap.add_argument("--images", type=int, default=None, help="dataset size (default 8 full, 4 comfy)")
     ap.add_argument("--steps", type=int, default=None, help="max_steps (default 50 full, 6 comfy)")
-    ap.add_argument("--variants", default="plain", help="comma list of plain, previews, validation: one prompt each")
+    ap.add_argument("--variants", default="plain", help="comma list of plain, previews, validation: one prompt each "
+                                                        "(NAME#2: the same again)")
     ap.add_argument("--cli", default="", help="after the first prompt, anima-train train on the node's TOML: comma "
                                               "list of plain, comfy-env, comfy-alloc (later prompts: the first only)")
     ap.add_argument("--call", default=os.environ.get("BENCH_CALL", ""), help="this GPU call's id (rows' `call`)")
@@ -226,14 +227,15 @@ def main():
             say("row", json.dumps(r)[:600])
 
         for variant in variants:
-            run_name = f"node_{variant}"
+            run_name = f"node_{variant.replace('#', '_')}"
+            kind = variant.partition("#")[0]  # plain#2: plain again, its own run (a warm start: a fresh worker)
             extra = ""
-            if variant == "previews":  # 2 previews every 25 steps and at the end, as the bench's --previews
+            if kind == "previews":  # 2 previews every 25 steps and at the end, as the bench's --previews
                 extra = ('[sample]\nprompts = ["red circle, white background", "blue square, black background"]\n'
                          f'every_n_steps = 25\nsteps = 20\nwidth = {res}\nheight = {res}\n')
-            elif variant == "validation":  # 10 % of the images held out, their loss every 10 steps and at the end
+            elif kind == "validation":  # 10 % of the images held out, their loss every 10 steps and at the end
                 extra = '[validation]\nfraction = 0.1\nevery_n_steps = 10\n'
-            elif variant != "plain":
+            elif kind != "plain":
                 raise SystemExit(f"--variants: unknown {variant!r}")
             set_widgets(wf, info, 4, run_name=run_name, extra_toml=extra)
             prompt = to_api(wf, info)

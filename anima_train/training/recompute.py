@@ -47,6 +47,14 @@ import torch
 import torch._functorch.config as functorch_config
 from torch.utils.checkpoint import checkpoint
 
+# recompute = "graph": the share of what a kept block saves for its backward (above its inputs) that an in-graph
+# block saves too, torch's activation_memory_budget: 0 saves the inputs only; between 0 and 1 the partitioner keeps
+# the results that cost the most FLOPs to recompute per byte (attention, the GEMMs) and recomputes the rest. 0: for
+# the same memory a share spread over every block ran hardly faster than whole kept blocks (docs/training.md, "How a
+# block recomputes"), and a planned share would compile another graph after the measured first step. A module
+# constant so that a benchmark can set it (bench_train_gpu.py --torch-set).
+IN_GRAPH_BUDGET = 0.0
+
 @dataclass
 class Measure:
     """What the first step saw (bytes). `act` = activations one block keeps for backward at that step's shape."""
@@ -164,7 +172,7 @@ def in_graph_recompute(mode: str, dynamic: bool | None) -> Callable:
     compiled = torch.compile(_block_forward, mode=mode, dynamic=dynamic)
 
     def run(block, *args):
-        with functorch_config.patch(activation_memory_budget=0.0):
+        with functorch_config.patch(activation_memory_budget=IN_GRAPH_BUDGET):
             return compiled(block, *args)
 
     return run
