@@ -484,10 +484,10 @@ def test_in_graph_recompute_is_charged_its_extra_and_given_up_where_only_whole_b
 
 
 @pytest.mark.slow
-def test_in_graph_recompute_saves_the_block_inputs_only_and_gives_the_same_gradients():
-    """recompute = "graph" (Inductor's CPU backend here): a recomputed block saves for its backward about what
-    torch.utils.checkpoint saves, a fraction of what a kept block saves (a path that fell back to keeping the
-    activations would fail here), and the gradients are the whole-block recompute's."""
+def _saved_and_gradients():
+    """A compiled tiny trunk (fp32, Inductor's CPU backend) and step(how) -> (bytes the blocks save for their backward
+    beyond the weights, the output, the trained weights' gradients), with every block kept ("kept") or recomputed
+    whole ("block") or in the graph ("graph")."""
     from anima_train.model.tiny import build_models
 
     torch.compiler.reset()
@@ -526,11 +526,36 @@ def test_in_graph_recompute_saves_the_block_inputs_only_and_gives_the_same_gradi
             weight.grad = None
         return saved[0], out.detach(), grads
 
+    return step
+
+
+def test_in_graph_recompute_saves_the_block_inputs_only_and_gives_the_same_gradients():
+    """recompute = "graph" (Inductor's CPU backend here): a recomputed block saves for its backward about what
+    torch.utils.checkpoint saves, a fraction of what a kept block saves (a path that fell back to keeping the
+    activations would fail here), and the gradients are the whole-block recompute's."""
+    step = _saved_and_gradients()
     kept, block, graph = step("kept"), step("block"), step("graph")
     assert graph[0] < kept[0] / 3 and block[0] < kept[0] / 3, (kept[0], block[0], graph[0])
     assert torch.allclose(graph[1], block[1], rtol=1e-5, atol=1e-6)
     assert all(torch.allclose(g, b, rtol=1e-4, atol=1e-7) for g, b in zip(graph[2], block[2]))
     assert all(torch.allclose(k, b, rtol=1e-4, atol=1e-7) for k, b in zip(kept[2], block[2]))
+
+
+def test_an_in_graph_budget_saves_a_share_and_trains_to_the_same_bits(monkeypatch):
+    """recompute.IN_GRAPH_BUDGET, the share of a kept block's activations an in-graph block saves (0 in the trainer;
+    bench_train_gpu.py --torch-set sets it for the measurements in docs/training.md): the partitioner reads it when it
+    cuts the graph, so a share between 0 and 1 saves more than the inputs and less than a kept block (fails where the
+    budget is fixed at 0, or where an earlier graph is reused), and the gradients are the share-0 graph's to the bit."""
+    step = _saved_and_gradients()
+    kept = step("kept")
+    torch.compiler.reset()  # Dynamo caches the in-graph function by its code: a new budget needs a new graph
+    inputs_only = step("graph")
+    monkeypatch.setattr(recompute, "IN_GRAPH_BUDGET", 0.3)
+    torch.compiler.reset()
+    share = step("graph")
+    assert inputs_only[0] < share[0] < kept[0], (inputs_only[0], share[0], kept[0])
+    assert torch.equal(share[1], inputs_only[1])
+    assert all(torch.equal(a, b) for a, b in zip(share[2], inputs_only[2]))
 
 
 @pytest.mark.slow
