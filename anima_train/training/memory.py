@@ -14,12 +14,22 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from anima_train.outputs.progress import PLAN_PREFIX
 from anima_train.training import recompute
 from anima_train.training.memory_plan import GIB, Budget, StepMemory, plan_memory
+
+if TYPE_CHECKING:
+    from anima_train.config.schema import Config
+
+
+def parks_qwen3(cfg: Config, device: torch.device, train_text_encoder: bool) -> bool:
+    """Qwen3 waits in host memory between uses (ParkedWeights): a frozen, unquantized Qwen3 of a CUDA run (on the
+    CPU there is no device memory to spare)."""
+    return device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder
 
 
 class ParkedWeights:

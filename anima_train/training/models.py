@@ -16,7 +16,7 @@ from anima_train.model.components import load_components
 from anima_train.model.prompts import QwenOutputs
 from anima_train.model.quant import dit_tokens, quantize_models
 from anima_train.training import recompute
-from anima_train.training.memory import ParkedWeights
+from anima_train.training.memory import ParkedWeights, parks_qwen3
 from anima_train.training.memory_plan import GIB
 from anima_train.training.weight_swap import WeightSwap
 
@@ -48,12 +48,6 @@ class Model:
         them): the transformer, then the conditioner and the text encoder when trained."""
         return [m for m, on in ((self.transformer, True), (self.conditioner, self.train_conditioner),
                                 (self.text_encoder, self.train_text_encoder)) if on]
-
-
-def parks_qwen3(cfg: Config, device: torch.device, train_text_encoder: bool) -> bool:
-    """Qwen3 waits in host memory between uses: a frozen, unquantized Qwen3 of a CUDA run (on the CPU there is no
-    device memory to spare)."""
-    return device.type == "cuda" and not train_text_encoder and not cfg.quant.quantize_text_encoder
 
 
 def build_model(cfg: Config, data, device: torch.device, dtype: torch.dtype, say, swap_blocks: int) -> Model:

@@ -48,6 +48,7 @@ from anima_train.model.shape import ModelShape, declared_shape, shape_of
 from anima_train.training import recompute, weight_swap
 from anima_train.training.encode_ahead import AHEAD
 from anima_train.training.memory_plan import GIB, Budget, StepMemory, margin, plan_memory
+from anima_train.training.memory import parks_qwen3
 from anima_train.training.preflight import block_count_problems
 
 
@@ -212,7 +213,7 @@ def predict_inputs(cfg: Config, shape: ModelShape, swapped: int | None = None,
         state_bytes = KAHAN_ADAMW_STATE_BYTES
     steady = start + trainable * state_bytes + STEADY_EXTRA_BYTES
     act = int(tokens * BLOCK_ACT_BYTES_PER_TOKEN * width * weight_scale)
-    parks = not cfg.quant.quantize_text_encoder and not cfg.adapter.train_text_encoder
+    parks = parks_qwen3(cfg, torch.device("cuda"), cfg.adapter.train_text_encoder)  # the plan is a CUDA run's
     qwen3 = int(QWEN3_BYTES_BF16 * weight_scale * shape.text_encoder_parameters / ref.text_encoder_parameters)
     if not parks:
         start, steady = start + qwen3, steady + qwen3
