@@ -65,6 +65,36 @@ def step_stats(events: list[dict], started: float) -> dict:
             "wall_to_last_step_s": round(times[-1] - started, 1)}
 
 
+def queue_timeline(msgs, since: int, queued: float) -> list[list]:
+    """Where the time from queue to the first step went: seconds after queueing of each websocket message of the
+    prompt (ComfyUI's `executing` per node, the trainer's events other than steps; the first step closes it)."""
+    with msgs.lock:
+        items = msgs.items[since:]
+    out = []
+    for t, m in items:
+        kind, data = m.get("type"), m.get("data") or {}
+        if kind == "executing":
+            out.append([round(t - queued, 2), "executing", data.get("node")])
+        elif kind == "anima_train.progress":
+            what = data.get("event")
+            out.append([round(t - queued, 2), what, str(data.get("text") or data.get("message") or "")[:120]])
+            if what == "step":
+                break
+    return out
+
+
+def event_timeline(events: list[dict], started: float) -> list[list]:
+    """The same from a CLI run's own events (their `time`, seconds after the command started)."""
+    out = []
+    for e in events:
+        if isinstance(e.get("time"), (int, float)):
+            text = str(e.get("text") or e.get("message") or "")[:120]
+            out.append([round(e["time"] - started, 2), e.get("event"), text])
+        if e.get("event") == "step":
+            break
+    return out
+
+
 def read_worker_env(into: dict, summary: dict) -> None:
     """The environment of the node's running worker (`... anima_train train .../comfyui-job.toml`), from /proc."""
     for proc in Path("/proc").glob("[0-9]*"):
@@ -242,7 +272,7 @@ def main():
             (out / f"prompt_{variant}.json").write_text(json.dumps(prompt, indent=1))
             since = len(msgs.items)
             phase["p"] = f"queued_{variant}"
-            tq, tq_wall = time.perf_counter(), time.time()
+            tq, tq_wall, tq_mono = time.perf_counter(), time.time(), time.monotonic()
             st, body = _post(port, "/prompt", {"prompt": prompt, "client_id": client})
             assert st == 200, body
             pid = body["prompt_id"]
@@ -264,6 +294,7 @@ def main():
             steps = [e for e in ev if e.get("event") == "step"]
             rec["losses"] = [round(e["loss"], 4) for e in steps if isinstance(e.get("loss"), float)]
             rec["messages"] = [e.get("text") for e in ev if e.get("event") in ("message", "warning")][:20]
+            rec["timeline"] = queue_timeline(msgs, since, tq_mono)
             if end["type"] != "execution_success":
                 rec["error"] = end
             elif variant == variants[0]:
@@ -299,6 +330,7 @@ def main():
                 phase["p"] = f"cli_{variant}_{how}"
                 name = f"cli_{variant}_{how.replace('-', '_')}"
                 events, started, rc = cli_run(a.python, job, name, cli_env, out / f"{name}.log")
+                summary.setdefault("cli_timelines", {})[name] = event_timeline(events, started)
                 losses = [round(e["loss"], 4) for e in events
                           if e.get("event") == "step" and isinstance(e.get("loss"), float)]
                 row(who="ours", run=name, variant=variant, batch=1, env=how, rc=rc,
