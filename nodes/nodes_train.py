@@ -200,7 +200,7 @@ class AnimaTrainTrain(io.ComfyNode):
                                     log_path=run_dir / worker.LOG_NAME, on_event=relay,
                                     check_interrupt=comfy.throw_if_interrupted, env=worker.worker_env(),
                                     cwd=str(run_dir), stop_file=stop_file, grace_s=grace_now,
-                                    on_stop_event=relay.after_stop)
+                                    on_stop_event=relay.after_stop, standby=gpus == 1)
         except BaseException:  # Cancel (ComfyUI's interrupt) or a failed callback: the worker has been stopped
             train_outcome.after_cancel(run_dir, key, relay)
             raise

@@ -30,6 +30,7 @@ that puts the pack on sys.path itself, and with `-s`, which keeps the user's sit
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -141,14 +142,15 @@ def ignores_environment(python: str | os.PathLike) -> bool:
         return False
 
 
-def _bootstrap(pack: Path) -> str:
-    """`python -c` code equivalent to `-m anima_train` that finds the pack without PYTHONPATH (sys.argv[0] becomes
-    anima_train/__main__.py, as with -m)."""
+def _bootstrap(pack: Path, module: str = "anima_train") -> str:
+    """`python -c` code equivalent to `-m MODULE` that finds the pack without PYTHONPATH (sys.argv[0] becomes the
+    module's file, as with -m)."""
     return (f"import runpy, sys; sys.path.insert(0, {str(pack)!r}); "
-            f"runpy.run_module('anima_train', run_name='__main__', alter_sys=True)")
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
 
 
-def anima_train_command(args: list[str], processes: int = 1, python: str | None = None) -> list[str]:
+def anima_train_command(args: list[str], processes: int = 1, python: str | None = None,
+                        module: str = "anima_train") -> list[str]:
     """`python -u -X utf8 -m anima_train ARGS`, or accelerate's launcher with one process per GPU for processes >= 2.
 
     ComfyUI's own python runs it (sys.executable), so the worker sees ComfyUI's torch. `python -m
@@ -165,8 +167,8 @@ def anima_train_command(args: list[str], processes: int = 1, python: str | None 
     flags = ["-u", "-X", "utf8"] + (["-s"] if embedded else [])
     if processes == 1:
         if embedded:
-            return [python, *flags, "-c", _bootstrap(pack_dir()), *args]
-        return [python, *flags, "-m", "anima_train", *args]
+            return [python, *flags, "-c", _bootstrap(pack_dir(), module), *args]
+        return [python, *flags, "-m", module, *args]
     return [python, *flags, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--multi_gpu",
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), "-m", "anima_train", *args]
@@ -182,17 +184,27 @@ def spawn(cmd: list[str], *, log_path: str | os.PathLike, env: dict | None = Non
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     args = [os.fspath(c) for c in cmd]
+    log = _open_log(log_path, args)
+    try:
+        return _popen(args, stdin=subprocess.DEVNULL, stderr=log, env=env, cwd=cwd)
+    finally:
+        log.close()  # the child holds its own copy of the descriptor
+
+
+def _open_log(log_path: Path, args: list[str]):
+    """The worker log, opened for appending, with this run's header line written (log_tail reads from it)."""
     log = open(log_path, "ab")
     log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {command_line(args)}\n".encode())
     log.flush()
+    return log
+
+
+def _popen(args: list[str], *, stdin, stderr, env: dict | None, cwd) -> subprocess.Popen:
+    """A worker process in its own process group, its stdout a text pipe read line by line."""
     kw = {"creationflags": CREATE_NEW_PROCESS_GROUP} if IS_WINDOWS else {"start_new_session": True}
     started = time.time()
-    try:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log, env=env, cwd=cwd, text=True, encoding="utf-8", errors="replace",
-                                bufsize=1, **kw)
-    finally:
-        log.close()  # the child holds its own copy of the descriptor
+    proc = subprocess.Popen(args, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd, text=True,
+                            encoding="utf-8", errors="replace", bufsize=1, **kw)
     proc.anima_started = started  # what the Windows orphan sweep compares children's creation times with
     return proc
 
@@ -298,6 +310,88 @@ def _orphans(pid: int, started: float) -> list:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The standby worker: the next job's process, started ahead with its imports done (anima_train/standby.py)
+
+STANDBY_MODULE = "anima_train.standby"
+STANDBY_ENV = "ANIMA_TRAIN_STANDBY"  # "0" in ComfyUI's environment: no waiting worker (it holds host memory)
+_standby: dict = {}  # "proc", "env": the one waiting worker of this ComfyUI, and the environment it was started with
+_standby_lock = threading.Lock()
+
+
+def start_standby(env: dict | None = None) -> None:
+    """Start the worker the next job of this environment runs in (run_job(standby=True)); a waiting one of the same
+    environment is kept. Its stderr until a job arrives is dropped: an import that fails there fails again in the
+    job, which reports it."""
+    if os.environ.get(STANDBY_ENV) == "0":
+        return
+    env = dict(os.environ if env is None else env)
+    with _standby_lock:
+        proc = _standby.get("proc")
+        if proc is not None and proc.poll() is None and _standby.get("env") == env:
+            return
+        _standby.clear()
+    if proc is not None:
+        _end(proc)
+    # ComfyUI's own folder as its current one (a folder of its own would be held against deletion on Windows while
+    # it waits), and -P: that folder is not put on sys.path (the job's folder is its current one once it runs)
+    args = anima_train_command([], module=STANDBY_MODULE)
+    try:
+        proc = _popen([args[0], "-P", *args[1:]], stdin=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=None)
+    except OSError:
+        return  # no standby: the next job starts its own process, as without one
+    with _standby_lock:
+        _standby.update(proc=proc, env=env)
+
+
+def stop_standby() -> None:
+    """End the waiting worker, if any (at ComfyUI's exit; end of input tells it to exit, a kill makes sure)."""
+    with _standby_lock:
+        proc = _standby.pop("proc", None)
+        _standby.clear()
+    if proc is not None:
+        _end(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+    kill_group(proc, term_wait_s=1.0)
+
+
+atexit.register(stop_standby)
+
+
+def _take_standby(cmd: list[str], *, log_path: Path, env: dict | None, cwd) -> subprocess.Popen | None:
+    """The waiting worker, given `cmd`'s job, when `cmd` is a one-process `anima_train_command` and the worker was
+    started with the same environment; else None (a waiting worker that cannot run it is ended)."""
+    prefix = anima_train_command([])
+    args = [os.fspath(c) for c in cmd]
+    with _standby_lock:
+        proc, standby_env = _standby.pop("proc", None), _standby.get("env")
+        _standby.clear()
+    if proc is None:
+        return None
+    if args[:len(prefix)] != prefix or standby_env != dict(os.environ if env is None else env) \
+            or proc.poll() is not None:
+        _end(proc)
+        return None
+    _open_log(log_path, args).close()  # the same header line a started worker's log gets
+    job = {"argv": args[len(prefix):], "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+           "log": os.fspath(log_path)}
+    try:
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.close()
+    except (OSError, ValueError):  # it ended meanwhile
+        _end(proc)
+        return None
+    return proc
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Reading the worker
 
 
@@ -358,18 +452,24 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
             stop_file: str | os.PathLike | None = None, grace_s: float | Callable[[], float] = 10.0,
             on_stop_event: Callable[[dict], None] | None = None, poll_s: float = POLL_S,
             term_wait_s: float = TERM_WAIT_S, keep_lines: int = 4000,
-            on_spawn: Callable[[subprocess.Popen], None] | None = None) -> JobResult:
+            on_spawn: Callable[[subprocess.Popen], None] | None = None, standby: bool = False) -> JobResult:
     """Run `cmd` to the end, feeding each stdout event to `on_event` and other lines to `on_line`.
 
     `check_interrupt` runs every `poll_s` and between events; whatever it raises (ComfyUI's interrupt is a
     BaseException) propagates after the worker was stopped: stop file, up to `grace_s` for the worker to save and
     exit (its events still go to `on_stop_event`, which must not raise), then the process group is killed.
     `grace_s` may be a callable, asked at that moment (e.g. 0 before training started: nothing to save yet).
+    `standby`: run in the waiting worker when it can (start_standby), and after a job that ended by itself start
+    one for the next (the Train node: its runs skip Python's imports, a warm start's largest part).
     """
     if stop_file is not None:
         Path(stop_file).unlink(missing_ok=True)  # a stale one would stop the new run at its first step
     t0 = time.perf_counter()
-    proc = spawn(cmd, log_path=log_path, env=env, cwd=cwd)
+    proc = None
+    if standby:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        proc = _take_standby(cmd, log_path=Path(log_path), env=env, cwd=cwd)
+    proc = proc or spawn(cmd, log_path=log_path, env=env, cwd=cwd)
     result = JobResult(None, Path(log_path), pid=proc.pid)
     lines: deque[str] = deque(maxlen=keep_lines)
     q: queue.Queue = queue.Queue()
@@ -442,6 +542,8 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
         result.returncode = proc.returncode
         result.lines = list(lines)
         result.seconds = time.perf_counter() - t0
+    if standby:  # not after a Cancel (the exception above skips this): the user is stopping, not queueing again
+        start_standby(env)
     return result
 
 

@@ -116,3 +116,24 @@ def test_check_and_a_tiny_training_run_in_the_portable_through_the_node_command(
     done = res.last("done")
     assert done["step"] == 2 and Path(done["final"]).is_file()
     assert [e["step"] for e in res.events if e["event"] == "step"] == [1, 2]
+
+    # the next run, in the worker the Train node starts ahead (anima_train/standby.py) through the same bootstrap
+    run_dir2 = tmp_path / "out" / "portable2"
+    run_dir2.mkdir(parents=True)
+    job2 = run_dir2 / "job.toml"
+    job2.write_text(job.read_text().replace('run_name = "portable"', 'run_name = "portable2"'))
+    stop2 = worker.job_stop_file(run_dir2)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(sys, "executable", str(exe))
+            worker.start_standby(env)
+            waiting = worker._standby["proc"]
+            assert waiting.args[:6] == [str(exe), "-P", "-u", "-X", "utf8", "-s"]
+            assert "anima_train.standby" in waiting.args[7]
+            res = worker.run_job(nodes_train.train_command(job2, stop2, 1), log_path=run_dir2 / worker.LOG_NAME,
+                                 env=env, cwd=run_dir2, stop_file=stop2, standby=True)
+        assert res.pid == waiting.pid, "the run did not use the waiting worker"
+        assert res.returncode == 0, worker.failure_message(res, "training")
+        assert res.last("done")["step"] == 2 and Path(res.last("done")["final"]).is_file()
+    finally:
+        worker.stop_standby()

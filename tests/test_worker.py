@@ -191,6 +191,85 @@ def test_commands_and_environment(tmp_path):
     assert (kept["PYTORCH_CUDA_ALLOC_CONF"], kept["PYTORCH_ALLOC_CONF"]) == ("a", "b")  # the user's own: as set
 
 
+# -- the standby worker: the next job's process, started ahead with its imports done -----------------------------
+
+
+@pytest.fixture
+def config_job(tmp_path):
+    """A quick real job with a user error (exit status 2): `anima-train config bad.toml` in a run folder, its message
+    naming the file by the relative path, so it also shows which folder the job ran in."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "bad.toml").write_text("[train]\nbogus_key = 1\n")
+    yield worker.anima_train_command(["config", "bad.toml"]), run
+    worker.stop_standby()
+
+
+def _waiting() -> int | None:
+    proc = worker._standby.get("proc")
+    return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def _body(log: Path) -> list[str]:
+    header, *rest = log.read_text(encoding="utf-8").lstrip("\n").splitlines()
+    assert header.startswith("==== ") and header.endswith(" -u -X utf8 -m anima_train config bad.toml"), header
+    return rest
+
+
+def test_the_next_job_runs_in_the_waiting_worker_as_in_a_started_one(config_job, tmp_path):
+    """Fails without the standby (no worker.start_standby; run_job has no `standby`): the job would start its own
+    process and wait for its imports again."""
+    cmd, run = config_job
+    env = worker.worker_env()
+    started = worker.run_job(cmd, log_path=tmp_path / "started.log", env=env, cwd=run)
+    worker.start_standby(env)
+    waiting = _waiting()
+    assert waiting is not None
+    res = worker.run_job(cmd, log_path=run / worker.LOG_NAME, env=env, cwd=run, standby=True)
+    assert res.pid == waiting  # it ran in the waiting worker
+    assert res.returncode == started.returncode == 2
+    assert "bad.toml: 3 problems in the config" in _body(run / worker.LOG_NAME)[0]  # in the job's folder, its log
+    assert _body(run / worker.LOG_NAME) == _body(tmp_path / "started.log")  # what a started worker says
+    assert _waiting() not in (None, waiting)  # and another one waits for the next job
+
+
+def test_a_waiting_worker_runs_a_job_only_of_its_own_environment_and_while_it_lives(config_job):
+    cmd, run = config_job
+    env = worker.worker_env()
+    worker.start_standby(env)
+    first = worker._standby["proc"]
+    other = {**env, "ANIMA_TRAIN_TEST_OTHER": "1"}  # e.g. a variable read when torch is imported
+    res = worker.run_job(cmd, log_path=run / "a.log", env=other, cwd=run, standby=True)
+    assert res.returncode == 2 and res.pid != first.pid
+    assert first.wait(30) is not None  # the one that could not run it is ended
+    assert worker._standby["env"] == other  # the next one is started with the new environment
+    worker._standby["proc"].kill()
+    worker._standby["proc"].wait(30)
+    res = worker.run_job(cmd, log_path=run / "b.log", env=other, cwd=run, standby=True)  # a dead one: started anew
+    assert res.returncode == 2 and "bad.toml: 3 problems" in (run / "b.log").read_text(encoding="utf-8")
+    jobs = [worker.run_job(cmd, log_path=run / "c.log", env=other, cwd=run)]  # without standby: none is taken
+    assert jobs[0].pid != _waiting() is not None
+
+
+def test_no_waiting_worker_where_comfyui_was_started_without(config_job, monkeypatch):
+    cmd, run = config_job
+    monkeypatch.setenv(worker.STANDBY_ENV, "0")
+    env = worker.worker_env()
+    worker.start_standby(env)
+    res = worker.run_job(cmd, log_path=run / "a.log", env=env, cwd=run, standby=True)
+    assert res.returncode == 2 and _waiting() is None
+
+
+def test_a_waiting_worker_ends_at_the_end_of_its_input():
+    worker.start_standby(worker.worker_env())
+    proc = worker._standby["proc"]
+    try:
+        proc.stdin.close()  # ComfyUI let it go or ended
+        assert proc.wait(120) == 0  # after its imports, having run nothing
+    finally:
+        worker.stop_standby()
+
+
 def test_parse_event():
     assert worker.parse_event('{"event": "step", "step": 3}') == {"event": "step", "step": 3}
     assert worker.parse_event('{"step": 3}') is None  # not an event
