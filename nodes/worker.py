@@ -365,22 +365,26 @@ def _end(proc: subprocess.Popen) -> None:
 atexit.register(stop_standby)
 
 
+def _standby_args(cmd: list[str]) -> list[str] | None:
+    """The arguments a waiting worker is given to run `cmd`: those after a one-process `anima_train_command`'s
+    prefix; None for any other command (a waiting worker cannot run it)."""
+    prefix, args = anima_train_command([]), [os.fspath(c) for c in cmd]
+    return args[len(prefix):] if args[:len(prefix)] == prefix else None
+
+
 def _take_standby(cmd: list[str], *, log_path: Path, env: dict | None, cwd) -> subprocess.Popen | None:
-    """The waiting worker, given `cmd`'s job, when `cmd` is a one-process `anima_train_command` and the worker was
-    started with the same environment; else None (a waiting worker that cannot run it is ended)."""
-    prefix = anima_train_command([])
-    args = [os.fspath(c) for c in cmd]
+    """The waiting worker, given `cmd`'s job, when it was started with the job's environment; else None (a waiting
+    worker that cannot run it is ended)."""
     with _standby_lock:
         proc, standby_env = _standby.pop("proc", None), _standby.get("env")
         _standby.clear()
     if proc is None:
         return None
-    if args[:len(prefix)] != prefix or standby_env != dict(os.environ if env is None else env) \
-            or proc.poll() is not None:
+    if standby_env != dict(os.environ if env is None else env) or proc.poll() is not None:
         _end(proc)
         return None
-    _open_log(log_path, args).close()  # the same header line a started worker's log gets
-    job = {"argv": args[len(prefix):], "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+    _open_log(log_path, [os.fspath(c) for c in cmd]).close()  # the same header line a started worker's log gets
+    job = {"argv": _standby_args(cmd), "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
            "log": os.fspath(log_path)}
     try:
         proc.stdin.write(json.dumps(job) + "\n")
@@ -459,13 +463,15 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
     BaseException) propagates after the worker was stopped: stop file, up to `grace_s` for the worker to save and
     exit (its events still go to `on_stop_event`, which must not raise), then the process group is killed.
     `grace_s` may be a callable, asked at that moment (e.g. 0 before training started: nothing to save yet).
-    `standby`: run in the waiting worker when it can (start_standby), and after a job that ended by itself start
-    one for the next (the Train node: its runs skip Python's imports, a warm start's largest part).
+    `standby`, for a one-process `anima_train_command`: run in the waiting worker when it can (start_standby), and
+    after a job that ended by itself start one for the next (the Train node: its runs skip Python's imports, a warm
+    start's largest part). Any other command runs as without it.
     """
     if stop_file is not None:
         Path(stop_file).unlink(missing_ok=True)  # a stale one would stop the new run at its first step
     t0 = time.perf_counter()
     proc = None
+    standby = standby and _standby_args(cmd) is not None
     if standby:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         proc = _take_standby(cmd, log_path=Path(log_path), env=env, cwd=cwd)

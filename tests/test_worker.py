@@ -251,6 +251,11 @@ def test_a_waiting_worker_runs_a_job_only_of_its_own_environment_and_while_it_li
     assert jobs[0].pid != _waiting() is not None
 
 
+def test_a_command_a_waiting_worker_cannot_run_starts_none(fake, tmp_path):
+    res = worker.run_job(fake("ok"), log_path=tmp_path / "w.log", standby=True)
+    assert res.returncode == 0 and _waiting() is None
+
+
 def test_no_waiting_worker_where_comfyui_was_started_without(config_job, monkeypatch):
     cmd, run = config_job
     monkeypatch.setenv(worker.STANDBY_ENV, "0")
