@@ -20,9 +20,13 @@ from anima_train.system import parent_watch, third_party_noise
 
 
 def preload() -> None:
-    """What `python -m anima_train train` imports first. A failure is left for the job to meet and report."""
+    """What `python -m anima_train train` imports, Inductor's compiler included (a compiled run's probe and compile
+    import it; anima_train/training/compiling.py keeps it lazy for the runs that do not). A failure is left for the
+    job to meet and report."""
     with contextlib.suppress(Exception), contextlib.redirect_stdout(sys.stderr), third_party_noise.filtered():
-        import anima_train.training.train  # noqa: F401  # lazy: importing it while no job waits is the point
+        # lazy: importing them while no job waits is the point
+        import anima_train.training.train  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
 
 
 def main() -> int:
