@@ -144,6 +144,8 @@ def main():
                                                         "(NAME#2: the same again)")
     ap.add_argument("--cli", default="", help="after the first prompt, anima-train train on the node's TOML: comma "
                                               "list of plain, comfy-env, comfy-alloc (later prompts: the first only)")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds between one prompt's end and the next queue "
+                                                               "(a user looking at the result before queueing again)")
     ap.add_argument("--call", default=os.environ.get("BENCH_CALL", ""), help="this GPU call's id (rows' `call`)")
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
@@ -256,7 +258,9 @@ def main():
                 f.write(json.dumps(r) + "\n")
             say("row", json.dumps(r)[:600])
 
-        for variant in variants:
+        for index, variant in enumerate(variants):
+            if index and a.pause:
+                time.sleep(a.pause)
             run_name = f"node_{variant.replace('#', '_')}"
             kind = variant.partition("#")[0]  # plain#2: plain again, its own run (a warm start: a fresh worker)
             extra = ""
