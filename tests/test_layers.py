@@ -15,7 +15,7 @@ PACKAGE = ROOT / "anima_train"
 # Bottom to top; the same order as docs/architecture.md's table (test_the_doc_names_these_layers checks it).
 LAYERS = ("base", "system", "methods", "config", "model", "data", "adapters", "outputs", "training", "commands")
 _BASE = {"anima_train", "anima_train.errors", "anima_train.fixes", "anima_train.files"}
-_COMMANDS = {"anima_train.cli", "anima_train.__main__", "anima_train.demo"}
+_COMMANDS = {"anima_train.cli", "anima_train.__main__", "anima_train.standby", "anima_train.demo"}
 # The torch side of the adapters package; the rest of it (the registry, base.py and each method's __init__.py: facts,
 # no torch) is the "methods" layer below config, which reads the kinds, their help and their rules.
 _ADAPTERS_RUNTIME = {"anima_train.adapters.inject", "anima_train.adapters.export"}
