@@ -96,11 +96,13 @@ def event_timeline(events: list[dict], started: float) -> list[list]:
 
 
 def read_worker_env(into: dict, summary: dict) -> None:
-    """The environment of the node's running worker (`... anima_train train .../comfyui-job.toml`), from /proc."""
+    """The environment of the node's running worker (`... anima_train train .../comfyui-job.toml`, or a worker
+    started ahead, `... anima_train.standby`, running in a run folder), from /proc."""
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            if not (b"anima_train" in cmd and any(x.endswith(b"comfyui-job.toml") for x in cmd)):
+            started = b"anima_train" in cmd and any(x.endswith(b"comfyui-job.toml") for x in cmd)
+            if not (started or b"anima_train.standby" in cmd and (proc / "cwd" / "comfyui-job.toml").is_file()):
                 continue
             raw = (proc / "environ").read_bytes().split(b"\0")
         except OSError:

@@ -430,6 +430,8 @@ def test_train_load_sample_streams_progress_and_changes_the_image(comfy):
 
 
 def _workers_alive(marker: str) -> list[int]:
+    """The live anima_train processes of the run named `marker`: by its name in their command line, or, for a run in
+    a worker started ahead (`-m anima_train.standby`, whose command line names no run), in their current folder."""
     alive = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -437,9 +439,10 @@ def _workers_alive(marker: str) -> list[int]:
         try:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cwd = os.readlink(entry / "cwd") if "anima_train" in cmd else ""
         except OSError:
             continue
-        if "anima_train" in cmd and marker in cmd and state != "Z":
+        if "anima_train" in cmd and (marker in cmd or marker in cwd) and state != "Z":
             alive.append(int(entry.name))
     return alive
 
