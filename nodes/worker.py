@@ -372,9 +372,10 @@ def _standby_args(cmd: list[str]) -> list[str] | None:
     return args[len(prefix):] if args[:len(prefix)] == prefix else None
 
 
-def _take_standby(cmd: list[str], *, log_path: Path, env: dict | None, cwd) -> subprocess.Popen | None:
-    """The waiting worker, given `cmd`'s job, when it was started with the job's environment; else None (a waiting
-    worker that cannot run it is ended)."""
+def _take_standby(cmd: list[str], argv: list[str], *, log_path: Path, env: dict | None,
+                  cwd) -> subprocess.Popen | None:
+    """The waiting worker, given `cmd`'s job (`argv`: _standby_args), when it was started with the job's
+    environment; else None (a waiting worker of another environment, or a dead one, is ended)."""
     with _standby_lock:
         proc, standby_env = _standby.pop("proc", None), _standby.get("env")
         _standby.clear()
@@ -384,7 +385,7 @@ def _take_standby(cmd: list[str], *, log_path: Path, env: dict | None, cwd) -> s
         _end(proc)
         return None
     _open_log(log_path, [os.fspath(c) for c in cmd]).close()  # the same header line a started worker's log gets
-    job = {"argv": _standby_args(cmd), "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+    job = {"argv": argv, "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
            "log": os.fspath(log_path)}
     try:
         proc.stdin.write(json.dumps(job) + "\n")
@@ -470,11 +471,11 @@ def run_job(cmd: list[str], *, log_path: str | os.PathLike, on_event: Callable[[
     if stop_file is not None:
         Path(stop_file).unlink(missing_ok=True)  # a stale one would stop the new run at its first step
     t0 = time.perf_counter()
-    proc = None
-    standby = standby and _standby_args(cmd) is not None
+    proc, argv = None, _standby_args(cmd) if standby else None
+    standby = argv is not None
     if standby:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        proc = _take_standby(cmd, log_path=Path(log_path), env=env, cwd=cwd)
+        proc = _take_standby(cmd, argv, log_path=Path(log_path), env=env, cwd=cwd)
     proc = proc or spawn(cmd, log_path=log_path, env=env, cwd=cwd)
     result = JobResult(None, Path(log_path), pid=proc.pid)
     lines: deque[str] = deque(maxlen=keep_lines)

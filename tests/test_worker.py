@@ -247,8 +247,8 @@ def test_a_waiting_worker_runs_a_job_only_of_its_own_environment_and_while_it_li
     worker._standby["proc"].wait(30)
     res = worker.run_job(cmd, log_path=run / "b.log", env=other, cwd=run, standby=True)  # a dead one: started anew
     assert res.returncode == 2 and "bad.toml: 3 problems" in (run / "b.log").read_text(encoding="utf-8")
-    jobs = [worker.run_job(cmd, log_path=run / "c.log", env=other, cwd=run)]  # without standby: none is taken
-    assert jobs[0].pid != _waiting() is not None
+    res = worker.run_job(cmd, log_path=run / "c.log", env=other, cwd=run)  # without standby: none is taken
+    assert _waiting() is not None and res.pid != _waiting()
 
 
 def test_a_command_a_waiting_worker_cannot_run_starts_none(fake, tmp_path):
