@@ -65,6 +65,11 @@ def step_stats(events: list[dict], started: float) -> dict:
             "wall_to_last_step_s": round(times[-1] - started, 1)}
 
 
+def _said(event: dict) -> str:
+    """A trainer event's text, shortened for a timeline."""
+    return str(event.get("text") or event.get("message") or "")[:120]
+
+
 def queue_timeline(msgs, since: int, queued: float) -> list[list]:
     """Where the time from queue to the first step went: seconds after queueing of each websocket message of the
     prompt (ComfyUI's `executing` per node, the trainer's events other than steps; the first step closes it)."""
@@ -77,7 +82,7 @@ def queue_timeline(msgs, since: int, queued: float) -> list[list]:
             out.append([round(t - queued, 2), "executing", data.get("node")])
         elif kind == "anima_train.progress":
             what = data.get("event")
-            out.append([round(t - queued, 2), what, str(data.get("text") or data.get("message") or "")[:120]])
+            out.append([round(t - queued, 2), what, _said(data)])
             if what == "step":
                 break
     return out
@@ -88,8 +93,7 @@ def event_timeline(events: list[dict], started: float) -> list[list]:
     out = []
     for e in events:
         if isinstance(e.get("time"), (int, float)):
-            text = str(e.get("text") or e.get("message") or "")[:120]
-            out.append([round(e["time"] - started, 2), e.get("event"), text])
+            out.append([round(e["time"] - started, 2), e.get("event"), _said(e)])
         if e.get("event") == "step":
             break
     return out
