@@ -228,7 +228,7 @@ def bench(name: str, repo: Path, data: Path, work: Path, steps: int, compile_mod
         if getattr(result.components.transformer, "gradient_checkpointing", False) else 0
     swapped = swap if swap is not None else swapped_by_auto(stamps)
     rec = dict(call=CALL, who="ours", name=label, run=name, cap_gib=cap_gib, base_matmul=base_matmul or "bf16",
-               rank=rank, processes=world, batch=batch,
+               sdpa_first=SDPA_FIRST["name"], rank=rank, processes=world, batch=batch,
                steps=len(result.losses), trainable=trainable, recomputed_blocks=recomputed, swapped_blocks=swapped,
                s_per_step=round(med, 4), s_per_image=round(med / (batch * world), 4),
                images_per_s=round(batch * world / med, 2) if deltas else None,
@@ -476,6 +476,22 @@ def set_torch_config(item: str) -> None:
     print(json.dumps({"torch_set": target, "value": getattr(module, attr)}), flush=True)
 
 
+SDPA_FIRST = {"name": None}  # what --sdpa-first put first, for each row of ours
+
+
+def set_sdpa_first(name: str) -> None:
+    """Process-wide, before anything traces: a compiled graph takes the kernel that was first when it was traced."""
+    from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, _sdpa_kernel
+
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+    _sdpa_kernel(order, set_priority=True)
+    SDPA_FIRST["name"] = name
+    print(json.dumps({"sdpa_order": [b.name for b in _cur_sdpa_kernel_backends(with_priority=True)]}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/anima-bench")
@@ -513,7 +529,12 @@ def main() -> int:
     ap.add_argument("--previews", type=int, default=0, metavar="N",
                     help="add a [sample] table: 2 previews at 1024x1024 every N steps and at the end")
     ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
+    ap.add_argument("--sdpa-first", default=None, choices=("cudnn", "flash", "efficient"),
+                    help="put this attention kernel first in torch's order for the whole process (an experiment: "
+                         "torch picks flash on Hopper by default)")
     args = ap.parse_args()
+    if args.sdpa_first:
+        set_sdpa_first(args.sdpa_first)
     work = Path(args.work)
     t0 = time.perf_counter()
     repo, data = prepare(work, args.latents)
