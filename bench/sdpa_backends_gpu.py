@@ -64,7 +64,7 @@ def error_against_fp32(backend, q_tokens, kv_tokens):
         ref_out = F.scaled_dot_product_attention(*ref)
     ref_out.backward(grad.float())
     pairs = [(out, ref_out)] + [(a.grad, b.grad) for a, b in zip((q, k, v), ref)]
-    return [round(float((a.float() - b).abs().max() / b.abs().max()), 6) for a, b in pairs]
+    return [round(float((a.detach().float() - b.detach()).abs().max() / b.detach().abs().max()), 6) for a, b in pairs]
 
 
 def main() -> int:

@@ -17,6 +17,10 @@ import { keepLabels } from "./widget_labels.js";
 const PACK_NODE_PREFIXES = ["AnimaTrain", "AnimaLoad", "AnimaAnchor"];
 const TRAIN_NODE = "AnimaTrainTrain";
 const PROGRESS_EVENT = "anima_train.progress";
+// nodes/nodes_train.py WORKER_AHEAD_ROUTE: the server starts the next run's worker, so that its imports are done
+// by the time the user queues (asked when a Train node appears: a training workflow opened, added or reloaded)
+const WORKER_AHEAD_ROUTE = "/anima_train/worker_ahead";
+const WORKER_AHEAD_EVERY_MS = 30000; // a workflow with several Train nodes, or reopened, asks once
 const CHART_WIDGET = "anima_loss_chart";
 const MAX_RUNS = 32; // runs remembered per page (one per prompt and Train node id); old ones are dropped
 const PREVIEW_HEIGHT = 120; // px: the thumbnail row under the chart
@@ -326,6 +330,17 @@ function hideAdvancedOnCanvas(nodeType) {
   }
 }
 
+let workerAskedAt = -Infinity;
+
+function askForWorkerAhead() {
+  const now = Date.now();
+  if (now - workerAskedAt < WORKER_AHEAD_EVERY_MS) return;
+  workerAskedAt = now;
+  api.fetchApi(WORKER_AHEAD_ROUTE, { method: "POST" }).catch((err) => {
+    console.warn("[anima_train] the next run's worker was not started ahead", err);
+  });
+}
+
 app.registerExtension({
   name: "anima_train.ui",
   setup() {
@@ -407,6 +422,7 @@ app.registerExtension({
       nodeType.prototype.onNodeCreated = function () {
         const result = created?.apply(this, arguments);
         addChartWidget(this);
+        askForWorkerAhead();
         return result;
       };
     }

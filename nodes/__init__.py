@@ -26,6 +26,12 @@ def __getattr__(name: str):
         from .comfy import ComfyExtension
 
         class AnimaTrainExtension(ComfyExtension):
+            async def on_load(self):
+                from . import comfy, nodes_train  # lazy: the node modules import torch; `import nodes` stays light
+
+                # js/anima_train.js asks for it when a Train node appears on the canvas (nodes_train.py says why)
+                comfy.add_post_route(nodes_train.WORKER_AHEAD_ROUTE, nodes_train.start_worker_ahead)
+
             async def get_node_list(self):
                 return node_classes()
 

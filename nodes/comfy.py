@@ -8,6 +8,7 @@ in a running ComfyUI, and importing them at start-up would make the pack's impor
 the helpers on this module.
 """
 
+import asyncio
 import importlib
 import os
 
@@ -116,6 +117,17 @@ def client_id() -> str | None:
 def send_event(data: dict, sid: str | None = None, event: str = PROGRESS_EVENT) -> None:
     """Thread-safe custom websocket message (send_sync schedules it on the server's loop)."""
     _module("server").PromptServer.instance.send_sync(event, data, sid)
+
+
+def add_post_route(path: str, respond) -> None:
+    """Serve POST `path` on ComfyUI's server (also under /api, as ComfyUI serves its own routes): `respond()`, run
+    off the server's event loop (it may start a process), answers with a JSON object. Before the server starts."""
+    from aiohttp import web  # lazy: ComfyUI's web server library, present only where ComfyUI runs
+
+    async def handler(request):
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, respond))
+
+    _module("server").PromptServer.instance.routes.post(path)(handler)
 
 
 # -- models ---------------------------------------------------------------------------------------------------

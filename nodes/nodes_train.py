@@ -118,6 +118,19 @@ class AnimaTrainConfig(io.ComfyNode):
 # Train
 
 
+# A run's first seconds are mostly Python's imports. After a run has ended the Train node starts the next run's
+# process ahead (worker.start_standby); for the first run of a ComfyUI session the page asks for it when a Train node
+# appears on the canvas (a training workflow opened or reloaded), so that its imports are done by the time the user
+# has set the widgets and queued. js/anima_train.js holds the same path.
+WORKER_AHEAD_ROUTE = "/anima_train/worker_ahead"
+
+
+def start_worker_ahead() -> dict:
+    """Start the next one-process run's worker now, in the environment the Train node gives its runs (kept if one of
+    it waits already; none with ANIMA_TRAIN_STANDBY=0). {"waiting": whether one waits now}."""
+    return {"waiting": worker.start_standby(worker.worker_env())}
+
+
 def train_command(job_config: Path, stop_file: Path, gpus: int) -> list[str]:
     return worker.anima_train_command(["train", str(job_config), "--events", "-", "--stop-file", str(stop_file)],
                                       processes=gpus)

@@ -318,29 +318,29 @@ _standby: dict = {}  # "proc", "env": the one waiting worker of this ComfyUI, an
 _standby_lock = threading.Lock()
 
 
-def start_standby(env: dict | None = None) -> None:
-    """Start the worker the next job of this environment runs in (run_job(standby=True)); a waiting one of the same
-    environment is kept. Its stderr until a job arrives is dropped: an import that fails there fails again in the
-    job, which reports it."""
+def start_standby(env: dict | None = None) -> bool:
+    """Start the worker the next job of this environment runs in (run_job(standby=True)), or keep the one of this
+    environment waiting; whether one waits now. Its stderr until a job arrives is dropped: an import failing there
+    fails again in the job, which reports it."""
     if os.environ.get(STANDBY_ENV) == "0":
-        return
+        return False
     env = dict(os.environ if env is None else env)
     with _standby_lock:
         proc = _standby.get("proc")
         if proc is not None and proc.poll() is None and _standby.get("env") == env:
-            return
+            return True
         _standby.clear()
     if proc is not None:
         _end(proc)
-    # ComfyUI's own folder as its current one (a folder of its own would be held against deletion on Windows while
-    # it waits), and -P: that folder is not put on sys.path (the job's folder is its current one once it runs)
+    # ComfyUI's folder as its current one (one of its own is held against deletion on Windows); -P: not on sys.path
     args = anima_train_command([], module=STANDBY_MODULE)
     try:
         proc = _popen([args[0], "-P", *args[1:]], stdin=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=None)
     except OSError:
-        return  # no standby: the next job starts its own process, as without one
+        return False  # no standby: the next job starts its own process, as without one
     with _standby_lock:
         _standby.update(proc=proc, env=env)
+    return True
 
 
 def stop_standby() -> None:

@@ -21,10 +21,13 @@ Qwen3-0.6B); the Convert node, which builds the trainer's model, gets the tiny Q
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -183,6 +186,42 @@ def test_the_template_as_shipped_gives_one_error_and_runs_nothing_of_the_trainin
     texts = "\n".join(t for n in r["nodes"] for t in n["texts"])
     assert not _shell_text(texts), _shell_text(texts)
     _check_view(comfy, r)
+
+
+def _workers_ahead(base: Path) -> list[int]:
+    """Live processes of the Train node's waiting worker (`python -P -u -X utf8 -m anima_train.standby`) whose
+    parent is the ComfyUI serving `base` (other suites' ComfyUIs and workers may run beside this one)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+            if b"anima_train.standby" not in cmd:
+                continue
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if state != "Z" and str(base).encode() in parent:
+            found.append(int(entry.name))
+    return found
+
+
+def test_opening_the_training_template_starts_the_first_runs_worker_ahead(comfy, tmp_path):
+    """The Train node on the canvas asks ComfyUI to start the next run's worker (its imports take most of a warm
+    start's wait), so the first run after opening the workflow starts in it. Fails without that: until a run has
+    ended in this ComfyUI no worker waits."""
+    base = comfy["base"]
+    for pid in _workers_ahead(base):  # one an earlier test left: the page must start its own
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _workers_ahead(base) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_ahead(base) == []
+    _play(comfy, tmp_path, None)  # opened from the Templates dialog, nothing queued
+    deadline = time.monotonic() + 30
+    while not _workers_ahead(base) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _workers_ahead(base), "opening the training workflow started no worker ahead"
 
 
 def test_the_newcomer_sets_only_their_widgets_and_the_first_run_trains_loads_and_samples(comfy, tmp_path):

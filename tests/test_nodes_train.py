@@ -776,3 +776,30 @@ def test_a_texture_curriculum_goes_in_extra_toml_and_two_gpus_are_refused_before
     assert env.spawned == []  # refused on the node, before a worker (and accelerate launch) started
     _train(env, config, gpus=1)
     assert env.spawned[0][2] == 1
+
+
+def test_the_page_starts_the_first_runs_worker_ahead_through_the_packs_route(comfy_env, monkeypatch):
+    """A Train node on the canvas asks the server (js/anima_train.js) to start the next run's worker, in the
+    environment the Train node gives its runs, so that the first run of a ComfyUI session skips Python's imports
+    too. Fails without it: no route, and a session's first run starts its own process."""
+    import asyncio
+
+    import nodes
+    from nodes import worker
+
+    routes = {}
+    monkeypatch.setattr(comfy_env.comfy, "add_post_route", lambda path, respond: routes.setdefault(path, respond))
+    asyncio.run(nodes.AnimaTrainExtension().on_load())
+    respond = routes[comfy_env.nt.WORKER_AHEAD_ROUTE]
+    js = (Path(__file__).resolve().parents[1] / "js" / "anima_train.js").read_text(encoding="utf-8")
+    assert f'WORKER_AHEAD_ROUTE = "{comfy_env.nt.WORKER_AHEAD_ROUTE}"' in js  # the path the page posts to
+    try:
+        assert respond() == {"waiting": True}
+        first = worker._standby["proc"]
+        assert first.poll() is None and worker._standby["env"] == worker.worker_env()
+        assert respond() == {"waiting": True} and worker._standby["proc"] is first  # asked again: the same one
+        worker.stop_standby()
+        monkeypatch.setenv(worker.STANDBY_ENV, "0")
+        assert respond() == {"waiting": False} and "proc" not in worker._standby
+    finally:
+        worker.stop_standby()

@@ -1,13 +1,13 @@
 #!/bin/bash
-# NOT RUN YET (prepared 2026-12-06 for the next GPU session). One GPU call, from the repository root (wheels in
-# .comfygpu/whl, the ComfyUI 0.29.0 snapshot tarball in .comfygpu/) (issue #45, point 2b): the Train node's warm start
-# with and without the waiting worker (docs/comfyui.md#the-waiting-worker), in one call. 1. ComfyUI started with
-# ANIMA_TRAIN_STANDBY=0: the LoRA template twice (cold, then warm in a fresh process: calls 4-6's measurement). 2.
-# ComfyUI started again without it: twice more, 20 s apart (a user looking at the result): the first warm run after a
-# restart (no waiting worker yet), the second in the worker the first left. Compare from the Train node's start
-# (`executing` 5 in each timeline) to the first step: the second ComfyUI's first prompt also converts the models
-# again (its own work folder). First: whether this machine's Python writes bytecode at all (call 6:
-# PYTHONPYCACHEPREFIX changed nothing).
+# NOT RUN (no machine came in time on 2026-12-06; its second half ran as ../standby_attention_2026-12-06/call1.sh).
+# One GPU call, from the repository root (wheels in .comfygpu/whl, the ComfyUI 0.29.0 snapshot tarball in .comfygpu/)
+# (issue #45, point 2b): the Train node's warm start with and without the waiting worker
+# (docs/comfyui.md#the-waiting-worker), in one call. 1. ComfyUI started with ANIMA_TRAIN_STANDBY=0: the LoRA template
+# twice (cold, then warm in a fresh process: calls 4-6's measurement). 2. ComfyUI started again without it: twice
+# more, 20 s apart (a user looking at the result): the first warm run after a restart (no waiting worker yet), the
+# second in the worker the first left. Compare from the Train node's start (`executing` 5 in each timeline) to the
+# first step: the second ComfyUI's first prompt also converts the models again (its own work folder). First: whether
+# this machine's Python writes bytecode at all (call 6: PYTHONPYCACHEPREFIX changed nothing).
 export PYTHONUNBUFFERED=1 BENCH_CALL=${BENCH_CALL:-caps-b7}
 S=$(date +%s); el() { echo "=== $(( $(date +%s) - S )) s: $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .comfygpu/whl/*.whl \
