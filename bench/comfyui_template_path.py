@@ -21,6 +21,11 @@ before each CLI run, as Train frees them for its worker. Every run is one JSON l
 (comfyui/ours), run, cap_gib, base_matmul, s_per_step/s_per_image (median step-to-step delta after the first 3 steps,
 from the trainer's own event times), first_step_s (queue or command to the first step), steady_s (to the first step
 after which 5 steps in a row run within 10 % of that median).
+
+The warm start (issue #45, point 2b): `--variants plain,plain#2` queues the same template twice (the second run starts
+in the worker the first left waiting); `--pause S` waits between them as a user looking at the result would;
+`--restart` stops ComfyUI and starts it again before each later prompt, on the same folders; `--worker-ahead S` asks
+for the next run's worker before each prompt as the page does when a training workflow opens, then waits S seconds.
 """
 from __future__ import annotations
 
@@ -153,6 +158,11 @@ def main():
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between one prompt's end and the next queue "
                                                                "(a user looking at the result before queueing again)")
     ap.add_argument("--call", default=os.environ.get("BENCH_CALL", ""), help="this GPU call's id (rows' `call`)")
+    ap.add_argument("--restart", action="store_true", help="before each prompt after the first, stop ComfyUI and "
+                    "start it again on the same folders (a user's restart: the converted repo is re-used)")
+    ap.add_argument("--worker-ahead", type=float, default=None, metavar="S",
+                    help="before each prompt, ask for the next run's worker as the page does when a Train node "
+                         "appears (POST /anima_train/worker_ahead), then wait S seconds (a user setting widgets)")
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     work = Path(a.work or out / "work"); work.mkdir(parents=True, exist_ok=True)
@@ -183,9 +193,32 @@ def main():
            "--database-url", "sqlite:///:memory:", "--disable-api-nodes"] + (["--cpu"] if a.cpu else []) \
         + (["--front-end-root", a.front_end_root] if a.front_end_root else [])
     log = open(out / "server.log", "w")
-    t = time.perf_counter()
-    server = subprocess.Popen(cmd, cwd=a.comfy_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env=env)
+    serving: dict = {}  # "server": the ComfyUI process now (--restart starts another)
+
+    def start_server() -> dict:
+        t = time.perf_counter()
+        server = serving["server"] = subprocess.Popen(cmd, cwd=a.comfy_root, stdout=log, stderr=subprocess.STDOUT,
+                                                      start_new_session=True, env=env)
+        while time.perf_counter() - t < 300:
+            if server.poll() is not None:
+                raise SystemExit("ComfyUI exited:\n" + (out / "server.log").read_text()[-4000:])
+            try:
+                info = json.loads(_get(port, "/object_info", timeout=60)[1])
+                summary.setdefault("server_start_s", round(time.perf_counter() - t, 1))
+                say("server up", round(time.perf_counter() - t, 1))
+                return info
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit("ComfyUI did not answer in 300 s")
+
+    def stop_server() -> None:
+        server = serving["server"]
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL); server.wait()
+
     stop = threading.Event(); timeline = []; phase = {"p": "start"}; worker_env_seen: dict = {}
     def poll():
         while not stop.is_set():
@@ -198,20 +231,12 @@ def main():
             apps = nvsmi()
             if not worker_env_seen:
                 read_worker_env(worker_env_seen, summary)
-            row["comfy_mib"] = apps.get(server.pid)
-            row["other_mib"] = {p: v for p, v in apps.items() if p != server.pid}
+            row["comfy_mib"] = apps.get(serving["server"].pid)
+            row["other_mib"] = {p: v for p, v in apps.items() if p != serving["server"].pid}
             timeline.append(row)
             stop.wait(1.0)
     try:
-        info = None
-        while time.perf_counter() - t < 300:
-            if server.poll() is not None:
-                raise SystemExit("ComfyUI exited:\n" + (out / "server.log").read_text()[-4000:])
-            try:
-                info = json.loads(_get(port, "/object_info", timeout=60)[1]); break
-            except OSError:
-                time.sleep(0.5)
-        summary["server_start_s"] = round(time.perf_counter() - t, 1); say("server up", summary["server_start_s"])
+        info = start_server()
         threading.Thread(target=poll, daemon=True).start()
         wf = load_workflow(TRAIN_TEMPLATE)
         set_widgets(wf, info, 1, unet_name="anima.safetensors")
@@ -267,6 +292,12 @@ def main():
         for index, variant in enumerate(variants):
             if index and a.pause:
                 time.sleep(a.pause)
+            if index and a.restart:
+                msgs.ws.close(); stop_server(); say("ComfyUI stopped")
+                start_server(); msgs = Messages(port, client); time.sleep(3)
+            if a.worker_ahead is not None:
+                st, body = _post(port, "/anima_train/worker_ahead", {})
+                say("worker ahead", st, body); time.sleep(a.worker_ahead)
             run_name = f"node_{variant.replace('#', '_')}"
             kind = variant.partition("#")[0]  # plain#2: plain again, its own run (a warm start: a fresh worker)
             extra = ""
@@ -358,11 +389,7 @@ def main():
         work_mib = [max(r["other_mib"].values()) for r in timeline if r.get("other_mib")]
         summary["worker_mib_max"] = max(work_mib) if work_mib else None
         save()
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL); server.wait()
+        stop_server()
         log.close()
         say("server stopped; summary", json.dumps(summary)[:3000])
 
