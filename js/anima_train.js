@@ -332,13 +332,16 @@ function hideAdvancedOnCanvas(nodeType) {
 
 let workerAskedAt = -Infinity;
 
-function askForWorkerAhead() {
+async function askForWorkerAhead() {
   const now = Date.now();
   if (now - workerAskedAt < WORKER_AHEAD_EVERY_MS) return;
   workerAskedAt = now;
-  api.fetchApi(WORKER_AHEAD_ROUTE, { method: "POST" }).catch((err) => {
+  try {
+    await api.fetchApi(WORKER_AHEAD_ROUTE, { method: "POST" });
+  } catch (err) {
+    // never the node's concern: the run then starts its own worker, as without this
     console.warn("[anima_train] the next run's worker was not started ahead", err);
-  });
+  }
 }
 
 app.registerExtension({

@@ -31,6 +31,11 @@ api.queuePrompt = async function (number, data) {  // the server's answer to POS
   await new Promise((r) => setTimeout(r, 0));
   return { prompt_id: globalThis.nextPromptId, number: api.queued.length, node_errors: {} };
 };
+api.fetched = [];
+api.fetchApi = async function (route, options) {  // the pack's own routes
+  api.fetched.push([route, options?.method ?? "GET"]);
+  return { ok: true, status: 200, json: async () => ({}) };
+};
 """
 
 # The page: DOM stand-ins, a graph per workflow tab, and a script of steps given as JSON.
@@ -95,7 +100,7 @@ for (const step of JSON.parse(process.argv[2])) {
   if (step.readText) out.push(Object.fromEntries(app.rootGraph.nodes.map((n) => [n.id,
     n.widgets.find((w) => w.name === "anima_text")?.element.textContent ?? null])));
 }
-console.log(JSON.stringify({ out, storage: Object.fromEntries(globalThis.storage.entries()) }));
+console.log(JSON.stringify({ out, storage: Object.fromEntries(globalThis.storage.entries()), fetched: api.fetched }));
 """
 
 
@@ -187,3 +192,13 @@ def test_a_reused_run_draws_its_recorded_losses():
     result = subprocess.run([NODE, "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"phase": "done", "steps": [1, 2, 3], "loss": [1.0, 0.5, 0.25], "ema": 3}
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node (js/anima_train.js runs as an ES module)")
+def test_a_train_node_on_the_canvas_asks_once_for_the_next_runs_worker(tmp_path):
+    """Opening a training workflow (its Train nodes created) posts to the pack's route once, however many Train
+    nodes appear in the next 30 s (nodes_train.start_worker_ahead starts the worker). Fails without the request."""
+    result = run_page(tmp_path, [{"show": "wf-A", "nodes": [5, 6]}, {"show": "wf-B", "nodes": [5], "read": True}])
+    # nodes_train.WORKER_AHEAD_ROUTE (test_nodes_train.py checks that the page holds the same path)
+    assert result["fetched"] == [["/anima_train/worker_ahead", "POST"]]
+    assert result["out"] == [{"5": "idle:"}]  # the chart is drawn as before (no run yet)
