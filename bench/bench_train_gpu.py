@@ -531,7 +531,8 @@ def main() -> int:
     ap.add_argument("--preview-steps", type=int, default=20, help="Euler steps per preview (default 20)")
     ap.add_argument("--sdpa-first", default=None, choices=("cudnn", "flash", "efficient"),
                     help="put this attention kernel first in torch's order for the whole process (an experiment: "
-                         "torch picks flash on Hopper by default)")
+                         "torch 2.11 picks cuDNN's on Hopper by itself; Inductor's cache does not key on the order, "
+                         "so give each setting its own TORCHINDUCTOR_CACHE_DIR)")
     args = ap.parse_args()
     if args.sdpa_first:
         set_sdpa_first(args.sdpa_first)
