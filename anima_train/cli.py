@@ -156,9 +156,38 @@ _signals_received: list[str] = []  # how this command was interrupted, if it was
 
 
 def _raise_interrupted(signum, frame):
+    if _importing(frame):
+        # Never raised inside an import: a module's import runs native initializers, and torch's call back into Python
+        # through pybind11, which cannot pass an exception on from there and aborts the process instead ("terminate
+        # called after throwing an instance of 'pybind11::error_already_set'", no cleanup, no line of ours). The
+        # signal is sent again shortly, until it arrives after the import is done.
+        retry = threading.Timer(_IMPORT_RETRY_S, _signal_main_thread, (signum,))
+        retry.daemon = True  # a command that ends first is not kept waiting for it
+        retry.start()
+        return
     how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
     _signals_received.append(how)
     raise errors.Interrupted(how)
+
+
+_IMPORT_RETRY_S = 0.05
+
+
+def _signal_main_thread(signum: int) -> None:
+    """The signal, to the main thread: a wait there (sleep, a lock, a pipe) ends for it as it did for the first."""
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(threading.main_thread().ident, signum)
+    else:  # Windows: Python's waits there end on its Ctrl-C event, which the handler sets in any thread
+        signal.raise_signal(signum)
+
+
+def _importing(frame) -> bool:
+    """Whether Python's import machinery is on the interrupted stack (a module is being imported)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _interrupt_policy() -> dict:
