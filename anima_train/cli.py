@@ -150,31 +150,40 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
         for sig, handler in default_handlers.items():
             signal.signal(sig, handler)
         _signals_received.clear()
+        _import_wait.update(waiting=False, resent=0)
 
 
 _signals_received: list[str] = []  # how this command was interrupted, if it was
 
 
 def _raise_interrupted(signum, frame):
-    if _importing(frame):
-        # Never raised inside an import: a module's import runs native initializers, and torch's call back into Python
-        # through pybind11, which cannot pass an exception on from there and aborts the process instead ("terminate
-        # called after throwing an instance of 'pybind11::error_already_set'", no cleanup, no line of ours). The
-        # signal is sent again shortly, until it arrives after the import is done.
-        retry = threading.Timer(_IMPORT_RETRY_S, _signal_main_thread, (signum,))
+    resent = _import_wait["resent"] > 0
+    if resent:
+        _import_wait["resent"] -= 1
+    if _importing(frame) and (resent or not _import_wait["waiting"]):
+        # Not raised inside an import: a module's import runs native initializers, and torch's call back into
+        # Python through pybind11, which cannot pass an exception on from there and aborts the process instead
+        # ("terminate called after throwing an instance of 'pybind11::error_already_set'", no cleanup, no line of
+        # ours). The signal is sent again shortly, until it arrives after the import. A second Ctrl-C while one
+        # waits is raised at once (an import that hangs must not keep the command from stopping).
+        _import_wait["waiting"] = True
+        retry = threading.Timer(_IMPORT_RETRY_S, _resend, (signum,))
         retry.daemon = True  # a command that ends first is not kept waiting for it
         retry.start()
         return
+    _import_wait.update(waiting=False)
     how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
     _signals_received.append(how)
     raise errors.Interrupted(how)
 
 
 _IMPORT_RETRY_S = 0.05
+_import_wait = {"waiting": False, "resent": 0}  # an interrupt waiting for an import to end; its re-sends in flight
 
 
-def _signal_main_thread(signum: int) -> None:
-    """The signal, to the main thread: a wait there (sleep, a lock, a pipe) ends for it as it did for the first."""
+def _resend(signum: int) -> None:
+    """The signal again, to the main thread: a wait there (sleep, a lock, a pipe) ends for it as for the first."""
+    _import_wait["resent"] += 1
     if hasattr(signal, "pthread_kill"):
         signal.pthread_kill(threading.main_thread().ident, signum)
     else:  # Windows: Python's waits there end on its Ctrl-C event, which the handler sets in any thread

@@ -156,30 +156,47 @@ def test_an_interrupt_during_start_up_is_one_line(setup, tmp_path, sig):
     assert not (tmp_path / "out").exists()
 
 
-@posix_only
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_an_interrupt_inside_an_import_is_raised_after_the_import(tmp_path, sig):
-    """torch's import calls back into Python from C++ (pybind11): an interrupt raised in there cannot be passed on,
-    and the process aborted ("terminate called after throwing an instance of 'pybind11::error_already_set'", exit
-    -6, no cleanup; seen in CI as the SIGTERM case of the start-up test above, one run in 40 here). A command module
-    stands in for that import: it signals its own process halfway through being imported, then goes on importing.
-    Before, the interrupt was raised at once, inside the import (no "imported" line)."""
+def importing_command(tmp_path, sig, *, signals: int) -> subprocess.CompletedProcess:
+    """Run a command whose module signals its own process `signals` times (0.1 s apart) halfway through being
+    imported, then goes on importing for 0.5 s and says "imported"; its run sleeps."""
     (tmp_path / "importing_cmd.py").write_text(
-        "import os, sys, time\n"
-        f"os.kill(os.getpid(), {int(sig)})\n"
-        "until = time.monotonic() + 0.5\n"
-        "while time.monotonic() < until:  # bytecodes, where Python runs a signal handler\n"
-        "    pass\n"
+        "import os, sys, time\n\n"
+        "def spin(s):\n"
+        "    until = time.monotonic() + s\n"
+        "    while time.monotonic() < until:  # bytecodes, where Python runs a signal handler\n"
+        "        pass\n\n"
+        f"for _ in range({signals}):\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    spin(0.1)\n"
+        "spin(0.5)\n"
         "print('imported', file=sys.stderr, flush=True)\n\n"
         "def add_arguments(parser):\n    pass\n\n"
         "def run(args):\n    time.sleep(60)\n")
     code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
             "from anima_train import cli; cli.COMMANDS['importing'] = cli.Command('importing_cmd', 'x'); "
             "sys.exit(cli.main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", code, "importing"], capture_output=True, text=True, cwd=tmp_path,
-                         env={**child_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, timeout=60)
+    return subprocess.run([sys.executable, "-c", code, "importing"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**child_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, timeout=60)
+
+
+@posix_only
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_inside_an_import_is_raised_after_the_import(tmp_path, sig):
+    """torch's import calls back into Python from C++ (pybind11): an interrupt raised in there cannot be passed on,
+    and the process aborted ("terminate called after throwing an instance of 'pybind11::error_already_set'", exit
+    -6, no cleanup; seen in CI as the SIGTERM case of the start-up test above, one run in 40 here). A command module
+    stands in for that import. Before, the interrupt was raised at once, inside the import (no "imported" line)."""
+    out = importing_command(tmp_path, sig, signals=1)
     how = "interrupted" if sig == signal.SIGINT else "terminated (SIGTERM)"
     assert (out.returncode, out.stderr) == (errors.INTERRUPTED_EXIT, f"imported\nanima-train importing: {how}\n")
+
+
+@posix_only
+def test_a_second_ctrl_c_during_an_import_is_raised_at_once(tmp_path):
+    """An import that hangs must not keep a command from stopping: the first Ctrl-C waits for the import, the
+    second does not."""
+    out = importing_command(tmp_path, signal.SIGINT, signals=2)
+    assert (out.returncode, out.stderr) == (errors.INTERRUPTED_EXIT, "anima-train importing: interrupted\n")
 
 
 @posix_only
