@@ -7,8 +7,9 @@ second and a broken optional dependency in one command cannot take the others do
 Errors: a command raises `anima_train.errors.UserError` (or one of its subclasses: ConfigError, DatasetError,
 ResumeError, ...) for anything the user can fix; `main` prints its message as `anima-train CMD: error: ...` and
 returns 2 (or the error's own exit_code: 5 for a diverged run). Any other exception is an internal error: one line,
-exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1. Ctrl-C and SIGTERM are one interrupt policy for
-the whole command, its imports included: the same unwinding, one line, exit 130 (docs/architecture.md#nothing-lost).
+exit 1, and the traceback only with `--debug` or ANIMA_TRAIN_DEBUG=1. Ctrl-C, SIGTERM and Windows' Ctrl+Break are
+one interrupt policy for the whole command, its imports included: the same unwinding, one line, exit 130
+(docs/architecture.md#nothing-lost).
 """
 
 from __future__ import annotations
@@ -155,6 +156,13 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
 
 _signals_received: list[str] = []  # how this command was interrupted, if it was
 
+# The signals of the interrupt policy, and how each is said. SIGBREAK is Windows' SIGTERM: Ctrl+Break, and the
+# CTRL_BREAK_EVENT the Train node's Cancel sends its worker (nodes/worker.py), which without a handler ends the
+# process where it stands (no cleanup).
+INTERRUPTS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+if hasattr(signal, "SIGBREAK"):
+    INTERRUPTS[signal.SIGBREAK] = "terminated (Ctrl+Break)"
+
 
 def _raise_interrupted(signum, frame):
     resent = _import_wait["resent"] > 0
@@ -172,7 +180,7 @@ def _raise_interrupted(signum, frame):
         retry.start()
         return
     _import_wait.update(waiting=False)
-    how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
+    how = INTERRUPTS.get(signum, "interrupted")
     _signals_received.append(how)
     raise errors.Interrupted(how)
 
@@ -200,13 +208,13 @@ def _importing(frame) -> bool:
 
 
 def _interrupt_policy() -> dict:
-    """Ctrl-C and SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) alike: both unwind as
-    KeyboardInterrupt instead of killing the process where it stands (the same cleanup, one line, exit status 130),
-    and both are remembered, so an error a library raises after swallowing one is said as the interrupt. Returns the
-    handlers to put back (none off the main thread, where in-process callers may run)."""
+    """Ctrl-C, SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) and Windows' Ctrl+Break alike:
+    each unwinds as KeyboardInterrupt instead of killing the process where it stands (the same cleanup, one line,
+    exit status 130), and each is remembered, so an error a library raises after swallowing one is said as the
+    interrupt. Returns the handlers to put back (none off the main thread, where in-process callers may run)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    kept = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
     kept = {sig: handler for sig, handler in kept.items() if handler is not signal.SIG_IGN}  # nohup, `cmd &`: theirs
     for sig in kept:
         signal.signal(sig, _raise_interrupted)

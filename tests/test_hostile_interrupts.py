@@ -38,12 +38,20 @@ def cli(*args, cwd, timeout: float = 600) -> subprocess.CompletedProcess:
                           cwd=cwd, env=child_env(), timeout=timeout)
 
 
+# Windows' Ctrl+Break, as far as Linux can show it: SIGUSR1 stands in for signal.SIGBREAK (which Linux lacks), set
+# before the trainer is imported; the child is then `python -m anima_train` in all else
+CTRL_BREAK_STAND_IN = ("import runpy, signal; signal.SIGBREAK = signal.SIGUSR1; "
+                       "runpy.run_module('anima_train', run_name='__main__', alter_sys=True)")
+
+
 def signalled(args: list, cwd, sig, *, after: str | None = None, delay: float = 0.0, timeout: float = 600):
     """Run `python -m anima_train ARGS`, send `sig` once `after` has appeared in its output (stdout and stderr
     together; None: `delay` seconds after the start), and return (exit status, the whole output, what it said
-    before the signal). The child must have got as far as `after`: a child that ends first fails the test."""
+    before the signal). The child must have got as far as `after`: a child that ends first fails the test.
+    SIGUSR1 is sent as Windows' Ctrl+Break (CTRL_BREAK_STAND_IN)."""
+    start = ["-c", CTRL_BREAK_STAND_IN] if sig == signal.SIGUSR1 else ["-m", "anima_train"]
     # a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would inherit that
-    proc = subprocess.Popen([sys.executable, "-m", "anima_train", *map(str, args)], cwd=cwd, env=child_env(),
+    proc = subprocess.Popen([sys.executable, *start, *map(str, args)], cwd=cwd, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = b""
@@ -123,9 +131,12 @@ def test_an_interrupted_run_names_its_newest_state_and_the_resume_line(setup, tm
 
 
 @posix_only
-def test_sigterm_during_an_overwrite_run_puts_the_earlier_run_back(setup, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, getattr(signal, "SIGUSR1", None)], ids=["sigterm", "ctrl-break"])
+def test_sigterm_during_an_overwrite_run_puts_the_earlier_run_back(setup, tmp_path, sig):
     """SIGTERM killed the process where it stood, so the run set aside by --overwrite stayed hidden until the next
-    start. Now it unwinds as Ctrl-C does and the earlier run is back, byte for byte."""
+    start. Now it unwinds as Ctrl-C does and the earlier run is back, byte for byte. So does Windows' Ctrl+Break,
+    which the Train node's Cancel sends its worker there (before, no handler: killed where it stood, the earlier run
+    hidden; here a stand-in signal, exit -10)."""
     root, model = setup
     cfg = write_config(tmp_path, model, root / "base")
     first = cli("train", cfg, cwd=tmp_path)
@@ -134,9 +145,10 @@ def test_sigterm_during_an_overwrite_run_puts_the_earlier_run_back(setup, tmp_pa
     before = folder_digests(run_dir)
     cfg.write_text(cfg.read_text().replace("max_steps = 3", "max_steps = 2000\nepochs = 1000"))
     before_cfg = cfg.read_bytes()
-    code, said, _ = signalled(["train", cfg, "--overwrite"], tmp_path, signal.SIGTERM, after="step 2/")
+    code, said, _ = signalled(["train", cfg, "--overwrite"], tmp_path, sig, after="step 2/")
     assert code == errors.INTERRUPTED_EXIT, said
-    assert last_line(said).startswith("anima-train train: terminated (SIGTERM); "), said
+    how = "terminated (SIGTERM)" if sig == signal.SIGTERM else "terminated (Ctrl+Break)"
+    assert last_line(said).startswith(f"anima-train train: {how}; "), said
     after = folder_digests(run_dir)
     assert {k: v for k, v in after.items() if k in before} == before, "the earlier run is not back"
     assert not [p for p in os.listdir(run_dir) if p.startswith(".") and p != MANIFEST_NAME], os.listdir(run_dir)
