@@ -141,8 +141,8 @@ def _run(name: str, rest: list[str], debug: bool) -> int:
         if debug:
             raise
         if _signals_received and errors.is_main_process():
-            # a library swallowed the interrupt and failed later (numpy cut off mid-import: "cannot load module more
-            # than once"): the interrupt is what happened
+            # a library swallowed the interrupt and failed later (caught it and raised its own error): the interrupt
+            # is what happened
             print(f"anima-train {name}: {_signals_received[-1]}", file=sys.stderr)
             return errors.INTERRUPTED_EXIT
         return _report(name, exc)
