@@ -159,9 +159,9 @@ _signals_received: list[str] = []  # how this command was interrupted, if it was
 # The signals of the interrupt policy, and how each is said. SIGBREAK is Windows' SIGTERM: Ctrl+Break, and the
 # CTRL_BREAK_EVENT the Train node's Cancel sends its worker (nodes/worker.py), which without a handler ends the
 # process where it stands (no cleanup).
-INTERRUPTS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+_INTERRUPTS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
 if hasattr(signal, "SIGBREAK"):
-    INTERRUPTS[signal.SIGBREAK] = "terminated (Ctrl+Break)"
+    _INTERRUPTS[signal.SIGBREAK] = "terminated (Ctrl+Break)"
 
 
 def _raise_interrupted(signum, frame):
@@ -172,7 +172,7 @@ def _raise_interrupted(signum, frame):
         # Not raised inside an import: a module's import runs native initializers, and torch's call back into
         # Python through pybind11, which cannot pass an exception on from there and aborts the process instead
         # ("terminate called after throwing an instance of 'pybind11::error_already_set'", no cleanup, no line of
-        # ours). The signal is sent again shortly, until it arrives after the import. A second Ctrl-C while one
+        # ours). The signal is sent again shortly, until it arrives after the import. A second interrupt while one
         # waits is raised at once (an import that hangs must not keep the command from stopping).
         _import_wait["waiting"] = True
         retry = threading.Timer(_IMPORT_RETRY_S, _resend, (signum,))
@@ -180,7 +180,7 @@ def _raise_interrupted(signum, frame):
         retry.start()
         return
     _import_wait.update(waiting=False)
-    how = INTERRUPTS.get(signum, "interrupted")
+    how = _INTERRUPTS.get(signum, "interrupted")
     _signals_received.append(how)
     raise errors.Interrupted(how)
 
@@ -214,7 +214,7 @@ def _interrupt_policy() -> dict:
     interrupt. Returns the handlers to put back (none off the main thread, where in-process callers may run)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    kept = {sig: signal.getsignal(sig) for sig in INTERRUPTS}
+    kept = {sig: signal.getsignal(sig) for sig in _INTERRUPTS}
     kept = {sig: handler for sig, handler in kept.items() if handler is not signal.SIG_IGN}  # nohup, `cmd &`: theirs
     for sig in kept:
         signal.signal(sig, _raise_interrupted)
