@@ -44,6 +44,11 @@ CTRL_BREAK_STAND_IN = ("import runpy, signal; signal.SIGBREAK = signal.SIGUSR1; 
                        "runpy.run_module('anima_train', run_name='__main__', alter_sys=True)")
 
 
+# what each signal's one line says (the first words of the last line the user sees)
+SAID = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)",
+        getattr(signal, "SIGUSR1", None): "terminated (Ctrl+Break)"}
+
+
 def signalled(args: list, cwd, sig, *, after: str | None = None, delay: float = 0.0, timeout: float = 600):
     """Run `python -m anima_train ARGS`, send `sig` once `after` has appeared in its output (stdout and stderr
     together; None: `delay` seconds after the start), and return (exit status, the whole output, what it said
@@ -120,7 +125,7 @@ def test_an_interrupted_run_names_its_newest_state_and_the_resume_line(setup, tm
     assert "Traceback" not in said and "internal error" not in said, said
     state = tmp_path / "out" / "anima" / "anima-step000006-state"
     assert state.is_dir(), sorted(os.listdir(tmp_path / "out" / "anima"))
-    how = "interrupted" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    how = SAID[sig]
     assert last_line(said) == (f"anima-train train: {how}; the newest saved state is out/anima/anima-step000006-state: "
                                f'resume with [train] resume_from = "out/anima/anima-step000006-state"'), said
     resumed = write_config(tmp_path, model, root / "base", name="resume.toml",
@@ -147,7 +152,7 @@ def test_sigterm_during_an_overwrite_run_puts_the_earlier_run_back(setup, tmp_pa
     before_cfg = cfg.read_bytes()
     code, said, _ = signalled(["train", cfg, "--overwrite"], tmp_path, sig, after="step 2/")
     assert code == errors.INTERRUPTED_EXIT, said
-    how = "terminated (SIGTERM)" if sig == signal.SIGTERM else "terminated (Ctrl+Break)"
+    how = SAID[sig]
     assert last_line(said).startswith(f"anima-train train: {how}; "), said
     after = folder_digests(run_dir)
     assert {k: v for k, v in after.items() if k in before} == before, "the earlier run is not back"
@@ -163,7 +168,7 @@ def test_an_interrupt_during_start_up_is_one_line(setup, tmp_path, sig):
     cfg = write_config(tmp_path, model, root / "base")
     code, said, _ = signalled(["train", cfg], tmp_path, sig, delay=1.0)
     assert code == errors.INTERRUPTED_EXIT, said
-    how = "interrupted" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    how = SAID[sig]
     assert said.startswith("anima-train train: " + how) and said.count("\n") == 1, said
     assert not (tmp_path / "out").exists()
 
@@ -199,7 +204,7 @@ def test_an_interrupt_inside_an_import_is_raised_after_the_import(tmp_path, sig)
     -6, no cleanup; seen in CI as the SIGTERM case of the start-up test above, one run in 40 here). A command module
     stands in for that import. Before, the interrupt was raised at once, inside the import (no "imported" line)."""
     out = importing_command(tmp_path, sig, signals=1)
-    how = "interrupted" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    how = SAID[sig]
     assert (out.returncode, out.stderr) == (errors.INTERRUPTED_EXIT, f"imported\nanima-train importing: {how}\n")
 
 
