@@ -14,17 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from anima_train.outputs import manifest
+from anima_train.outputs import manifest, run_folder
 from anima_train.training.train import train
 from tests.fixtures_tiny import anima_train_cli, folder_digests
 from tests.test_train import make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-
-
-
 
 
 def test_a_fresh_run_refuses_a_folder_holding_an_earlier_run_and_resuming_it_works(tiny_anima, latents_dir,
@@ -130,6 +125,45 @@ def test_an_existing_stop_file_is_refused_before_the_run_starts(tiny_anima, late
     assert stop.read_text() == "left over from yesterday"  # not ours to delete: it may be another job's request
     assert not (tmp_path / "tiny").exists()  # nothing was written
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("output_dir_existed", [False, True], ids=["new-output-folder", "existing-output-folder"])
+def test_a_run_stopped_before_it_wrote_anything_leaves_no_folder(tiny_anima, latents_dir, tmp_path, monkeypatch,
+                                                                   output_dir_existed):
+    """Ctrl-C while the model loaded left an empty run folder (and output folder) behind: the lock made them.
+    A folder that was there before stays, empty or not."""
+    out = tmp_path / "out"
+    if output_dir_existed:
+        out.mkdir()
+
+    def interrupted(*_args, **_kwargs):
+        assert (out / "tiny" / ".anima-train.lock").is_file()  # the run got as far as its lock
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("anima_train.training.train.build_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_cfg(tiny_anima.diffusers_dir, latents_dir, out, max_steps=3), cpu=True)
+    assert sorted(os.listdir(tmp_path)) == (["out"] if output_dir_existed else [])
+    if output_dir_existed:
+        assert os.listdir(out) == []
+
+
+def test_a_lock_taken_while_the_last_holder_takes_its_folder_back_is_taken(tmp_path, monkeypatch):
+    """The folder is removed between this lock's mkdir and its open: the lock makes it again and is held (not the
+    "cannot create the lock file" note, which would leave the run unlocked)."""
+    real_open, gone = os.open, []
+
+    def open_after_the_folder_went(path, *args):
+        if not gone:
+            gone.append(os.rmdir(Path(path).parent))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(run_folder.os, "open", open_after_the_folder_went)
+    lock = run_folder.RunLock(tmp_path / "out" / "run")
+    lock.acquire(say=pytest.fail)
+    assert gone and run_folder.lock_holder(tmp_path / "out" / "run")["pid"] == os.getpid()
+    lock.release()
+    assert os.listdir(tmp_path) == []
 
 
 def test_only_the_runs_own_files_count_as_an_earlier_run(tmp_path):

@@ -334,6 +334,7 @@ def test_windows_run_lock_refuses_a_second_run_and_frees_on_release(msvcrt, tmp_
         run_folder.RunLock(tmp_path / "run").acquire(say=pytest.fail)
     first.release()
     assert msvcrt.locks == {} and run_folder.lock_holder(tmp_path / "run") is None
+    assert not (tmp_path / "run").exists()  # the lock made the folder and nothing else was written: taken back
     notes = []
     second = run_folder.RunLock(tmp_path / "run")
     second.acquire(say=notes.append)  # a cleanly released lock is no "left by" note

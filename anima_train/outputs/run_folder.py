@@ -317,18 +317,26 @@ class RunLock:
     The OS drops the lock when its process ends, however it ends; the file itself is removed on release. The file
     is checked to be the one still at the path after locking (a releasing holder may have just removed it).
     `name`: the lock file; the ComfyUI node holds its own (`.comfyui-job.lock`) from picking a folder until its worker
-    ends, as the worker takes this one only once it has started."""
+    ends, as the worker takes this one only once it has started.
+
+    The folders the lock had to make (the run folder, an output folder that did not exist) are taken back on
+    release when nothing else was written into them: a run stopped or refused before it wrote anything leaves no
+    trace. Only those: a folder that was there before is never removed, empty or not."""
 
     def __init__(self, run_dir: str | os.PathLike, name: str = LOCK_NAME):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / name
         self._fd: int | None = None
+        self._made: list[Path] = []  # deepest first
 
     def acquire(self, say: Callable[[str], None] = print) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
+            self._made += _missing_folders(self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _O_BINARY, 0o666)
+            except FileNotFoundError:  # an earlier holder took the folder back between the mkdir and the open
+                continue
             except OSError as exc:
                 say(f"note: cannot create the lock file {self.path} ({exc}); nothing stops a second run from "
                     f"writing into {self.run_dir}")
@@ -374,6 +382,24 @@ class RunLock:
         with contextlib.suppress(OSError):
             _os_unlock(fd)
         os.close(fd)
+        made, self._made = list(dict.fromkeys(self._made)), []
+        if made and IS_WINDOWS:  # unlocked and closed, the lock file can go now (unless another holder opened it)
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        for folder in made:
+            try:
+                folder.rmdir()  # only an empty one: anything written into it keeps it and the folders above it
+            except OSError:
+                break
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those above it that do not exist, deepest first."""
+    missing = []
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def _same_file(fd: int, path: Path) -> bool:
