@@ -172,6 +172,31 @@ def anima_train_cli(*args, cwd, env: dict | None = None, timeout: float = 600):
                           cwd=cwd, env=full, timeout=timeout)
 
 
+def stand_in_command(name: str, module_source: str, *argv, cwd, env: dict | None = None, before: str = "pass",
+                     timeout: float = 120):
+    """`anima-train ARGV...` run through the CLI's `main` as a user's command is, with a command `name` added whose
+    module (`name`_cmd.py in `cwd`, with `add_arguments` and `run` as every command module has them) is
+    `module_source`: a test's stand-in for an import or a run that fails in a way a real one cannot be made to on
+    demand. `before`: Python run first in the child, before the CLI is imported. Returns the CompletedProcess
+    (text); the debug setting is dropped unless `env` sets it, as in anima_train_cli."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from anima_train.errors import DEBUG_ENV
+
+    (Path(cwd) / f"{name}_cmd.py").write_text(module_source)
+    root = Path(__file__).resolve().parents[1]
+    full = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{cwd}", "OMP_NUM_THREADS": "1"}
+    full.pop(DEBUG_ENV, None)
+    full.update(env or {})
+    code = (f"import sys; {before}; from anima_train import cli; "
+            f"cli.COMMANDS[{name!r}] = cli.Command({name + '_cmd'!r}, 'x'); sys.exit(cli.main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, cwd=cwd,
+                          env=full, timeout=timeout)
+
+
 def folder_digests(folder) -> dict:
     """{relative path: sha256} of every file under `folder`, hidden ones included: a run's bytes before and after."""
     import hashlib

@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nodes.templates import DISPLAY_NAME
@@ -192,17 +193,13 @@ def _workers_ahead(base: Path) -> list[int]:
     """Live processes of the Train node's waiting worker (`python -P -u -X utf8 -m anima_train.standby`) whose
     parent is the ComfyUI serving `base` (other suites' ComfyUIs and workers may run beside this one)."""
     found = []
-    for entry in Path("/proc").iterdir():
+    for proc in psutil.process_iter():
         try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-            if b"anima_train.standby" not in cmd:
-                continue
-            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            if ("anima_train.standby" in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE
+                    and str(base) in " ".join(proc.parent().cmdline())):
+                found.append(proc.pid)
+        except (psutil.Error, AttributeError):  # gone meanwhile, or no parent
             continue
-        if state != "Z" and str(base).encode() in parent:
-            found.append(int(entry.name))
     return found
 
 

@@ -8,14 +8,13 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from anima_train.data.synthetic import make_synthetic_latents
 from anima_train.model.tiny import make_synthetic_dataset
-from tests.fixtures_tiny import anima_train_cli, small_run_toml, torchrun
+from tests.fixtures_tiny import anima_train_cli, small_run_toml, stand_in_command, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,29 +173,17 @@ def test_the_stale_cache_fix_command_works_as_printed(tiny_anima, tmp_path):
 # ------------------------------------------------------------------------------------------ internal errors
 
 
-@pytest.fixture
-def boom(tmp_path):
-    (tmp_path / "boom_cmd.py").write_text(
-        "def add_arguments(parser):\n    pass\n\ndef run(args):\n    raise RuntimeError('kaboom')\n")
-    return ("import sys; from anima_train import cli; cli.COMMANDS['boom'] = cli.Command('boom_cmd', 'x'); "
-            "sys.exit(cli.main(sys.argv[1:]))")
+BOOM = "def add_arguments(parser):\n    pass\n\ndef run(args):\n    raise RuntimeError('kaboom')\n"
 
 
-def _boom(code, tmp_path, *args, env=None):
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", **(env or {})}
-    if "ANIMA_TRAIN_DEBUG" not in (env or {}):
-        full_env.pop("ANIMA_TRAIN_DEBUG", None)
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path,
-                          env=full_env, timeout=120)
-
-
-def test_an_internal_error_is_one_line_exit_1_with_the_debug_hint(boom, tmp_path):
-    out = _boom(boom, tmp_path, "boom")
+def test_an_internal_error_is_one_line_exit_1_with_the_debug_hint(tmp_path):
+    out = stand_in_command("boom", BOOM, "boom", cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "anima-train boom: internal error: RuntimeError: kaboom" in out.stderr
     assert "--debug" in out.stderr and "ANIMA_TRAIN_DEBUG=1" in out.stderr
-    for shown in (_boom(boom, tmp_path, "boom", "--debug"), _boom(boom, tmp_path, "--debug", "boom"),
-                  _boom(boom, tmp_path, "boom", env={"ANIMA_TRAIN_DEBUG": "1"})):
+    for shown in (stand_in_command("boom", BOOM, "boom", "--debug", cwd=tmp_path),
+                  stand_in_command("boom", BOOM, "--debug", "boom", cwd=tmp_path),
+                  stand_in_command("boom", BOOM, "boom", cwd=tmp_path, env={"ANIMA_TRAIN_DEBUG": "1"})):
         assert "Traceback" in shown.stderr and "RuntimeError: kaboom" in shown.stderr
 
 
@@ -211,12 +198,8 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a total
 def test_a_step_that_does_not_fit_the_gpu_is_a_user_error_with_what_to_change(tmp_path):
     # a config that asks more than the card has is not a bug in anima-train: before, this printed "internal error:
     # OutOfMemoryError ... This is a bug in anima-train, not in your input" and exited 1
-    (tmp_path / "oom_cmd.py").write_text(
-        "import torch\n\ndef add_arguments(parser):\n    pass\n\n"
-        f"def run(args):\n    raise torch.OutOfMemoryError({TORCH_OOM!r})\n")
-    code = ("import sys; from anima_train import cli; cli.COMMANDS['oom'] = cli.Command('oom_cmd', 'x'); "
-            "sys.exit(cli.main(sys.argv[1:]))")
-    out = _boom(code, tmp_path, "oom")
+    out = stand_in_command("oom", "import torch\n\ndef add_arguments(parser):\n    pass\n\n"
+                           f"def run(args):\n    raise torch.OutOfMemoryError({TORCH_OOM!r})\n", "oom", cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     (line,) = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert line.startswith("anima-train oom: error: the GPU ran out of memory (Tried to allocate 16.00 MiB; "

@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from PIL import Image
 
@@ -433,17 +434,14 @@ def _workers_alive(marker: str) -> list[int]:
     """The live anima_train processes of the run named `marker`: by its name in their command line, or, for a run in
     a worker started ahead (`-m anima_train.standby`, whose command line names no run), in their current folder."""
     alive = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            cwd = os.readlink(entry / "cwd") if "anima_train" in cmd else ""
-        except OSError:
+            cmd = " ".join(proc.cmdline())
+            if ("anima_train" in cmd and proc.status() != psutil.STATUS_ZOMBIE
+                    and (marker in cmd or marker in proc.cwd())):
+                alive.append(proc.pid)
+        except psutil.Error:  # gone meanwhile, or not ours to read
             continue
-        if "anima_train" in cmd and (marker in cmd or marker in cwd) and state != "Z":
-            alive.append(int(entry.name))
     return alive
 
 

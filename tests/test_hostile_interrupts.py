@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from anima_train.outputs.layout import MANIFEST_NAME
 from anima_train import errors
 from anima_train.model.tiny import make_synthetic_dataset
-from tests.fixtures_tiny import folder_digests
+from tests.fixtures_tiny import folder_digests, stand_in_command
 
 ROOT = Path(__file__).resolve().parents[1]
 posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
@@ -178,7 +178,8 @@ def test_an_interrupt_during_start_up_is_one_line(setup, tmp_path, sig):
 def importing_command(tmp_path, sig, *, signals: int) -> subprocess.CompletedProcess:
     """Run a command whose module signals its own process `signals` times (0.1 s apart) halfway through being
     imported, then goes on importing for 0.5 s and says "imported"; its run sleeps."""
-    (tmp_path / "importing_cmd.py").write_text(
+    return stand_in_command(
+        "importing",
         "import os, sys, time\n\n"
         "def spin(s):\n"
         "    until = time.monotonic() + s\n"
@@ -190,12 +191,10 @@ def importing_command(tmp_path, sig, *, signals: int) -> subprocess.CompletedPro
         "spin(0.5)\n"
         "print('imported', file=sys.stderr, flush=True)\n\n"
         "def add_arguments(parser):\n    pass\n\n"
-        "def run(args):\n    time.sleep(60)\n")
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from anima_train import cli; cli.COMMANDS['importing'] = cli.Command('importing_cmd', 'x'); "
-            "sys.exit(cli.main(sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", code, "importing"], capture_output=True, text=True, cwd=tmp_path,
-                          env={**child_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}, timeout=60)
+        "def run(args):\n    time.sleep(60)\n",
+        "importing", cwd=tmp_path, timeout=60,
+        # a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would inherit that
+        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)")
 
 
 @posix_only
