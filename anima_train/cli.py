@@ -18,15 +18,13 @@ import argparse
 import contextlib
 import importlib
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass
 
 from anima_train import __version__, adapters, errors
-from anima_train.system import third_party_noise
+from anima_train.system import interrupts, third_party_noise
 
 
 @dataclass(frozen=True)
@@ -115,110 +113,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(name: str, rest: list[str], debug: bool) -> int:
-    default_format, default_handlers = warnings.formatwarning, _interrupt_policy()
-    try:  # the interrupt policy covers the whole command: importing it (seconds of torch), its arguments, its run
+    default_format = warnings.formatwarning
+    # the interrupt policy covers the whole command: importing it (seconds of torch), its arguments, its run
+    with interrupts.policy() as received:
         try:
-            add_arguments, run = _load(name)
-        except NotYetImplemented as exc:
-            print(f"anima-train: {exc}", file=sys.stderr)
-            return 2
-        parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
-        add_arguments(parser)
-        parser.add_argument("--debug", action="store_true",
-                            help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
-        args = parser.parse_args(rest)
-        debug = debug or args.debug
-        if not debug:
-            warnings.formatwarning = _plain_format(name)
-        return int(run(args) or 0)
-    except KeyboardInterrupt as exc:
-        if debug:
-            raise
-        if errors.is_main_process():  # under a launcher every rank gets the signal: the main one says it
-            print(f"anima-train {name}: {errors.interrupted_message(exc)}", file=sys.stderr)
-        return errors.INTERRUPTED_EXIT
-    except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
-        if debug:
-            raise
-        if _signals_received and errors.is_main_process():
-            # a library swallowed the interrupt and failed later (caught it and raised its own error): the interrupt
-            # is what happened
-            print(f"anima-train {name}: {_signals_received[-1]}", file=sys.stderr)
+            try:
+                add_arguments, run = _load(name)
+            except NotYetImplemented as exc:
+                print(f"anima-train: {exc}", file=sys.stderr)
+                return 2
+            parser = argparse.ArgumentParser(prog=f"anima-train {name}", description=COMMANDS[name].help)
+            add_arguments(parser)
+            parser.add_argument("--debug", action="store_true",
+                                help=f"show the full traceback of an error (or set {errors.DEBUG_ENV}=1)")
+            args = parser.parse_args(rest)
+            debug = debug or args.debug
+            if not debug:
+                warnings.formatwarning = _plain_format(name)
+            return int(run(args) or 0)
+        except KeyboardInterrupt as exc:
+            if debug:
+                raise
+            if errors.is_main_process():  # under a launcher every rank gets the signal: the main one says it
+                print(f"anima-train {name}: {errors.interrupted_message(exc)}", file=sys.stderr)
             return errors.INTERRUPTED_EXIT
-        return _report(name, exc)
-    finally:
-        warnings.formatwarning = default_format  # in-process callers get theirs back
-        for sig, handler in default_handlers.items():
-            signal.signal(sig, handler)
-        _signals_received.clear()
-        _import_wait.update(waiting=False, resent=0)
-
-
-_signals_received: list[str] = []  # how this command was interrupted, if it was
-
-# The signals of the interrupt policy, and how each is said. SIGBREAK is Windows' SIGTERM: Ctrl+Break, and the
-# CTRL_BREAK_EVENT the Train node's Cancel sends its worker (nodes/worker.py), which without a handler ends the
-# process where it stands (no cleanup).
-_INTERRUPTS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
-if hasattr(signal, "SIGBREAK"):
-    _INTERRUPTS[signal.SIGBREAK] = "terminated (Ctrl+Break)"
-
-
-def _raise_interrupted(signum, frame):
-    resent = _import_wait["resent"] > 0
-    if resent:
-        _import_wait["resent"] -= 1
-    if _importing(frame) and (resent or not _import_wait["waiting"]):
-        # Not raised inside an import: a module's import runs native initializers, and torch's call back into
-        # Python through pybind11, which cannot pass an exception on from there and aborts the process instead
-        # ("terminate called after throwing an instance of 'pybind11::error_already_set'", no cleanup, no line of
-        # ours). The signal is sent again shortly, until it arrives after the import. A second interrupt while one
-        # waits is raised at once (an import that hangs must not keep the command from stopping).
-        _import_wait["waiting"] = True
-        retry = threading.Timer(_IMPORT_RETRY_S, _resend, (signum,))
-        retry.daemon = True  # a command that ends first is not kept waiting for it
-        retry.start()
-        return
-    _import_wait.update(waiting=False)
-    how = _INTERRUPTS.get(signum, "interrupted")
-    _signals_received.append(how)
-    raise errors.Interrupted(how)
-
-
-_IMPORT_RETRY_S = 0.05
-_import_wait = {"waiting": False, "resent": 0}  # an interrupt waiting for an import to end; its re-sends in flight
-
-
-def _resend(signum: int) -> None:
-    """The signal again, to the main thread: a wait there (sleep, a lock, a pipe) ends for it as for the first."""
-    _import_wait["resent"] += 1
-    if hasattr(signal, "pthread_kill"):
-        signal.pthread_kill(threading.main_thread().ident, signum)
-    else:  # Windows: Python's waits there end on its Ctrl-C event, which the handler sets in any thread
-        signal.raise_signal(signum)
-
-
-def _importing(frame) -> bool:
-    """Whether Python's import machinery is on the interrupted stack (a module is being imported)."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _interrupt_policy() -> dict:
-    """Ctrl-C, SIGTERM (timeout, Slurm, a service manager, the ComfyUI worker's end) and Windows' Ctrl+Break alike:
-    each unwinds as KeyboardInterrupt instead of killing the process where it stands (the same cleanup, one line,
-    exit status 130), and each is remembered, so an error a library raises after swallowing one is said as the
-    interrupt. Returns the handlers to put back (none off the main thread, where in-process callers may run)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    kept = {sig: signal.getsignal(sig) for sig in _INTERRUPTS}
-    kept = {sig: handler for sig, handler in kept.items() if handler is not signal.SIG_IGN}  # nohup, `cmd &`: theirs
-    for sig in kept:
-        signal.signal(sig, _raise_interrupted)
-    return kept
+        except Exception as exc:  # noqa: BLE001 (every error becomes one message; --debug shows the traceback)
+            if debug:
+                raise
+            if received.how and errors.is_main_process():
+                # a library swallowed the interrupt and failed later (caught it and raised its own error): the
+                # interrupt is what happened
+                print(f"anima-train {name}: {received.how}", file=sys.stderr)
+                return errors.INTERRUPTED_EXIT
+            return _report(name, exc)
+        finally:
+            warnings.formatwarning = default_format  # in-process callers get theirs back
 
 
 def _plain_format(name: str):

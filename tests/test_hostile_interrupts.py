@@ -242,6 +242,49 @@ def test_an_interrupted_tiny_model_exits_130_and_leaves_nothing_half_written(tmp
     assert again.returncode == 0, again.stderr
 
 
+FINALIZERS = {  # a finalizer that signals its own process and goes on for 0.2 s, and the line that runs it
+    "__del__": ("class Finalized:\n    def __del__(self):\n        finalizer()\n\n", "Finalized()"),
+    "weakref.finalize": ("import weakref\n\nclass Finalized:\n    pass\n\n",
+                         "gone = Finalized(); weakref.finalize(gone, finalizer); del gone"),
+}
+
+
+@posix_only
+@pytest.mark.parametrize("kind", sorted(FINALIZERS))
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_that_lands_in_a_finalizer_still_stops_the_command(tmp_path, sig, kind):
+    """An exception cannot leave a finalizer (a `__del__`, a weakref callback): Python prints "Exception ignored in
+    ..." with a traceback and goes on. An interrupt that landed there was lost: the command ran on to its end, exit
+    0 (both kinds, checked on the code before the fix). A finalizer of each kind stands in for a library's (tqdm's,
+    a temp folder's): the command must stop within its next 2 s, with the one line. A `__del__` runs to its end
+    first ("finalized" printed by it)."""
+    definition, call = FINALIZERS[kind]
+    out = stand_in_command(
+        "finalizing",
+        "import os, sys, time\n\n"
+        "def spin(s):\n"
+        "    until = time.monotonic() + s\n"
+        "    while time.monotonic() < until:  # bytecodes, where Python runs a signal handler\n"
+        "        pass\n\n"
+        "def finalizer():\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    spin(0.2)\n"
+        "    print('finalized', file=sys.stderr, flush=True)\n\n"
+        f"{definition}"
+        "def add_arguments(parser):\n    pass\n\n"
+        "def run(args):\n"
+        f"    {call}\n"
+        "    spin(2)\n"
+        "    print('ran to the end', file=sys.stderr, flush=True)\n",
+        "finalizing", cwd=tmp_path, timeout=60,
+        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)")
+    assert out.returncode == errors.INTERRUPTED_EXIT, out.stderr
+    assert "ran to the end" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    assert last_line(out.stderr) == f"anima-train finalizing: {SAID[sig]}", out.stderr
+    if kind == "__del__":
+        assert out.stderr == f"finalized\nanima-train finalizing: {SAID[sig]}\n"
+
+
 # ------------------------------------------------------------------------------------------------- damage
 
 def test_a_nan_in_the_base_model_is_blamed_on_the_model_files_not_the_lr(setup, tmp_path):

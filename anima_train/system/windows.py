@@ -70,7 +70,7 @@ def on_console_event(event: int) -> bool:
     """The console control handler. A close, logoff or shutdown event asks the training loop to stop and save, then
     waits until training has returned (Windows ends the process when this returns). Other events (Ctrl+C, the
     Ctrl+Break the node's Cancel sends) return False: the next handler, the C runtime's, raises SIGINT or SIGBREAK,
-    which the command's interrupt policy turns into its unwinding (anima_train/cli.py)."""
+    which the command's interrupt policy turns into its unwinding (anima_train/system/interrupts.py)."""
     if event not in CLOSE_EVENTS:
         return False
     if not _reason:
