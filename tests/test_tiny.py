@@ -30,12 +30,10 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_build_layout_speed_and_determinism(tmp_path):
-    a = tiny.build_tiny_anima(tmp_path / "a", seed=0)  # the first build also pays the diffusers imports
-    t0 = time.perf_counter()
+def test_build_layout_and_determinism(tmp_path):
+    # (its time is in every test run's slowest-test list, not asserted here: a loaded machine is no bug)
+    a = tiny.build_tiny_anima(tmp_path / "a", seed=0)
     b = tiny.build_tiny_anima(tmp_path / "b", seed=0)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, f"tiny build took {elapsed:.1f} s"
     assert sorted(p.name for p in a.diffusers_dir.iterdir()) == sorted((*SUBFOLDERS, "modular_model_index.json"))
     assert sorted(p.name for p in a.native_dir.iterdir()) == ["anima.safetensors", "qwen3.safetensors",
                                                               "vae.safetensors"]
