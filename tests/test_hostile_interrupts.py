@@ -170,14 +170,15 @@ def test_an_interrupt_during_start_up_is_one_line(setup, tmp_path, sig):
     assert code == errors.INTERRUPTED_EXIT, said
     how = SAID[sig]
     assert said.startswith("anima-train train: " + how) and said.count("\n") == 1, said
-    # raised once the import it came in has ended, it may land after the run folder's lock: the folders the lock
-    # made are taken back (tests/test_runs.py)
+    # raised the moment the import it came in returns, before the run makes its folder (stop 53's code re-sent it
+    # every 50 ms until it landed outside an import, at times after the lock had made the folder)
     assert not (tmp_path / "out").exists()
 
 
-def importing_command(tmp_path, sig, *, signals: int) -> subprocess.CompletedProcess:
+def importing_command(tmp_path, sig, *, signals: int, traced: bool = False) -> subprocess.CompletedProcess:
     """Run a command whose module signals its own process `signals` times (0.1 s apart) halfway through being
-    imported, then goes on importing for 0.5 s and says "imported"; its run sleeps."""
+    imported, then goes on importing for 0.5 s and says "imported"; its run sleeps. `traced`: under a tracer of the
+    user's (as under a debugger or coverage: `sys.settrace`)."""
     return stand_in_command(
         "importing",
         "import os, sys, time\n\n"
@@ -194,17 +195,19 @@ def importing_command(tmp_path, sig, *, signals: int) -> subprocess.CompletedPro
         "def run(args):\n    time.sleep(60)\n",
         "importing", cwd=tmp_path, timeout=60,
         # a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would inherit that
-        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)")
+        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+               + ("; import sys; sys.settrace(getattr)" if traced else ""))
 
 
 @posix_only
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "under-a-tracer"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_an_interrupt_inside_an_import_is_raised_after_the_import(tmp_path, sig):
+def test_an_interrupt_inside_an_import_is_raised_after_the_import(tmp_path, sig, traced):
     """torch's import calls back into Python from C++ (pybind11): an interrupt raised in there cannot be passed on,
     and the process aborted ("terminate called after throwing an instance of 'pybind11::error_already_set'", exit
     -6, no cleanup; seen in CI as the SIGTERM case of the start-up test above, one run in 40 here). A command module
     stands in for that import. Before, the interrupt was raised at once, inside the import (no "imported" line)."""
-    out = importing_command(tmp_path, sig, signals=1)
+    out = importing_command(tmp_path, sig, signals=1, traced=traced)
     how = SAID[sig]
     assert (out.returncode, out.stderr) == (errors.INTERRUPTED_EXIT, f"imported\nanima-train importing: {how}\n")
 

@@ -12,13 +12,14 @@ exit 130. Two places cannot take an exception, and an interrupt that lands in th
 
 * an import: torch's runs C++ that calls back into Python through pybind11, which cannot pass an exception on and
   aborts the process ("terminate called after throwing an instance of 'pybind11::error_already_set'"); a module cut
-  off mid-import breaks the unwinding anyway. The signal is sent again every 50 ms until it arrives outside an
-  import. A second interrupt meanwhile is raised at once: an import that hangs must not keep a command from
-  stopping;
+  off mid-import breaks the unwinding anyway. The interrupt is raised the moment the outermost import returns, in
+  the code that imported (_raise_when_back_in). A second interrupt meanwhile is raised at once: an import that
+  hangs must not keep a command from stopping;
 * a finalizer: an exception cannot leave it (Python prints "Exception ignored in ..." and goes on), so the command
   ran on to its end, its finalizer cut short. An interrupt that arrives in a `__del__` waits for it to end, as for
-  an import; one that ends in any other finalizer (a weakref callback, `weakref.finalize`) is sent again at once
-  and lands a moment later.
+  an import, and is raised in the code the `__del__` interrupted, at its next line; one that ends in any other
+  finalizer (a weakref callback, `weakref.finalize`) reaches the policy's `sys.unraisablehook`, which sends the
+  signal again from another thread, and lands a moment later.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Received:
         self.how = ""
         self.signum: int | None = None  # the last signal raised
         self.waiting = False  # an interrupt waits for an import or a __del__ to end
+        self.watched = None  # ... in the frame that is traced for it (_raise_when_back_in)
         self.resent = 0  # the policy's own re-sends not yet arrived (told from the user's by this count)
 
 
@@ -72,6 +74,7 @@ def policy() -> Iterator[Received]:
     try:
         yield received
     finally:
+        _stop_watching(received)
         for sig, handler in kept.items():
             signal.signal(sig, handler)
         sys.unraisablehook = hook
@@ -85,13 +88,50 @@ def _raise_interrupted(signum, frame):
     resent = received.resent > 0
     if resent:
         received.resent -= 1
-    if _cannot_raise(frame) and (resent or not received.waiting):
+    outermost = _outermost_that_cannot_raise(frame)
+    if outermost is not None and (resent or not received.waiting):
         received.waiting = True
-        _resend_later(received, signum, IMPORT_RETRY_S)
+        if received.watched is None:
+            _raise_when_back_in(outermost.f_back, received, signum)
         return
+    _stop_watching(received)
+    _interrupted(received, signum)
+
+
+def _interrupted(received: Received, signum: int):
     received.waiting = False
     received.how, received.signum = SAID.get(signum, "interrupted"), signum
     raise errors.Interrupted(received.how)
+
+
+def _raise_when_back_in(caller, received: Received, signum: int) -> None:
+    """Raise the interrupt in `caller`, the frame below the outermost import or finalizer, as soon as it runs its
+    next line or returns: right after `import torch` (the module imported) or the `__del__`. A trace function on
+    that one frame sees the moment and may raise into it (as a debugger's quit does); the global one, needed for
+    any frame to be traced, is `getattr`, a C function that answers None for every new frame (`getattr(frame,
+    "call", None)`: frames have no attribute "call"), so while an interrupt waits the other frames run only the
+    tracing mode's overhead, and nothing otherwise. Under a tracer of the user's (a debugger, coverage), which this
+    would replace, the signal is sent again every 50 ms instead, until it lands outside."""
+    if sys.gettrace() is not None or caller is None:
+        _resend_later(received, signum, IMPORT_RETRY_S)
+        return
+
+    def trace(frame, event, arg):
+        if event in ("line", "return"):
+            _stop_watching(received)
+            _interrupted(received, signum)
+        return trace
+
+    received.watched = caller
+    caller.f_trace_lines = True
+    caller.f_trace = trace
+    sys.settrace(getattr)
+
+
+def _stop_watching(received: Received) -> None:
+    if received.watched is not None:
+        received.watched.f_trace, received.watched = None, None
+        sys.settrace(None)
 
 
 def _unraisable(hook):
@@ -122,13 +162,14 @@ def _resend(received: Received, signum: int) -> None:
         signal.raise_signal(signum)
 
 
-def _cannot_raise(frame) -> bool:
-    """Whether the interrupted stack is in an import (Python's import machinery on it), a `__del__`, or this
-    module's hook for what finalizers could not raise."""
+def _outermost_that_cannot_raise(frame):
+    """The frame nearest the bottom of the stack from `frame` down that is an import (Python's import machinery), a
+    `__del__`, or this module's hook for what finalizers could not raise; None when there is none."""
+    found = None
     while frame is not None:
         code = frame.f_code
         if (code.co_filename.startswith("<frozen importlib._bootstrap") or code.co_name == "__del__"
                 or code.co_filename == __file__ and code.co_name == "unraisable"):
-            return True
+            found = frame
         frame = frame.f_back
-    return False
+    return found
