@@ -175,6 +175,16 @@ def test_an_interrupt_during_start_up_is_one_line(setup, tmp_path, sig):
     assert not (tmp_path / "out").exists()
 
 
+# stand-in commands' source: a busy wait (bytecodes, where Python runs a signal handler)
+SPIN = ("def spin(s):\n"
+        "    until = time.monotonic() + s\n"
+        "    while time.monotonic() < until:\n"
+        "        pass\n\n")
+# their first statement: a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would
+# inherit that
+CTRL_C_HONOURED = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+
+
 def importing_command(tmp_path, sig, *, signals: int, traced: bool = False) -> subprocess.CompletedProcess:
     """Run a command whose module signals its own process `signals` times (0.1 s apart) halfway through being
     imported, then goes on importing for 0.5 s and says "imported"; its run sleeps. `traced`: under a tracer of the
@@ -182,10 +192,7 @@ def importing_command(tmp_path, sig, *, signals: int, traced: bool = False) -> s
     return stand_in_command(
         "importing",
         "import os, sys, time\n\n"
-        "def spin(s):\n"
-        "    until = time.monotonic() + s\n"
-        "    while time.monotonic() < until:  # bytecodes, where Python runs a signal handler\n"
-        "        pass\n\n"
+        f"{SPIN}"
         f"for _ in range({signals}):\n"
         f"    os.kill(os.getpid(), {int(sig)})\n"
         "    spin(0.1)\n"
@@ -194,9 +201,7 @@ def importing_command(tmp_path, sig, *, signals: int, traced: bool = False) -> s
         "def add_arguments(parser):\n    pass\n\n"
         "def run(args):\n    time.sleep(60)\n",
         "importing", cwd=tmp_path, timeout=60,
-        # a test run started in the background (`pytest &`) ignores Ctrl-C, and its children would inherit that
-        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
-               + ("; import sys; sys.settrace(getattr)" if traced else ""))
+        before=CTRL_C_HONOURED + ("; import sys; sys.settrace(getattr)" if traced else ""))
 
 
 @posix_only
@@ -265,10 +270,7 @@ def test_an_interrupt_that_lands_in_a_finalizer_still_stops_the_command(tmp_path
     out = stand_in_command(
         "finalizing",
         "import os, sys, time\n\n"
-        "def spin(s):\n"
-        "    until = time.monotonic() + s\n"
-        "    while time.monotonic() < until:  # bytecodes, where Python runs a signal handler\n"
-        "        pass\n\n"
+        f"{SPIN}"
         "def finalizer():\n"
         f"    os.kill(os.getpid(), {int(sig)})\n"
         "    spin(0.2)\n"
@@ -279,8 +281,7 @@ def test_an_interrupt_that_lands_in_a_finalizer_still_stops_the_command(tmp_path
         f"    {call}\n"
         "    spin(2)\n"
         "    print('ran to the end', file=sys.stderr, flush=True)\n",
-        "finalizing", cwd=tmp_path, timeout=60,
-        before="import signal; signal.signal(signal.SIGINT, signal.default_int_handler)")
+        "finalizing", cwd=tmp_path, timeout=60, before=CTRL_C_HONOURED)
     assert out.returncode == errors.INTERRUPTED_EXIT, out.stderr
     assert "ran to the end" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
     assert last_line(out.stderr) == f"anima-train finalizing: {SAID[sig]}", out.stderr

@@ -45,11 +45,14 @@ class Received:
     """How the command was interrupted, if it was (the last signal raised), and the signals in flight."""
 
     def __init__(self):
-        self.how = ""
         self.signum: int | None = None  # the last signal raised
         self.waiting = False  # an interrupt waits for an import or a __del__ to end
         self.watched = None  # ... in the frame that is traced for it (_raise_when_back_in)
         self.resent = 0  # the policy's own re-sends not yet arrived (told from the user's by this count)
+
+    @property
+    def how(self) -> str:
+        return "" if self.signum is None else SAID.get(self.signum, "interrupted")
 
 
 _received: Received | None = None  # the policy in force, on the main thread
@@ -100,7 +103,7 @@ def _raise_interrupted(signum, frame):
 
 def _interrupted(received: Received, signum: int):
     received.waiting = False
-    received.how, received.signum = SAID.get(signum, "interrupted"), signum
+    received.signum = signum
     raise errors.Interrupted(received.how)
 
 
