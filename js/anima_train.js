@@ -389,6 +389,13 @@ app.registerExtension({
         }
       });
     }
+    // A restart of ComfyUI with this page left open (the Manager's Restart, a console restart): the page reconnects
+    // without creating its nodes again, and the worker asked for went with the old server.
+    api.addEventListener("reconnected", () => {
+      if (!trainNodesOnCanvas().length) return;
+      workerAskedAt = -Infinity;
+      askForWorkerAhead();
+    });
     api.addEventListener(PROGRESS_EVENT, ({ detail }) => {
       try {
         onProgress(detail);

@@ -88,6 +88,7 @@ const shown = () => Object.fromEntries(app.rootGraph.nodes.map((n) => {
 const out = [];
 for (const step of JSON.parse(process.argv[2])) {
   if (step.show) show(step.show, step.nodes);
+  if (step.reconnect) { api.dispatchEvent(new CustomEvent("reconnected")); await new Promise((r) => setTimeout(r, 0)); }
   if (step.queue) {  // the Run button: app.queuePrompt -> api.queuePrompt(number, {output, workflow})
     globalThis.nextPromptId = step.queue;
     await api.queuePrompt(0, { output: {}, workflow: { id: app.rootGraph.id, nodes: [] } });
@@ -202,3 +203,14 @@ def test_a_train_node_on_the_canvas_asks_once_for_the_next_runs_worker(tmp_path)
     # nodes_train.WORKER_AHEAD_ROUTE (test_nodes_train.py checks that the page holds the same path)
     assert result["fetched"] == [["/anima_train/worker_ahead", "POST"]]
     assert result["out"] == [{"5": "idle:"}]  # the chart is drawn as before (no run yet)
+
+
+@pytest.mark.skipif(NODE is None, reason="needs node (js/anima_train.js runs as an ES module)")
+def test_a_page_that_reconnects_to_a_restarted_comfyui_asks_again_for_the_worker(tmp_path):
+    """A restart of ComfyUI with the page open: the page reconnects (the frontend's `reconnected` event) without
+    creating its nodes again, so without this the first run after the restart found no worker waiting. Asks at once
+    (the last request went to the old server), and only while a Train node is on the canvas. Fails without the
+    listener: one request."""
+    result = run_page(tmp_path, [{"show": "wf-A", "nodes": [5]}, {"reconnect": True},
+                                 {"show": "wf-B", "nodes": []}, {"reconnect": True}])
+    assert result["fetched"] == [["/anima_train/worker_ahead", "POST"]] * 2
