@@ -103,17 +103,30 @@ def comfy(tmp_path_factory):
 def _play(comfy, tmp_path, set_widgets: dict | None, template: str | None = None, stop_at: tuple = ()) -> dict:
     """The driver's report; set_widgets None: open the template and report the view only (no Run); stop_at:
     interrupt the prompt once a node of one of these types runs."""
+    return _report(comfy, tmp_path, _start_driver(comfy, tmp_path, set_widgets, template, stop_at))
+
+
+def _start_driver(comfy, tmp_path, set_widgets: dict | None, template: str | None = None, stop_at: tuple = (),
+                  reconnect_when: Path | None = None) -> subprocess.Popen:
+    """The driver, started (_report waits for it); reconnect_when: see first_run.cjs."""
     # each test is a user's first visit: the frontend keeps its panels' state in ComfyUI's settings (an Errors panel
     # opened by an earlier test stays open, and the canvas beside it narrows)
     (comfy["base"] / comfy_browser.SETTINGS).write_text(json.dumps({"Comfy.TutorialCompleted": True}))
     cfg = {"url": comfy["url"] + "/", "chromium": comfy["chromium"], "userDataDir": str(tmp_path / "chrome"),
            "outDir": str(tmp_path), "category": DISPLAY_NAME, "template": template or comfy["template"],
            "set": set_widgets or {}, "run": set_widgets is not None, "stopAtType": list(stop_at) or None,
-           "timeoutMs": RUN_TIMEOUT_S * 1000}
-    run = subprocess.run([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 240)
+           "timeoutMs": RUN_TIMEOUT_S * 1000, "reconnectWhen": str(reconnect_when) if reconnect_when else None}
+    return subprocess.Popen([comfy["node"], str(DRIVER), json.dumps(cfg)], cwd=comfy_browser.BROWSER_DIR,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _report(comfy, tmp_path, driver: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = driver.communicate(timeout=RUN_TIMEOUT_S + 240)
+    finally:
+        driver.kill()
     server_log = (comfy["base"] / "server.log").read_text()[-4000:]
-    assert run.returncode == 0, f"browser driver failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}\n{server_log}"
+    assert driver.returncode == 0, f"browser driver failed:\n{stdout[-2000:]}\n{stderr[-4000:]}\n{server_log}"
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["pageErrors"] == [], r["pageErrors"]
     assert r["categoryFound"], f"no {DISPLAY_NAME!r} in the Templates dialog"
@@ -219,6 +232,37 @@ def test_opening_the_training_template_starts_the_first_runs_worker_ahead(comfy,
     while not _workers_ahead(base) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _workers_ahead(base), "opening the training workflow started no worker ahead"
+
+
+def test_a_page_left_open_through_a_restart_of_comfyui_asks_the_new_server_for_the_worker(comfy, tmp_path):
+    """A restart of ComfyUI with the page open (the Manager's Restart): the frontend reconnects without creating its
+    nodes again, and the worker the page asked for went with the old server. Played on the real page: the waiting
+    worker is ended (as a restart ends it), then the page's connection drops and the frontend's own reconnection
+    runs (what a restart makes it do; the server here stays up). Fails without the page's `reconnected` listener:
+    no worker until a run ends."""
+    base, drop = comfy["base"], tmp_path / "drop-the-connection"
+    driver = _start_driver(comfy, tmp_path, None, reconnect_when=drop)
+    try:
+        deadline = time.monotonic() + 120
+        while not _workers_ahead(base) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _workers_ahead(base), "opening the training workflow started no worker ahead"
+        for pid in _workers_ahead(base):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _workers_ahead(base) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _workers_ahead(base) == []
+        drop.touch()
+    except BaseException:
+        driver.kill()
+        raise
+    r = _report(comfy, tmp_path, driver)
+    assert r["reconnected"], "the frontend did not reconnect"
+    deadline = time.monotonic() + 30
+    while not _workers_ahead(base) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _workers_ahead(base), "the page reconnected and asked for no worker"
 
 
 def test_the_newcomer_sets_only_their_widgets_and_the_first_run_trains_loads_and_samples(comfy, tmp_path):

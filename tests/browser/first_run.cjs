@@ -1,14 +1,16 @@
 // Drives a real headless Chromium against a running ComfyUI for tests/test_browser_first_run.py.
 //   node first_run.cjs '<json: {url, chromium, userDataDir, outDir, category, template, set, run, stopAtType,
-//                               timeoutMs}>'
+//                               timeoutMs, reconnectWhen}>'
 // Plays a user's first run: opens the Templates dialog with the side bar's button, picks the `category` item of its
 // Extensions group and clicks the `template` card; reports the view it opens at (zoom, whether the canvas draws
 // titles and widgets, every node's box on the screen and whether its corners are visible); sets the `set` widget
 // values ({node type: {widget name: value}}, as a user types them), presses Run once (the Run button's command) and
-// waits for the prompt (run = false: it stops after the view; stopAtType: it interrupts the prompt once a node
-// of one of these types runs), noting the output nodes ComfyUI queued it with. Then it reports what the user sees: the
+// waits for the prompt (run = false: it stops after the view; stopAtType: it interrupts the prompt once a node of
+// one of these types runs), noting the output nodes ComfyUI queued it with. Then it reports what the user sees: the
 // error overlay and Errors panel text, the nodes marked as failing, the nodes the server ran, and the text every
-// node shows. Writes <outDir>/result.json and page.png; it asserts nothing itself.
+// node shows. reconnectWhen (a file): after the view, once the file exists, the page's connection drops and the
+// frontend reconnects (`reconnected`: whether it did). Writes <outDir>/result.json and page.png; it asserts nothing
+// itself.
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -72,6 +74,16 @@ async function main() {
       };
     });
     await page.screenshot({ path: path.join(cfg.outDir, "opened.png") });
+    if (cfg.reconnectWhen) { // once that file exists: the connection drops and the frontend reconnects, as a restart
+      const deadline = Date.now() + 120000; // of ComfyUI with the page open makes it
+      while (!fs.existsSync(cfg.reconnectWhen) && Date.now() < deadline) await page.waitForTimeout(200);
+      result.reconnected = await page.evaluate(() => new Promise((resolve) => {
+        const { api } = window.comfyAPI.api;
+        api.addEventListener("reconnected", () => resolve(true), { once: true });
+        setTimeout(() => resolve(false), 30000);
+        api.socket.close();
+      }));
+    }
     if (cfg.run === false) { // the view only
       fs.writeFileSync(path.join(cfg.outDir, "result.json"), JSON.stringify(result, null, 1));
       return;
