@@ -216,22 +216,29 @@ def _workers_ahead(base: Path) -> list[int]:
     return found
 
 
+def _within(seconds: float, done):
+    """done()'s answer once it is true, or at the end of `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return done()
+
+
+def _end_workers_ahead(base: Path) -> None:
+    """No worker waits for this ComfyUI (as after its restart, or one an earlier test left)."""
+    for pid in _workers_ahead(base):
+        os.kill(pid, signal.SIGKILL)
+    assert _within(10, lambda: not _workers_ahead(base))
+
+
 def test_opening_the_training_template_starts_the_first_runs_worker_ahead(comfy, tmp_path):
     """The Train node on the canvas asks ComfyUI to start the next run's worker (its imports take most of a warm
     start's wait), so the first run after opening the workflow starts in it. Fails without that: until a run has
     ended in this ComfyUI no worker waits."""
     base = comfy["base"]
-    for pid in _workers_ahead(base):  # one an earlier test left: the page must start its own
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while _workers_ahead(base) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _workers_ahead(base) == []
+    _end_workers_ahead(base)  # the page must start its own
     _play(comfy, tmp_path, None)  # opened from the Templates dialog, nothing queued
-    deadline = time.monotonic() + 30
-    while not _workers_ahead(base) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _workers_ahead(base), "opening the training workflow started no worker ahead"
+    assert _within(30, lambda: _workers_ahead(base)), "opening the training workflow started no worker ahead"
 
 
 def test_a_page_left_open_through_a_restart_of_comfyui_asks_the_new_server_for_the_worker(comfy, tmp_path):
@@ -243,26 +250,14 @@ def test_a_page_left_open_through_a_restart_of_comfyui_asks_the_new_server_for_t
     base, drop = comfy["base"], tmp_path / "drop-the-connection"
     driver = _start_driver(comfy, tmp_path, None, reconnect_when=drop)
     try:
-        deadline = time.monotonic() + 120
-        while not _workers_ahead(base) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _workers_ahead(base), "opening the training workflow started no worker ahead"
-        for pid in _workers_ahead(base):
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while _workers_ahead(base) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _workers_ahead(base) == []
+        assert _within(120, lambda: _workers_ahead(base)), "opening the training workflow started no worker ahead"
+        _end_workers_ahead(base)
         drop.touch()
     except BaseException:
         driver.kill()
         raise
-    r = _report(comfy, tmp_path, driver)
-    assert r["reconnected"], "the frontend did not reconnect"
-    deadline = time.monotonic() + 30
-    while not _workers_ahead(base) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _workers_ahead(base), "the page reconnected and asked for no worker"
+    assert _report(comfy, tmp_path, driver)["reconnected"], "the frontend did not reconnect"
+    assert _within(30, lambda: _workers_ahead(base)), "the page reconnected and asked for no worker"
 
 
 def test_the_newcomer_sets_only_their_widgets_and_the_first_run_trains_loads_and_samples(comfy, tmp_path):
