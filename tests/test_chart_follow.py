@@ -88,7 +88,7 @@ const shown = () => Object.fromEntries(app.rootGraph.nodes.map((n) => {
 const out = [];
 for (const step of JSON.parse(process.argv[2])) {
   if (step.show) show(step.show, step.nodes);
-  if (step.reconnect) { api.dispatchEvent(new CustomEvent("reconnected")); await new Promise((r) => setTimeout(r, 0)); }
+  if (step.reconnect) api.dispatchEvent(new CustomEvent("reconnected"));
   if (step.queue) {  // the Run button: app.queuePrompt -> api.queuePrompt(number, {output, workflow})
     globalThis.nextPromptId = step.queue;
     await api.queuePrompt(0, { output: {}, workflow: { id: app.rootGraph.id, nodes: [] } });

@@ -97,11 +97,12 @@ def _raise_interrupted(signum, frame):
         if received.watched is None:
             _raise_when_back_in(outermost.f_back, received, signum)
         return
-    _stop_watching(received)
     _interrupted(received, signum)
 
 
 def _interrupted(received: Received, signum: int):
+    """Raise the interrupt here, the trace that waited for this moment (if any) taken off."""
+    _stop_watching(received)
     received.waiting = False
     received.signum = signum
     raise errors.Interrupted(received.how)
@@ -121,7 +122,6 @@ def _raise_when_back_in(caller, received: Received, signum: int) -> None:
 
     def trace(frame, event, arg):
         if event in ("line", "return"):
-            _stop_watching(received)
             _interrupted(received, signum)
         return trace
 
